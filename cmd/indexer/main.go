@@ -1,0 +1,19 @@
+// Command indexer consumes Kafka and upserts into Elasticsearch/OpenSearch by source id and source version.
+package main
+
+import (
+	"context"
+	"os"
+
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+)
+
+func main() {
+	cli.Main(context.Background(), "indexer", "consumes Kafka and upserts into Elasticsearch/OpenSearch by source id and source version", commands())
+}
+
+func commands() []cli.Command {
+	return []cli.Command{
+		cli.MigrateCommand("indexer", os.Stdout),
+	}
+}

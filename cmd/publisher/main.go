@@ -1,0 +1,19 @@
+// Command publisher drains the transactional outbox to Kafka, at-least-once and ordered per key.
+package main
+
+import (
+	"context"
+	"os"
+
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+)
+
+func main() {
+	cli.Main(context.Background(), "publisher", "drains the transactional outbox to Kafka, at-least-once and ordered per key", commands())
+}
+
+func commands() []cli.Command {
+	return []cli.Command{
+		cli.MigrateCommand("publisher", os.Stdout),
+	}
+}

@@ -1,0 +1,247 @@
+// Package cli is the shared front of the three binaries: sub-command
+// dispatch, settings that come from a flag or an environment variable (the
+// flag wins), `--help` that shows both, and one clear line plus a non-zero
+// exit code on error.
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Command is one sub-command of a binary.
+type Command struct {
+	Name    string
+	Summary string
+	// Run receives the arguments after the sub-command name.
+	Run func(ctx context.Context, args []string) error
+}
+
+// ExitError carries a specific exit code (for example "conflict" = 3).
+type ExitError struct {
+	Code int
+	Err  error
+}
+
+func (e *ExitError) Error() string { return e.Err.Error() }
+func (e *ExitError) Unwrap() error { return e.Err }
+
+// Exit codes shared by the binaries.
+const (
+	ExitOK       = 0
+	ExitError1   = 1 // any failure
+	ExitUsage    = 2 // bad flags, bad settings
+	ExitConflict = 3 // the request conflicts with stored state; nothing changed
+)
+
+// UsageError marks an error as the caller's (exit code 2).
+func UsageError(format string, args ...any) error {
+	return &ExitError{Code: ExitUsage, Err: fmt.Errorf(format, args...)}
+}
+
+// Main dispatches os.Args to commands and exits. about is printed at the top
+// of the help.
+func Main(ctx context.Context, binary, about string, commands []Command) {
+	os.Exit(Dispatch(ctx, binary, about, commands, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// Dispatch is Main without the exit, for tests.
+func Dispatch(ctx context.Context, binary, about string, commands []Command, args []string, stdout, stderr io.Writer) int {
+	usage := func(w io.Writer) {
+		fmt.Fprintf(w, "%s — %s\n\nUsage:\n  %s <command> [flags]\n\nCommands:\n", binary, about, binary)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		for _, c := range commands {
+			fmt.Fprintf(tw, "  %s\t%s\n", c.Name, c.Summary)
+		}
+		tw.Flush()
+		fmt.Fprintf(w, "\nRun '%s <command> --help' for the settings of a command.\n", binary)
+	}
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		if len(args) == 0 {
+			usage(stderr)
+			return ExitUsage
+		}
+		usage(stdout)
+		return ExitOK
+	}
+	// Allow two-word commands such as "quarantine list".
+	var cmd *Command
+	var rest []string
+	for i := range commands {
+		words := strings.Fields(commands[i].Name)
+		if len(args) >= len(words) && equalWords(args[:len(words)], words) {
+			if cmd == nil || len(strings.Fields(cmd.Name)) < len(words) {
+				cmd, rest = &commands[i], args[len(words):]
+			}
+		}
+	}
+	if cmd == nil {
+		fmt.Fprintf(stderr, "%s: unknown command %q\n\n", binary, strings.Join(args, " "))
+		usage(stderr)
+		return ExitUsage
+	}
+	err := cmd.Run(ctx, rest)
+	if err == nil {
+		return ExitOK
+	}
+	if errors.Is(err, flag.ErrHelp) {
+		return ExitOK
+	}
+	fmt.Fprintf(stderr, "%s %s: %v\n", binary, cmd.Name, err)
+	var ee *ExitError
+	if errors.As(err, &ee) {
+		return ee.Code
+	}
+	return ExitError1
+}
+
+func equalWords(a, b []string) bool {
+	for i := range b {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// FlagSet binds settings to a flag and an environment variable each.
+type FlagSet struct {
+	fs       *flag.FlagSet
+	name     string
+	synopsis string
+	settings []*setting
+	lookup   func(string) (string, bool)
+}
+
+type setting struct {
+	flag, env, def, usage string
+	secret                bool
+}
+
+// NewFlagSet creates a set for "binary command"; synopsis is one line shown
+// under the usage line.
+func NewFlagSet(name, synopsis string) *FlagSet {
+	f := &FlagSet{fs: flag.NewFlagSet(name, flag.ContinueOnError), name: name, synopsis: synopsis, lookup: os.LookupEnv}
+	f.fs.SetOutput(io.Discard)
+	return f
+}
+
+// SetLookupEnv replaces os.LookupEnv (tests).
+func (f *FlagSet) SetLookupEnv(fn func(string) (string, bool)) { f.lookup = fn }
+
+func (f *FlagSet) add(name, env, def, usage string) {
+	f.settings = append(f.settings, &setting{flag: name, env: env, def: def, usage: usage})
+}
+
+// String binds a string setting. env may be "" for flag-only settings.
+func (f *FlagSet) String(p *string, name, env, def, usage string) {
+	f.fs.StringVar(p, name, def, usage)
+	f.add(name, env, def, usage)
+}
+
+// Secret is String whose value is never printed (defaults included).
+func (f *FlagSet) Secret(p *string, name, env, def, usage string) {
+	f.String(p, name, env, def, usage)
+	f.settings[len(f.settings)-1].secret = true
+}
+
+// Int binds an int setting.
+func (f *FlagSet) Int(p *int, name, env string, def int, usage string) {
+	f.fs.IntVar(p, name, def, usage)
+	f.add(name, env, strconv.Itoa(def), usage)
+}
+
+// Int64 binds an int64 setting.
+func (f *FlagSet) Int64(p *int64, name, env string, def int64, usage string) {
+	f.fs.Int64Var(p, name, def, usage)
+	f.add(name, env, strconv.FormatInt(def, 10), usage)
+}
+
+// Float binds a float64 setting.
+func (f *FlagSet) Float(p *float64, name, env string, def float64, usage string) {
+	f.fs.Float64Var(p, name, def, usage)
+	f.add(name, env, strconv.FormatFloat(def, 'g', -1, 64), usage)
+}
+
+// Bool binds a bool setting.
+func (f *FlagSet) Bool(p *bool, name, env string, def bool, usage string) {
+	f.fs.BoolVar(p, name, def, usage)
+	f.add(name, env, strconv.FormatBool(def), usage)
+}
+
+// Duration binds a duration setting ("1.5s", "250ms").
+func (f *FlagSet) Duration(p *time.Duration, name, env string, def time.Duration, usage string) {
+	f.fs.DurationVar(p, name, def, usage)
+	f.add(name, env, def.String(), usage)
+}
+
+// Parse applies environment variables, then flags. An environment variable
+// that does not parse is an error naming the variable and its value.
+func (f *FlagSet) Parse(args []string) ([]string, error) {
+	for _, s := range f.settings {
+		if s.env == "" {
+			continue
+		}
+		v, ok := f.lookup(s.env)
+		if !ok {
+			continue
+		}
+		if err := f.fs.Set(s.flag, v); err != nil {
+			shown := v
+			if s.secret {
+				shown = "<redacted>"
+			}
+			return nil, UsageError("%s=%q: %v", s.env, shown, unwrapFlagErr(err))
+		}
+	}
+	if err := f.fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			f.PrintUsage(os.Stdout)
+			return nil, flag.ErrHelp
+		}
+		return nil, UsageError("%v (see --help)", err)
+	}
+	return f.fs.Args(), nil
+}
+
+func unwrapFlagErr(err error) error {
+	var ne *strconv.NumError
+	if errors.As(err, &ne) {
+		return ne.Err
+	}
+	return err
+}
+
+// PrintUsage writes the synopsis and every setting with its flag, variable
+// and default.
+func (f *FlagSet) PrintUsage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: %s [flags]\n", f.name)
+	if f.synopsis != "" {
+		fmt.Fprintf(w, "\n%s\n", f.synopsis)
+	}
+	fmt.Fprintf(w, "\nSettings (flag, environment variable, default):\n")
+	sorted := append([]*setting(nil), f.settings...)
+	sort.SliceStable(sorted, func(i, j int) bool { return sorted[i].flag < sorted[j].flag })
+	for _, s := range sorted {
+		env := s.env
+		if env == "" {
+			env = "-"
+		}
+		def := s.def
+		if s.secret && def != "" {
+			def = "<redacted>"
+		} else if def == "" {
+			def = `""`
+		}
+		fmt.Fprintf(w, "  --%s  (env %s, default %s)\n      %s\n", s.flag, env, def, s.usage)
+	}
+}

@@ -1,0 +1,76 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+
+	"github.com/outboxrelay/outboxrelay/internal/logging"
+	"github.com/outboxrelay/outboxrelay/internal/migrate"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
+)
+
+// Common holds the settings every binary shares.
+type Common struct {
+	// DatabaseURL is the PostgreSQL connection string. Required by commands
+	// that touch the database.
+	DatabaseURL string
+	// LogFormat is json, text or auto (default auto: text on a terminal).
+	LogFormat string
+	// LogLevel is debug, info, warn or error (default info).
+	LogLevel string
+}
+
+// RegisterDatabase adds --database-url / DATABASE_URL.
+func (c *Common) RegisterDatabase(fs *FlagSet) {
+	fs.Secret(&c.DatabaseURL, "database-url", "DATABASE_URL", "", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (required)")
+}
+
+// RegisterLogging adds --log-format and --log-level.
+func (c *Common) RegisterLogging(fs *FlagSet) {
+	fs.String(&c.LogFormat, "log-format", "LOG_FORMAT", "auto", "log format: json, text or auto (text on a terminal, JSON otherwise)")
+	fs.String(&c.LogLevel, "log-level", "LOG_LEVEL", "info", "log level: debug, info, warn or error")
+}
+
+// Logger builds the logger on stderr.
+func (c *Common) Logger() (*slog.Logger, error) {
+	l, err := logging.New(os.Stderr, logging.Options{Format: c.LogFormat, Level: c.LogLevel})
+	if err != nil {
+		return nil, UsageError("%v", err)
+	}
+	return l, nil
+}
+
+// MigrateCommand is the `migrate` sub-command every binary has.
+func MigrateCommand(binary string, stdout io.Writer) Command {
+	return Command{
+		Name:    "migrate",
+		Summary: "apply the embedded SQL migrations (safe to run from several processes at once)",
+		Run: func(ctx context.Context, args []string) error {
+			var c Common
+			fs := NewFlagSet(binary+" migrate", "Applies every migration not yet recorded in outboxrelay_migrations, each in its own\ntransaction, under an advisory lock.")
+			c.RegisterDatabase(fs)
+			c.RegisterLogging(fs)
+			if _, err := fs.Parse(args); err != nil {
+				return err
+			}
+			logger, err := c.Logger()
+			if err != nil {
+				return err
+			}
+			pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			res, err := migrate.Up(ctx, pool, logger)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "schema at version %d (%d migration(s) applied now)\n", res.Current, len(res.Applied))
+			return nil
+		},
+	}
+}

@@ -1,0 +1,116 @@
+package outbox
+
+import (
+	"context"
+	"crypto/md5"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Event types the pipeline understands. Other values pass through the
+// publisher unchanged.
+const (
+	TypeUpsert = "upsert"
+	TypeDelete = "delete"
+)
+
+// Event is one row of outbox_events as an application enqueues it.
+type Event struct {
+	// ID is the deterministic event id (see [EventID]); it makes a replayed
+	// enqueue a no-op. Required.
+	ID string
+	// Topic is the Kafka topic. Required.
+	Topic string
+	// AggregateType names the kind of entity, e.g. "source_records".
+	AggregateType string
+	// AggregateID is the entity id; it becomes the Kafka key and the
+	// document _id. Required.
+	AggregateID string
+	// AggregateVersion is the entity's version at the source; it becomes the
+	// external version of the document. Must be > 0.
+	AggregateVersion int64
+	// Type is TypeUpsert, TypeDelete or an application type. "" = upsert.
+	Type string
+	// Payload is the document (JSON). nil for deletes.
+	Payload json.RawMessage
+	// Headers are extra headers carried to Kafka, e.g. "traceparent".
+	Headers map[string]string
+}
+
+// Querier is what Enqueue needs: a pgx.Tx, *pgx.Conn or *pgxpool.Pool.
+type Querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// ErrInvalidEvent is wrapped by Enqueue when an event lacks a required field.
+var ErrInvalidEvent = errors.New("invalid outbox event")
+
+const enqueueSQL = `
+INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
+SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::jsonb[], $8::jsonb[])
+ON CONFLICT (event_id) DO NOTHING`
+
+// Enqueue inserts events in the caller's transaction, so they commit or roll
+// back with the caller's own writes. An event whose ID is already in the
+// outbox is skipped. It returns how many events were inserted. One statement
+// whatever the number of events.
+func Enqueue(ctx context.Context, tx Querier, events ...Event) (int64, error) {
+	if len(events) == 0 {
+		return 0, nil
+	}
+	n := len(events)
+	ids, topics, types, aggIDs, evTypes := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	versions := make([]int64, n)
+	payloads, headers := make([]*string, n), make([]string, n)
+	for i, e := range events {
+		switch {
+		case e.ID == "":
+			return 0, fmt.Errorf("%w: event %d: ID is empty", ErrInvalidEvent, i)
+		case e.Topic == "":
+			return 0, fmt.Errorf("%w: event %s: Topic is empty", ErrInvalidEvent, e.ID)
+		case e.AggregateID == "":
+			return 0, fmt.Errorf("%w: event %s: AggregateID is empty", ErrInvalidEvent, e.ID)
+		case e.AggregateVersion <= 0:
+			return 0, fmt.Errorf("%w: event %s: AggregateVersion %d must be > 0", ErrInvalidEvent, e.ID, e.AggregateVersion)
+		}
+		ids[i], topics[i], types[i], aggIDs[i] = e.ID, e.Topic, e.AggregateType, e.AggregateID
+		versions[i] = e.AggregateVersion
+		evTypes[i] = e.Type
+		if evTypes[i] == "" {
+			evTypes[i] = TypeUpsert
+		}
+		if e.Payload != nil {
+			if !json.Valid(e.Payload) {
+				return 0, fmt.Errorf("%w: event %s: payload is not valid JSON", ErrInvalidEvent, e.ID)
+			}
+			p := string(e.Payload)
+			payloads[i] = &p
+		}
+		h, err := json.Marshal(e.Headers)
+		if err != nil {
+			return 0, fmt.Errorf("event %s: headers: %w", e.ID, err)
+		}
+		if e.Headers == nil {
+			h = []byte("{}")
+		}
+		headers[i] = string(h)
+	}
+	tag, err := tx.Exec(ctx, enqueueSQL, ids, topics, types, aggIDs, versions, evTypes, payloads, headers)
+	if err != nil {
+		return 0, fmt.Errorf("enqueue %d outbox events: %w", n, err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// EventID derives the deterministic event id of (source, sourceID,
+// sourceVersion, processorVersion): the same inputs always give the same
+// uuid. It equals the SQL function outboxrelay_event_id, so events written
+// by server-side chunks and by Go code agree.
+func EventID(source, sourceID string, sourceVersion int64, processorVersion string) string {
+	sum := md5.Sum([]byte(source + "\x1f" + sourceID + "\x1f" + strconv.FormatInt(sourceVersion, 10) + "\x1f" + processorVersion))
+	return fmt.Sprintf("%x-%x-%x-%x-%x", sum[0:4], sum[4:6], sum[6:8], sum[8:10], sum[10:16])
+}

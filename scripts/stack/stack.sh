@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole local stack: PostgreSQL, Kafka (KRaft) and OpenSearch, no Docker.
+#
+#   stack.sh up      start what is not running; prints the settings as
+#                    export lines (eval "$(scripts/stack/stack.sh up)")
+#   stack.sh down    stop all three; no java or postgres process of ours is left
+#   stack.sh purge   down, then remove their data
+#   stack.sh env     print the settings of a running stack
+#   stack.sh versions
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+export STACK_DIR="${STACK_DIR:-$REPO/.stack}"
+export CACHE_DIR="${CACHE_DIR:-$REPO/.cache}"
+SERVICES=(postgres kafka opensearch)
+
+time_start() {
+  local svc=$1 t0 line
+  t0=$(date +%s%N)
+  line="$("$HERE/$svc.sh" start)"
+  echo "$svc: ready in $(( ($(date +%s%N) - t0) / 1000000 )) ms" >&2
+  echo "export $line"
+}
+
+case "${1:-}" in
+  up)
+    mkdir -p "$STACK_DIR"
+    # Fetch the jars of both JVM servers first so their starts do not race
+    # on the shared Maven repository.
+    "$HERE/kafka.sh" fetch >&2
+    "$HERE/opensearch.sh" fetch >&2
+    out="$(mktemp)"
+    for svc in "${SERVICES[@]}"; do time_start "$svc" >>"$out" || { rm -f "$out"; exit 1; }; done
+    cat "$out" | tee "$STACK_DIR/env"
+    rm -f "$out"
+    ;;
+  down)
+    for svc in opensearch kafka postgres; do "$HERE/$svc.sh" stop || true; done
+    ;;
+  purge)
+    for svc in opensearch kafka postgres; do "$HERE/$svc.sh" purge || true; done
+    ;;
+  env)
+    for svc in "${SERVICES[@]}"; do echo "export $("$HERE/$svc.sh" status)"; done
+    ;;
+  versions)
+    for svc in "${SERVICES[@]}"; do printf '%s: %s\n' "$svc" "$("$HERE/$svc.sh" version)"; done
+    ;;
+  *) echo "usage: $0 up|down|purge|env|versions" >&2; exit 2 ;;
+esac
