@@ -114,21 +114,29 @@ build_stackwait() {
 	fi
 }
 
-# PIDs of JVMs running this STATE's broker (pid file first, then a /proc scan
-# for kafka.Kafka with our server.properties, in case the pid file is stale).
-broker_pids() {
-	local p cmd out=()
-	local want="$STATE/server.properties"
-	for p in /proc/[0-9]*; do
-		p=${p#/proc/}
-		cmd=$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) || continue
-		[[ $cmd == *" kafka.Kafka $want "* ]] && out+=("$p")
-	done
-	((${#out[@]})) && printf '%s\n' "${out[@]}"
+# cmdline PID: the process's argv joined by spaces, plus a trailing space
+# (empty for zombies and vanished processes). Bash builtins only, no fork.
+cmdline() {
+	local -a argv=()
+	{ mapfile -d '' argv <"/proc/$1/cmdline"; } 2>/dev/null || return 0
+	((${#argv[@]})) && printf '%s ' "${argv[@]}"
 	return 0
 }
 
-alive() { [[ -n ${1:-} ]] && kill -0 "$1" 2>/dev/null && [[ $(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null) == *" kafka.Kafka "* ]]; }
+# PIDs of live JVMs running this STATE's broker: a /proc scan for kafka.Kafka
+# with our server.properties, so a stale or missing pid file does not matter.
+broker_pids() {
+	local p
+	local want=" kafka.Kafka $STATE/server.properties "
+	for p in /proc/[0-9]*; do
+		p=${p#/proc/}
+		[[ $(cmdline "$p") == *"$want"* ]] && echo "$p"
+	done
+	return 0
+}
+
+# alive PID: PID is a live (not zombie) kafka.Kafka JVM.
+alive() { [[ -n ${1:-} ]] && [[ $(cmdline "$1") == *" kafka.Kafka "* ]]; }
 
 broker_addr() {
 	# shellcheck disable=SC1091
@@ -227,13 +235,20 @@ kill_started() {
 	rm -f "$PIDFILE"
 }
 
+LOG_MARK=0
 dump_logs() {
-	local f
-	for f in "$STATE/server.log" "$STATE/console.log"; do
-		[[ -s $f ]] || continue
+	local f=$STATE/server.log
+	if [[ -s $f ]]; then
+		echo "----- errors in $f (this start) -----" >&2
+		tail -n "+$((LOG_MARK + 1))" "$f" | grep -E '^\[.*\] (ERROR|FATAL)|^Caused by' | tail -n 15 >&2 || true
 		echo "----- tail of $f -----" >&2
-		tail -n 40 "$f" >&2
-	done
+		tail -n 30 "$f" >&2
+	fi
+	f=$STATE/console.log
+	if [[ -s $f ]]; then
+		echo "----- tail of $f -----" >&2
+		tail -n 30 "$f" >&2
+	fi
 }
 
 # wait_ready PID ADDR: 0 when ready, 1 when the JVM died or the wait timed out.
@@ -253,6 +268,7 @@ wait_ready() {
 launch() {
 	java_opts
 	: >"$STATE/console.log"
+	LOG_MARK=$(cat "$STATE/server.log" 2>/dev/null | wc -l)
 	# Close the lock fds so the JVM does not hold the stack lock; setsid +
 	# nohup detach it from the caller's session and terminal.
 	(cd "$STATE" && exec setsid nohup "$JAVA" "${JAVA_OPTS[@]}" kafka.Kafka "$STATE/server.properties" \
@@ -323,7 +339,7 @@ cmd_start() {
 		dump_logs
 		kill_started
 		# A fresh broker whose randomly picked port got taken: retry with new ports.
-		if ((fresh)) && grep -qs 'Address already in use' "$STATE/server.log" "$STATE/console.log"; then
+		if ((fresh)) && { tail -n "+$((LOG_MARK + 1))" "$STATE/server.log"; cat "$STATE/console.log"; } 2>/dev/null | grep -q 'Address already in use'; then
 			log "port clash; retrying with new ports"
 			continue
 		fi
