@@ -115,7 +115,7 @@ do_fetch() {
 pid_is_ours() {
   local pid=$1 cmdline
   [[ $pid =~ ^[0-9]+$ ]] || return 1
-  cmdline=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  cmdline=$({ tr '\0' '\n' <"/proc/$pid/cmdline"; } 2>/dev/null) || return 1
   grep -qxF -- "$MARK" <<<"$cmdline"
 }
 
@@ -125,7 +125,7 @@ our_pids() {
   grep -lzxF -f <(printf '%s\n' "$MARK") /proc/[0-9]*/cmdline 2>/dev/null | sed -n 's|^/proc/\([0-9]*\)/cmdline$|\1|p' || true
 }
 
-read_pid() { [[ -f $PID_FILE ]] && cat "$PID_FILE" 2>/dev/null || true; }
+read_pid() { if [[ -f $PID_FILE ]]; then cat "$PID_FILE" 2>/dev/null || true; fi; }
 
 running_pid() {
   local pid
@@ -147,17 +147,22 @@ healthy() { # healthy PORT [wait_timeout]
   [[ $body == *"\"cluster_name\":\"$(cluster_name)\""* ]]
 }
 
-cluster_name() { [[ -f $STATE_DIR/cluster_name ]] && cat "$STATE_DIR/cluster_name" || echo "$CLUSTER_NAME"; }
+cluster_name() { if [[ -f $STATE_DIR/cluster_name ]]; then cat "$STATE_DIR/cluster_name"; else echo "$CLUSTER_NAME"; fi; }
 
 env_line() { echo "ELASTICSEARCH_URL=http://127.0.0.1:$1"; }
 
 log_tail() {
-  local f
-  for f in "$OUT_FILE" "$STATE_DIR/logs/$(cluster_name).log"; do
-    [[ -s $f ]] || continue
-    echo "----- tail of $f -----" >&2
-    tail -n 60 "$f" >&2
-  done
+  local log
+  log=$STATE_DIR/logs/$(cluster_name).log
+  if [[ -s $log ]]; then
+    echo "----- tail of $log -----" >&2
+    # without Java stack frames, so that the cause fits in the tail
+    grep -vE '(^|\] )[[:space:]]+(at |\.\.\. [0-9]+ more)' "$log" | tail -n 40 >&2 || true
+  fi
+  if [[ -s $OUT_FILE ]]; then # JVM output and the launcher's one-line failure summary
+    echo "----- tail of $OUT_FILE -----" >&2
+    tail -n 10 "$OUT_FILE" >&2
+  fi
 }
 
 # terminate PID...: SIGTERM, wait up to STOP_TIMEOUT, then SIGKILL; returns 1 if any survive.
@@ -255,9 +260,7 @@ do_start() {
   # shellcheck disable=SC2206 # word splitting of user-supplied flags is intended
   [[ -n ${OPENSEARCH_JAVA_OPTS:-} ]] && jvm+=(${OPENSEARCH_JAVA_OPTS})
 
-  {
-    echo "===== $(date -u +%FT%TZ) start: $JAVA ${jvm[*]}"
-  } >>"$OUT_FILE"
+  echo "===== $(date -u +%FT%TZ) start on 127.0.0.1:$port (transport $tport) with $JAVA" >>"$OUT_FILE"
   # Detached: own session, no stdin, stdout/stderr to a file (so a caller reading our stdout
   # through a pipe does not wait for the JVM), and without the lock fd.
   setsid "$JAVA" "${jvm[@]}" -cp "$CLASSES_DIR:$LIBS_DIR/*" Launcher \

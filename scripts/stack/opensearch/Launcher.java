@@ -29,6 +29,7 @@ import org.opensearch.node.Node;
 import org.opensearch.plugins.Plugin;
 
 import java.io.IOException;
+import java.io.PrintStream;
 import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.Path;
@@ -158,7 +159,10 @@ public final class Launcher {
         Environment environment =
             InternalSettingsPreparer.prepareEnvironment(settings, Collections.emptyMap(), configDir, () -> finalNodeName);
 
-        // What org.opensearch.bootstrap.Bootstrap does before creating the node.
+        // What org.opensearch.bootstrap.Bootstrap does before creating the node. LogConfigurator
+        // also redirects System.out/err into log4j (logger "stderr"), so keep the real stderr
+        // for the one-line failure summaries that opensearch.sh shows.
+        final PrintStream console = System.err;
         LogConfigurator.registerErrorListener();
         LogConfigurator.setNodeName(finalNodeName);
         LogConfigurator.configure(environment);
@@ -180,8 +184,8 @@ public final class Launcher {
         try {
             node = new LauncherNode(environment, plugins);
         } catch (Throwable t) {
-            System.err.println("Launcher: node construction failed: " + t);
-            t.printStackTrace();
+            LogManager.getLogger(Launcher.class).error("node construction failed", t);
+            console.println("Launcher: node construction failed: " + causes(t));
             shutdownLogging();
             System.exit(1);
             return;
@@ -207,14 +211,24 @@ public final class Launcher {
         try {
             node.start();
         } catch (Throwable t) {
-            System.err.println("Launcher: node start failed: " + t);
-            t.printStackTrace();
+            LogManager.getLogger(Launcher.class).error("node start failed", t);
+            console.println("Launcher: node start failed: " + causes(t));
             System.exit(1); // the shutdown hook closes what was started
         }
         System.err.println("Launcher: node started");
 
         // Keep the JVM alive (the node's threads are daemons) until the shutdown hook has run.
         stopped.await();
+    }
+
+    /** "A: msg; caused by B: msg; ..." on one line. */
+    private static String causes(Throwable t) {
+        StringBuilder sb = new StringBuilder();
+        for (Throwable c = t; c != null; c = c.getCause() == c ? null : c.getCause()) {
+            if (sb.length() > 0) sb.append("; caused by ");
+            sb.append(c.getClass().getName()).append(": ").append(c.getMessage());
+        }
+        return sb.toString();
     }
 
     private static void shutdownLogging() {
