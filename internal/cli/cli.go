@@ -124,6 +124,7 @@ type FlagSet struct {
 
 type setting struct {
 	flag, env, def, usage string
+	want                  string // what a valid value looks like, for errors
 	secret                bool
 }
 
@@ -139,8 +140,10 @@ func NewFlagSet(name, synopsis string) *FlagSet {
 func (f *FlagSet) SetLookupEnv(fn func(string) (string, bool)) { f.lookup = fn }
 
 func (f *FlagSet) add(name, env, def, usage string) {
-	f.settings = append(f.settings, &setting{flag: name, env: env, def: def, usage: usage})
+	f.settings = append(f.settings, &setting{flag: name, env: env, def: def, usage: usage, want: "a string"})
 }
+
+func (f *FlagSet) last(want string) { f.settings[len(f.settings)-1].want = want }
 
 // String binds a string setting. env may be "" for flag-only settings.
 func (f *FlagSet) String(p *string, name, env, def, usage string) {
@@ -158,30 +161,35 @@ func (f *FlagSet) Secret(p *string, name, env, def, usage string) {
 func (f *FlagSet) Int(p *int, name, env string, def int, usage string) {
 	f.fs.IntVar(p, name, def, usage)
 	f.add(name, env, strconv.Itoa(def), usage)
+	f.last("an integer")
 }
 
 // Int64 binds an int64 setting.
 func (f *FlagSet) Int64(p *int64, name, env string, def int64, usage string) {
 	f.fs.Int64Var(p, name, def, usage)
 	f.add(name, env, strconv.FormatInt(def, 10), usage)
+	f.last("an integer")
 }
 
 // Float binds a float64 setting.
 func (f *FlagSet) Float(p *float64, name, env string, def float64, usage string) {
 	f.fs.Float64Var(p, name, def, usage)
 	f.add(name, env, strconv.FormatFloat(def, 'g', -1, 64), usage)
+	f.last("a number")
 }
 
 // Bool binds a bool setting.
 func (f *FlagSet) Bool(p *bool, name, env string, def bool, usage string) {
 	f.fs.BoolVar(p, name, def, usage)
 	f.add(name, env, strconv.FormatBool(def), usage)
+	f.last("true or false")
 }
 
 // Duration binds a duration setting ("1.5s", "250ms").
 func (f *FlagSet) Duration(p *time.Duration, name, env string, def time.Duration, usage string) {
 	f.fs.DurationVar(p, name, def, usage)
 	f.add(name, env, def.String(), usage)
+	f.last("a duration such as 500ms or 1m30s")
 }
 
 // Parse applies environment variables, then flags. An environment variable
@@ -200,7 +208,7 @@ func (f *FlagSet) Parse(args []string) ([]string, error) {
 			if s.secret {
 				shown = "<redacted>"
 			}
-			return nil, UsageError("%s=%q: %v", s.env, shown, unwrapFlagErr(err))
+			return nil, UsageError("%s=%q: want %s", s.env, shown, s.want)
 		}
 	}
 	if err := f.fs.Parse(args); err != nil {
@@ -211,14 +219,6 @@ func (f *FlagSet) Parse(args []string) ([]string, error) {
 		return nil, UsageError("%v (see --help)", err)
 	}
 	return f.fs.Args(), nil
-}
-
-func unwrapFlagErr(err error) error {
-	var ne *strconv.NumError
-	if errors.As(err, &ne) {
-		return ne.Err
-	}
-	return err
 }
 
 // PrintUsage writes the synopsis and every setting with its flag, variable

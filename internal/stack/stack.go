@@ -78,6 +78,7 @@ func RepoRoot() string {
 
 func sharedEnv(tb testing.TB, kind string) string {
 	tb.Helper()
+	skipShort(tb, kind)
 	if v := os.Getenv(envNames[kind]); v != "" {
 		return v
 	}
@@ -108,6 +109,7 @@ func sharedEnv(tb testing.TB, kind string) string {
 // and restart it. It is purged when the test ends.
 func Private(tb testing.TB, kind string) *Server {
 	tb.Helper()
+	skipShort(tb, kind)
 	srv := &Server{Kind: kind, Dir: tb.TempDir()}
 	if err := srv.Start(); err != nil {
 		tb.Fatalf("start private %s: %v", kind, err)
@@ -174,6 +176,14 @@ func stopAll() {
 		_ = os.RemoveAll(s.Dir)
 	}
 	started = nil
+}
+
+// skipShort skips tests that need a server under `go test -short` (the
+// `make test-short` target); `make test` and CI never pass -short.
+func skipShort(tb testing.TB, kind string) {
+	if testing.Short() {
+		tb.Skipf("needs %s; run without -short", kind)
+	}
 }
 
 func lastLine(s string) string {

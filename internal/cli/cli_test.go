@@ -1,0 +1,92 @@
+package cli_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/redact"
+)
+
+func TestFlagSetEnvThenFlags(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"BATCH_SIZE": "500", "POLL": "2s", "NAME": "from-env"}
+	var size int
+	var poll time.Duration
+	var name string
+	fs := cli.NewFlagSet("x run", "")
+	fs.SetLookupEnv(func(k string) (string, bool) { v, ok := env[k]; return v, ok })
+	fs.Int(&size, "batch-size", "BATCH_SIZE", 100, "rows per batch")
+	fs.Duration(&poll, "poll", "POLL", time.Second, "poll interval")
+	fs.String(&name, "name", "NAME", "def", "a name")
+	rest, err := fs.Parse([]string{"--name", "from-flag", "extra"})
+	require.NoError(t, err)
+	require.Equal(t, 500, size)
+	require.Equal(t, 2*time.Second, poll)
+	require.Equal(t, "from-flag", name, "a flag beats the environment")
+	require.Equal(t, []string{"extra"}, rest)
+}
+
+func TestFlagSetBadEnvNamesTheVariable(t *testing.T) {
+	t.Parallel()
+	var size int
+	fs := cli.NewFlagSet("x run", "")
+	fs.SetLookupEnv(func(k string) (string, bool) { return "lots", k == "BATCH_SIZE" })
+	fs.Int(&size, "batch-size", "BATCH_SIZE", 100, "rows per batch")
+	_, err := fs.Parse(nil)
+	require.EqualError(t, err, `BATCH_SIZE="lots": want an integer`)
+	var ee *cli.ExitError
+	require.True(t, errors.As(err, &ee))
+	require.Equal(t, cli.ExitUsage, ee.Code)
+}
+
+func TestDispatch(t *testing.T) {
+	t.Parallel()
+	var ran string
+	cmds := []cli.Command{
+		{Name: "quarantine", Summary: "q", Run: func(context.Context, []string) error { ran = "quarantine"; return nil }},
+		{Name: "quarantine list", Summary: "ql", Run: func(_ context.Context, args []string) error { ran = "list " + args[0]; return nil }},
+		{Name: "fail", Summary: "f", Run: func(context.Context, []string) error {
+			return &cli.ExitError{Code: cli.ExitConflict, Err: errors.New("conflict")}
+		}},
+	}
+	for _, tc := range []struct {
+		name     string
+		args     []string
+		code     int
+		ran, err string
+	}{
+		{name: "longest match", args: []string{"quarantine", "list", "--job", "j"}, ran: "list --job"},
+		{name: "short", args: []string{"quarantine"}, ran: "quarantine"},
+		{name: "exit code", args: []string{"fail"}, code: cli.ExitConflict, err: "x fail: conflict\n"},
+		{name: "unknown", args: []string{"nope"}, code: cli.ExitUsage},
+		{name: "help", args: []string{"--help"}},
+	} {
+		ran = ""
+		var stdout, stderr bytes.Buffer
+		code := cli.Dispatch(context.Background(), "x", "about", cmds, tc.args, &stdout, &stderr)
+		require.Equal(t, tc.code, code, tc.name)
+		require.Equal(t, tc.ran, ran, tc.name)
+		if tc.err != "" {
+			require.Equal(t, tc.err, stderr.String(), tc.name)
+		}
+	}
+}
+
+func TestRedact(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ name, in, want string }{
+		{"url", "postgres://app:s3cret@db:5432/app?sslmode=disable", "postgres://app:xxxxx@db:5432/app?sslmode=disable"},
+		{"url without password", "postgres://app@db/app", "postgres://app@db/app"},
+		{"query password", "postgres://db/app?password=s3cret", "postgres://db/app?password=xxxxx"},
+		{"key value", "host=db user=app password=s3cret dbname=app", "host=db user=app password=xxxxx dbname=app"},
+		{"http", "http://elastic:changeme@es:9200", "http://elastic:xxxxx@es:9200"},
+	} {
+		require.Equal(t, tc.want, redact.URL(tc.in), tc.name)
+	}
+}
