@@ -1,0 +1,160 @@
+package batch
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Current state of a committed item in ManifestReport.
+const (
+	ManifestItemMatching = "matching" // the row is as the chunk left it
+	ManifestItemDrifted  = "drifted"  // the row changed since
+	ManifestItemMissing  = "missing"  // no row with this id any more
+)
+
+// ManifestReport tells what a job approved, committed and has left, and the
+// current state of each committed item. Completion is read from the
+// progress and audit, never from what a client printed.
+type ManifestReport struct {
+	Job ManifestJob `json:"job"`
+	// Approved lists every id of the frozen list, in list order.
+	Approved []string `json:"approved"`
+	// Committed lists the ids before next_index (changed and audited);
+	// Unprocessed the rest.
+	Committed   []string `json:"committed"`
+	Unprocessed []string `json:"unprocessed"`
+	// Matching, Drifted and Missing split Committed by the current row.
+	// A committed id stays committed whatever happened to its row later.
+	Matching []string        `json:"matching"`
+	Drifted  []string        `json:"drifted"`
+	Missing  []string        `json:"missing"`
+	Drift    []ManifestDrift `json:"drift"`
+	// Verification lists the problems progress verification finds (empty
+	// when next_index and the audit agree with the frozen list).
+	Verification []string  `json:"verification"`
+	ReadAt       time.Time `json:"read_at"`
+}
+
+// ManifestDrift says how a drifted item differs from what its chunk left.
+type ManifestDrift struct {
+	ID          string   `json:"id"`
+	Differences []string `json:"differences"`
+}
+
+// ReportManifest builds the report of a job. Progress, audit and the current
+// target rows are read by one statement, so they come from one snapshot.
+func ReportManifest(ctx context.Context, db ManifestDB, jobID string) (ManifestReport, error) {
+	job, err := loadManifestJob(ctx, db, manifestSelectJobSQL, jobID)
+	if err != nil {
+		return ManifestReport{}, err
+	}
+	target, err := resolveManifestTarget(ctx, db, job.Target)
+	if err != nil {
+		return ManifestReport{}, fmt.Errorf("manifest job %s: %w", jobID, err)
+	}
+	rep := ManifestReport{
+		Approved: []string{}, Committed: []string{}, Unprocessed: []string{},
+		Matching: []string{}, Drifted: []string{}, Missing: []string{}, Drift: []ManifestDrift{},
+		Verification: []string{},
+	}
+	rows, err := db.Query(ctx, target.report, target.keyArgs(jobID)...)
+	if err != nil {
+		return rep, fmt.Errorf("manifest job %s: report: %w", jobID, err)
+	}
+	var (
+		nextIndex, seq       int32
+		state, id            string
+		audited, found       bool
+		wantRev, rev         int64
+		wantFields, cur      map[string]json.RawMessage
+		curTenant, curStatus string
+		badKeys              []string
+	)
+	_, err = pgx.ForEachRow(rows, []any{&nextIndex, &state, &seq, &id, &audited, &wantRev, &wantFields, &found, &curTenant, &rev, &curStatus, &cur, &badKeys}, func() error {
+		// The statement's snapshot, not the earlier read of the job row.
+		job.NextIndex, job.State = int(nextIndex), state
+		rep.Approved = append(rep.Approved, id)
+		if int(seq) >= job.NextIndex {
+			rep.Unprocessed = append(rep.Unprocessed, id)
+			return nil
+		}
+		rep.Committed = append(rep.Committed, id)
+		if !found {
+			rep.Missing = append(rep.Missing, id)
+			return nil
+		}
+		var diffs []string
+		if curTenant != job.Tenant {
+			diffs = append(diffs, fmt.Sprintf("tenant: committed %q, now %q", job.Tenant, curTenant))
+		}
+		if rev != wantRev {
+			diffs = append(diffs, fmt.Sprintf("revision: committed %d, now %d", wantRev, rev))
+		}
+		if curStatus != job.Transition.To {
+			diffs = append(diffs, fmt.Sprintf("status: committed %q, now %q", job.Transition.To, curStatus))
+		}
+		for _, k := range badKeys {
+			diffs = append(diffs, fmt.Sprintf("%s: committed %s, now %s", k, wantFields[k], cmp.Or(string(cur[k]), "null")))
+		}
+		if len(diffs) == 0 {
+			rep.Matching = append(rep.Matching, id)
+			return nil
+		}
+		rep.Drifted = append(rep.Drifted, id)
+		rep.Drift = append(rep.Drift, ManifestDrift{ID: id, Differences: diffs})
+		return nil
+	})
+	if err != nil {
+		return rep, fmt.Errorf("manifest job %s: report: %w", jobID, err)
+	}
+	rep.Job = job
+	rep.ReadAt = time.Now().UTC()
+	problems, err := verifyManifestProgress(ctx, db, job, 0)
+	if err != nil {
+		return rep, err
+	}
+	rep.Verification = append(rep.Verification, problems...)
+	return rep, nil
+}
+
+// String renders the report as text for a terminal.
+func (r ManifestReport) String() string {
+	var b strings.Builder
+	j := r.Job
+	fmt.Fprintf(&b, "job          %s\n", j.JobID)
+	fmt.Fprintf(&b, "tenant       %s\n", j.Tenant)
+	fmt.Fprintf(&b, "target       %s (%s → %s, revision + 1)\n", j.Target.Table, j.Transition.From, j.Transition.To)
+	fmt.Fprintf(&b, "state        %s\n", j.State)
+	fmt.Fprintf(&b, "progress     %d of %d items (chunk size %d)\n", j.NextIndex, j.ItemCount, j.ChunkSize)
+	if j.Conflict != nil {
+		fmt.Fprintf(&b, "conflict     %s\n", j.Conflict)
+	}
+	if len(r.Verification) == 0 {
+		fmt.Fprintf(&b, "verification ok (audit agrees with next_index and the approved list)\n")
+	} else {
+		fmt.Fprintf(&b, "verification FAILED: %s\n", strings.Join(r.Verification, "; "))
+	}
+	list := func(name string, ids []string) {
+		fmt.Fprintf(&b, "%-12s %d", name, len(ids))
+		if len(ids) > 0 {
+			fmt.Fprintf(&b, ": %s", strings.Join(ids, " "))
+		}
+		b.WriteByte('\n')
+	}
+	list("approved", r.Approved)
+	list("committed", r.Committed)
+	list("unprocessed", r.Unprocessed)
+	list("  matching", r.Matching)
+	list("  drifted", r.Drifted)
+	list("  missing", r.Missing)
+	for _, d := range r.Drift {
+		fmt.Fprintf(&b, "    %s: %s\n", d.ID, strings.Join(d.Differences, ", "))
+	}
+	return b.String()
+}

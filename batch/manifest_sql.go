@@ -1,0 +1,237 @@
+package batch
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ManifestDB is what the manifest functions need: a *pgxpool.Pool or a
+// *pgx.Conn.
+type ManifestDB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// manifestQuerier is a ManifestDB or a pgx.Tx.
+type manifestQuerier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Statements on outboxrelay's own tables. Statements on the user's table are
+// built by manifestTargetSQL from quoted identifiers; every value is a bind
+// parameter.
+const (
+	manifestInsertJobSQL = `
+INSERT INTO manifest_jobs (job_id, tenant, spec, chunk_size, item_count, items_hash, content_hash)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (job_id) DO NOTHING
+RETURNING job_id`
+
+	manifestInsertItemsSQL = `
+INSERT INTO manifest_items (job_id, seq, item_id, revision, fields)
+SELECT $1, u.seq, u.item_id, u.revision, u.fields
+FROM unnest($2::int[], $3::text[], $4::bigint[], $5::jsonb[]) AS u(seq, item_id, revision, fields)`
+
+	manifestSelectJobSQL = `
+SELECT job_id, tenant, spec, chunk_size, item_count, items_hash, content_hash, next_index, state,
+       conflict, chunks_done, created_at, updated_at, finished_at
+FROM manifest_jobs WHERE job_id = $1`
+
+	manifestLockJobSQL = manifestSelectJobSQL + ` FOR UPDATE`
+
+	manifestListJobsSQL = `
+SELECT job_id, tenant, spec, chunk_size, item_count, items_hash, content_hash, next_index, state,
+       conflict, chunks_done, created_at, updated_at, finished_at
+FROM manifest_jobs ORDER BY created_at, job_id`
+
+	manifestSelectItemsSQL = `
+SELECT item_id, revision, fields FROM manifest_items WHERE job_id = $1 ORDER BY seq`
+
+	// manifestVerifySQL lists the disagreements between the frozen items
+	// [$2, $3) (= [verified, next_index)) and the audit rows from $2 on: an
+	// item without audit, an audit row past next_index, or an audit row whose
+	// id, revisions or fields differ from its item.
+	manifestVerifySQL = `
+WITH i AS (
+    SELECT seq, item_id, revision, fields FROM manifest_items
+    WHERE job_id = $1 AND seq >= $2 AND seq < $3
+), a AS (
+    SELECT seq, item_id, before_revision, after_revision, fields FROM manifest_audit
+    WHERE job_id = $1 AND seq >= $2
+)
+SELECT coalesce(i.seq, a.seq), i.seq IS NOT NULL, a.seq IS NOT NULL,
+       coalesce(i.item_id, ''), coalesce(a.item_id, ''),
+       coalesce(i.revision, 0), coalesce(a.before_revision, 0), coalesce(a.after_revision, 0),
+       coalesce(i.fields = a.fields, false)
+FROM i FULL JOIN a ON a.seq = i.seq
+WHERE i.seq IS NULL OR a.seq IS NULL
+   OR a.item_id <> i.item_id OR a.before_revision <> i.revision
+   OR a.after_revision <> i.revision + 1 OR a.fields <> i.fields
+ORDER BY 1
+LIMIT 20`
+
+	manifestInsertAuditSQL = `
+INSERT INTO manifest_audit (job_id, seq, item_id, chunk, before_revision, after_revision, before_status, after_status, fields)
+SELECT $1, u.seq, u.item_id, $2, u.before_revision, u.after_revision, $3, $4, u.fields
+FROM unnest($5::int[], $6::text[], $7::bigint[], $8::bigint[], $9::jsonb[])
+     AS u(seq, item_id, before_revision, after_revision, fields)`
+
+	// manifestAdvanceSQL is fenced by the next_index the chunk started
+	// from: zero rows means someone moved the job under our lock, which
+	// cannot happen unless the lock was lost.
+	manifestAdvanceSQL = `
+UPDATE manifest_jobs
+SET next_index = $3, state = $4, chunks_done = chunks_done + 1, updated_at = now(),
+    finished_at = CASE WHEN $4 = 'succeeded' THEN now() END
+WHERE job_id = $1 AND next_index = $2`
+
+	manifestMarkConflictedSQL = `
+UPDATE manifest_jobs
+SET state = 'conflicted', conflict = $2, updated_at = now(), finished_at = now()
+WHERE job_id = $1`
+
+	manifestMarkSucceededSQL = `
+UPDATE manifest_jobs SET state = 'succeeded', updated_at = now(), finished_at = coalesce(finished_at, now())
+WHERE job_id = $1 AND next_index = item_count AND state <> 'succeeded'`
+
+	// manifestColumnsSQL resolves the target's columns and their types;
+	// $1 is the quoted table name, so to_regclass resolves it exactly as
+	// the statements will.
+	manifestColumnsSQL = `
+SELECT a.attname, a.atttypid::regtype::text
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY($2)`
+
+	manifestTableExistsSQL = `SELECT to_regclass($1) IS NOT NULL`
+)
+
+// manifestTargetSQL holds the statements on the user's table of one job,
+// built from quoted identifiers and the id column's type as the catalog
+// names it (so the id comparison uses the table's index).
+type manifestTargetSQL struct {
+	table  string // quoted, maybe schema-qualified
+	fields []string
+
+	update  string // args: job, from, to, new status, tenant, old status, field keys...
+	explain string // args: job, from, to, field keys...
+	report  string // args: job, field keys...
+}
+
+// resolveManifestTarget checks that the table and columns exist and builds
+// the statements.
+func resolveManifestTarget(ctx context.Context, q manifestQuerier, t ManifestTarget) (*manifestTargetSQL, error) {
+	ident := pgx.Identifier{t.Table}
+	if t.Schema != "" {
+		ident = pgx.Identifier{t.Schema, t.Table}
+	}
+	table := ident.Sanitize()
+	var exists bool
+	if err := q.QueryRow(ctx, manifestTableExistsSQL, table).Scan(&exists); err != nil {
+		return nil, fmt.Errorf("look up target table %s: %w", table, err)
+	}
+	if !exists {
+		return nil, fmt.Errorf("target table %s does not exist", table)
+	}
+	want := append([]string{t.IDColumn, t.TenantColumn, t.RevisionColumn, t.StatusColumn}, t.MatchFields...)
+	rows, err := q.Query(ctx, manifestColumnsSQL, table, want)
+	if err != nil {
+		return nil, fmt.Errorf("look up columns of %s: %w", table, err)
+	}
+	types := map[string]string{}
+	var name, typ string
+	_, err = pgx.ForEachRow(rows, []any{&name, &typ}, func() error {
+		types[name] = typ
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("look up columns of %s: %w", table, err)
+	}
+	var missing []string
+	for _, c := range want {
+		if _, ok := types[c]; !ok {
+			missing = append(missing, c)
+		}
+	}
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("target table %s has no column(s) %s", table, strings.Join(missing, ", "))
+	}
+	q1 := func(c string) string { return pgx.Identifier{c}.Sanitize() }
+	id, tenant, rev, status := q1(t.IDColumn), q1(t.TenantColumn), q1(t.RevisionColumn), q1(t.StatusColumn)
+	// The id type comes from the catalog, not from the file: regtype's
+	// output is a valid, quoted type name.
+	idType := types[t.IDColumn]
+
+	fieldsJSON := func(alias string, firstParam int) string {
+		if len(t.MatchFields) == 0 {
+			return `'{}'::jsonb`
+		}
+		parts := make([]string, 0, 2*len(t.MatchFields))
+		for i, f := range t.MatchFields {
+			parts = append(parts, fmt.Sprintf("$%d::text", firstParam+i), alias+"."+q1(f))
+		}
+		return "jsonb_build_object(" + strings.Join(parts, ", ") + ")"
+	}
+
+	s := &manifestTargetSQL{table: table, fields: t.MatchFields}
+	// One set-based conditional UPDATE for the chunk: every condition of the
+	// approval in the WHERE clause, the chunk taken from the frozen items by
+	// position. RETURNING says which items changed.
+	s.update = fmt.Sprintf(`
+UPDATE %[1]s AS t
+SET %[5]s = $4, %[4]s = t.%[4]s + 1
+FROM manifest_items AS u
+WHERE u.job_id = $1 AND u.seq >= $2 AND u.seq < $3
+  AND t.%[2]s = u.item_id::%[6]s
+  AND t.%[3]s::text = $5
+  AND t.%[5]s::text = $6
+  AND t.%[4]s = u.revision
+  AND %[7]s = u.fields
+RETURNING u.seq, u.item_id, u.revision, t.%[4]s::bigint, %[7]s, to_jsonb(t)`,
+		table, id, tenant, rev, status, idType, fieldsJSON("t", 7))
+
+	s.explain = fmt.Sprintf(`
+SELECT u.seq, u.item_id, u.revision, u.fields,
+       t.%[2]s IS NOT NULL, coalesce(t.%[3]s::text, ''), coalesce(t.%[4]s::bigint, 0), coalesce(t.%[5]s::text, ''),
+       c.cur, ARRAY(SELECT e.key FROM jsonb_each(u.fields) AS e WHERE e.value IS DISTINCT FROM c.cur -> e.key ORDER BY e.key)
+FROM manifest_items AS u
+LEFT JOIN %[1]s AS t ON t.%[2]s = u.item_id::%[6]s
+CROSS JOIN LATERAL (SELECT %[7]s AS cur) AS c
+WHERE u.job_id = $1 AND u.seq >= $2 AND u.seq < $3
+ORDER BY u.seq`,
+		table, id, tenant, rev, status, idType, fieldsJSON("t", 4))
+
+	// One statement reads the progress, the audit and the current rows, so
+	// the report is one consistent snapshot (READ COMMITTED's per-statement
+	// snapshot).
+	s.report = fmt.Sprintf(`
+SELECT j.next_index, j.state, i.seq, i.item_id, a.seq IS NOT NULL,
+       coalesce(a.after_revision, i.revision + 1), coalesce(a.fields, i.fields),
+       t.%[2]s IS NOT NULL, coalesce(t.%[3]s::text, ''), coalesce(t.%[4]s::bigint, 0), coalesce(t.%[5]s::text, ''),
+       c.cur, ARRAY(SELECT e.key FROM jsonb_each(coalesce(a.fields, i.fields)) AS e WHERE e.value IS DISTINCT FROM c.cur -> e.key ORDER BY e.key)
+FROM manifest_jobs AS j
+JOIN manifest_items AS i ON i.job_id = j.job_id
+LEFT JOIN manifest_audit AS a ON a.job_id = i.job_id AND a.seq = i.seq
+LEFT JOIN %[1]s AS t ON i.seq < j.next_index AND t.%[2]s = i.item_id::%[6]s
+CROSS JOIN LATERAL (SELECT %[7]s AS cur) AS c
+WHERE j.job_id = $1
+ORDER BY i.seq`,
+		table, id, tenant, rev, status, idType, fieldsJSON("t", 2))
+	return s, nil
+}
+
+// keyArgs appends the match field names, which the statements take as the
+// jsonb keys.
+func (s *manifestTargetSQL) keyArgs(args ...any) []any {
+	for _, f := range s.fields {
+		args = append(args, f)
+	}
+	return args
+}

@@ -1,0 +1,241 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
+	"github.com/outboxrelay/outboxrelay/internal/shutdown"
+)
+
+// manifestCommands returns the `manifest ...` sub-commands (issue 4).
+func manifestCommands() []cli.Command {
+	return manifestCommandsTo(os.Stdout, os.Stdin)
+}
+
+func manifestCommandsTo(stdout io.Writer, stdin io.Reader) []cli.Command {
+	return []cli.Command{
+		{Name: "manifest register", Summary: "freeze an approved list of items as a manifest job (idempotent; conflict exits 3)", Run: func(ctx context.Context, args []string) error {
+			return manifestRegister(ctx, args, stdout, stdin)
+		}},
+		{Name: "manifest drain", Summary: "apply the next chunks of a manifest job, one verified transaction per chunk", Run: func(ctx context.Context, args []string) error {
+			return manifestDrain(ctx, args, stdout)
+		}},
+		{Name: "manifest report", Summary: "approved, committed and unprocessed ids of a manifest job and the current state of each", Run: func(ctx context.Context, args []string) error {
+			return manifestReport(ctx, args, stdout)
+		}},
+		{Name: "manifest status", Summary: "list manifest jobs with state and progress", Run: func(ctx context.Context, args []string) error {
+			return manifestStatus(ctx, args, stdout)
+		}},
+	}
+}
+
+func manifestRegister(ctx context.Context, args []string, stdout io.Writer, stdin io.Reader) error {
+	var c cli.Common
+	var file string
+	var asJSON bool
+	fs := cli.NewFlagSet("batcher manifest register", `Registers the approved list in a manifest file (JSON) as a frozen job. Items are sorted
+by id. The same job id with the same content (in any order) is the same job: nothing
+changes, exit 0. The same job id with other content is refused with exit code 3.
+
+File format:
+  {"job_id": "festival-cancel", "tenant": "alien-desserts",
+   "target": {"table": "orders", "id_column": "id", "tenant_column": "tenant_id",
+              "revision_column": "revision", "status_column": "status", "match_fields": ["qty"]},
+   "transition": {"from": "pending", "to": "cancelled"},
+   "chunk_size": 10, "topic": "outboxrelay.orders",
+   "items": [{"id": 15, "revision": 1, "fields": {"qty": 2}}, ...]}`)
+	c.RegisterDatabase(fs)
+	c.RegisterLogging(fs)
+	fs.String(&file, "file", "MANIFEST_FILE", "", `the manifest file ("-" = standard input) (required)`)
+	fs.Bool(&asJSON, "json", "", false, "print the registered job as JSON")
+	if _, err := fs.Parse(args); err != nil {
+		return err
+	}
+	if file == "" {
+		return cli.UsageError("--file is required (the approved manifest, JSON)")
+	}
+	var r io.Reader = stdin
+	if file != "-" {
+		f, err := os.Open(file)
+		if err != nil {
+			return cli.UsageError("--file: %v", err)
+		}
+		defer f.Close()
+		r = f
+	}
+	spec, err := batch.ParseManifest(r)
+	if err != nil {
+		return cli.UsageError("%s: %v", file, err)
+	}
+	pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	reg, err := batch.RegisterManifest(ctx, pool, spec)
+	if errors.Is(err, batch.ErrManifestRegistrationConflict) {
+		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
+	}
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		return manifestWriteJSON(stdout, reg)
+	}
+	j := reg.Job
+	if reg.Created {
+		fmt.Fprintf(stdout, "registered manifest job %s: %d items, chunk size %d, tenant %s, %s.%s %s → %s\n",
+			j.JobID, j.ItemCount, j.ChunkSize, j.Tenant, j.Target.Table, j.Target.StatusColumn, j.Transition.From, j.Transition.To)
+		return nil
+	}
+	fmt.Fprintf(stdout, "manifest job %s is already registered with the same content (%d items, state %s, next_index %d); nothing changed\n",
+		j.JobID, j.ItemCount, j.State, j.NextIndex)
+	return nil
+}
+
+func manifestDrain(ctx context.Context, args []string, stdout io.Writer) error {
+	var c cli.Common
+	var job string
+	var maxChunks int
+	var lockTimeout, grace time.Duration
+	var asJSON bool
+	fs := cli.NewFlagSet("batcher manifest drain", `Applies the next chunks of a manifest job. Each chunk is one transaction: lock the job,
+verify progress against the audit, conditionally update the chunk's rows, audit them,
+enqueue outbox events, advance next_index. Stops when the job completes (also when another
+worker completed it), after --max-chunks, or at the first conflict or error, which is not
+retried. Exit codes: 0 done or stopped, 3 the job is conflicted (a new approval is needed),
+1 progress verification failed or another error (nothing changed by the failing chunk).
+SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts it.`)
+	c.RegisterDatabase(fs)
+	c.RegisterLogging(fs)
+	fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
+	fs.Int(&maxChunks, "max-chunks", "MANIFEST_MAX_CHUNKS", 0, "commit at most this many chunks (0 = until the job completes)")
+	fs.Duration(&lockTimeout, "lock-timeout", "MANIFEST_LOCK_TIMEOUT", batch.ManifestDefaultLockTimeout, "how long a chunk waits for a target row another writer locked (0 = default, negative = forever)")
+	fs.Duration(&grace, "grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGINT/SIGTERM, how long the chunk in flight may take before it is aborted")
+	fs.Bool(&asJSON, "json", "", false, "print the result as JSON at the end instead of text lines")
+	if _, err := fs.Parse(args); err != nil {
+		return err
+	}
+	if job == "" {
+		return cli.UsageError("--job is required")
+	}
+	if maxChunks < 0 {
+		return cli.UsageError("--max-chunks=%d: must be >= 0 (0 = until the job completes)", maxChunks)
+	}
+	logger, err := c.Logger()
+	if err != nil {
+		return err
+	}
+	soft, hard, stop := shutdown.Contexts(ctx, grace, logger)
+	defer stop()
+	pool, err := pgconn.Open(hard, c.DatabaseURL, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	opts := batch.ManifestDrainOptions{MaxChunks: maxChunks, LockTimeout: lockTimeout, Stop: soft.Done(), Logger: logger}
+	if !asJSON {
+		opts.OnChunk = func(ch batch.ManifestChunk) {
+			fmt.Fprintf(stdout, "chunk %d committed: positions %d..%d, %d item(s) changed, %d event(s); next_index %d of %d\n",
+				ch.Chunk, ch.From, ch.To-1, len(ch.IDs), ch.Events, ch.NextIndex, ch.ItemCount)
+		}
+	}
+	res, err := batch.DrainManifest(hard, pool, job, opts)
+	if asJSON && res.JobID != "" {
+		if werr := manifestWriteJSON(stdout, res); werr != nil && err == nil {
+			err = werr
+		}
+	} else if res.JobID != "" && res.Stopped != "" {
+		fmt.Fprintf(stdout, "job %s: %d chunk(s), %d item(s) changed by this call; next_index %d of %d; state %s; stopped: %s\n",
+			job, len(res.Chunks), len(res.ProcessedIDs), res.NextIndex, res.ItemCount, res.State, res.Stopped)
+	}
+	if errors.Is(err, batch.ErrManifestConflicted) {
+		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
+	}
+	return err
+}
+
+func manifestReport(ctx context.Context, args []string, stdout io.Writer) error {
+	var c cli.Common
+	var job string
+	var asJSON bool
+	fs := cli.NewFlagSet("batcher manifest report", `Prints the approved, committed and unprocessed ids of a manifest job and, for each
+committed id, whether its row is matching (as the chunk left it), drifted (changed since)
+or missing (deleted). Progress and rows are read in one statement (one snapshot).`)
+	c.RegisterDatabase(fs)
+	fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
+	fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
+	if _, err := fs.Parse(args); err != nil {
+		return err
+	}
+	if job == "" {
+		return cli.UsageError("--job is required")
+	}
+	pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	rep, err := batch.ReportManifest(ctx, pool, job)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		return manifestWriteJSON(stdout, rep)
+	}
+	_, err = io.WriteString(stdout, rep.String())
+	return err
+}
+
+func manifestStatus(ctx context.Context, args []string, stdout io.Writer) error {
+	var c cli.Common
+	var asJSON bool
+	fs := cli.NewFlagSet("batcher manifest status", "Lists manifest jobs: state, progress, chunks done, last change.")
+	c.RegisterDatabase(fs)
+	fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
+	if _, err := fs.Parse(args); err != nil {
+		return err
+	}
+	pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	jobs, err := batch.ListManifestJobs(ctx, pool)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		if jobs == nil {
+			jobs = []batch.ManifestJob{}
+		}
+		return manifestWriteJSON(stdout, jobs)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "JOB\tTENANT\tSTATE\tPROGRESS\tCHUNK\tCHUNKS DONE\tUPDATED\tCONFLICT")
+	for _, j := range jobs {
+		conflict := ""
+		if j.Conflict != nil {
+			conflict = j.Conflict.String()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d/%d\t%d\t%d\t%s\t%s\n", j.JobID, j.Tenant, j.State, j.NextIndex, j.ItemCount,
+			j.ChunkSize, j.ChunksDone, j.UpdatedAt.UTC().Format(time.RFC3339), strings.ReplaceAll(conflict, "\t", " "))
+	}
+	return tw.Flush()
+}
+
+func manifestWriteJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
