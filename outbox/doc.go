@@ -1,6 +1,8 @@
 // Package outbox is outboxrelay's transactional outbox: the write side
 // ([Enqueue], used by the batcher and by application code in its own
-// transactions) and the publisher that drains outbox_events to Kafka.
+// transactions) and the [Publisher] that drains outbox_events to Kafka,
+// at-least-once and in order per key, with as many publishers running as you
+// like.
 //
 // Enqueue events in the same transaction as the writes they describe:
 //
@@ -15,4 +17,107 @@
 //		Payload:          json.RawMessage(`{"status":"cancelled"}`),
 //	})
 //	// ... tx.Commit(ctx)
+//
+// and run publishers (the `publisher run` command does this):
+//
+//	pub, err := outbox.NewPublisher(pool, outbox.Config{Brokers: []string{"localhost:9092"}})
+//	// ...
+//	err = pub.Run(ctx) // until ctx is cancelled; then a soft stop
+//
+// # Shards and leases
+//
+// Every event has a shard, outboxrelay_shard(aggregate_id) in 0..63, so all
+// events of one aggregate are in one shard. A publisher heartbeats into
+// outbox_publishers and holds leases in outbox_shard_leases (owner, epoch,
+// expiry). Every LeaseTTL/3 it renews its leases and, with L live
+// publishers, aims at ceil(64/L) shards: it claims free or expired ones
+// (FOR UPDATE SKIP LOCKED, epoch+1) or gives surplus ones back, but only
+// after the shard's worker finished its batch in flight, so a shard is never
+// sent from two healthy publishers at once. A publisher that dies loses its
+// shards after LeaseTTL; one that stops cleanly releases them at once.
+// Heartbeats use their own two connections so they never queue behind the
+// shard work.
+//
+// # One shard, one batch at a time
+//
+// Each leased shard has one worker: read up to BatchSize unpublished events
+// in id order (and at most BatchBytes), send them in one WriteMessages call
+// with RequiredAcks=all, then delete them in one short statement fenced by
+// the lease (owner and epoch). No transaction or row lock is open while
+// Kafka is waited on. Zero matching lease rows means the shard was lost:
+// the worker stops and whatever it sent is a duplicate the new owner also
+// sends, never a loss. With Config.Retention the rows move to
+// outbox_published instead and are deleted in batches after the retention,
+// so outbox_events holds only unpublished events either way.
+//
+// # One request per partition
+//
+// Records go to partitions with kafka.Murmur2Balancer (the Java client's
+// default partitioner), so one key always lands in one partition. Each shard
+// worker has its own kafka.Writer with BatchSize and BatchBytes equal to the
+// publisher's limits, and a call never exceeds them, so kafka-go turns one
+// call's messages for a partition into exactly one produce request, which
+// the broker appends whole or not at all. After a failure, only the
+// messages of the failed partitions are sent again, in their original order:
+// a retry can duplicate a record but never put a key's older event after a
+// newer one. kafka-go's own retries are off (MaxAttempts 1: they sleep
+// without a context); the publisher retries with exponential backoff and
+// jitter (backoff/v4), each attempt bounded by WriteTimeout, each loop by
+// RetryMaxElapsed, after which the shard starts over from the database. The
+// default 1 s BatchTimeout would delay every call by a second because a
+// partition's share rarely fills a batch; it is 1 ms here.
+//
+// # Commit order
+//
+// Identity ids are handed out at insert time, not at commit, so a
+// transaction that inserts id 10 and commits after id 11 was published
+// leaves a gap that fills later. The publisher keeps no watermark: it
+// deletes what it published, and every read takes the lowest ids still in
+// the shard, so the late id 10 is simply the head of the next read.
+//
+// Per-key order needs no more than that. Events of one aggregate are
+// written by transactions that serialise on the aggregate (the batcher's
+// guarded upsert of normalized_records locks the row; an application
+// updates its own row in the same transaction): the second transaction
+// inserts its event only after the first one committed, so it gets the
+// higher id, and any snapshot that sees the second commit sees the first.
+// Reading in id order therefore follows commit order for every key.
+//
+// watermill-sql instead reads only rows whose pg_current_xact_id() is below
+// pg_snapshot_xmin(pg_current_snapshot()), in (xact id, offset) order. That
+// is not used here, on purpose: the xmin horizon is cluster-wide, so one
+// idle-in-transaction session anywhere on the server would stop every
+// publisher, and transaction ids order transactions by their first write,
+// not their commit, which for two serialised writers of one key can be the
+// wrong order. The xact_id column stays in outbox_events for diagnosis.
+// Writers of one key that do not serialise have no defined order at all;
+// the indexer's external versioning keeps the index right for them.
+//
+// # Wake-up
+//
+// A trigger NOTIFYs outboxrelay_outbox once per INSERT statement (folded to
+// one per transaction). A publisher LISTENs on a connection of its own; on a
+// notification, or every PollInterval when none comes (the fallback while
+// that connection is down), it asks with one query which of its shards hold
+// events and wakes only those workers. A busy worker reads its next batch at
+// once without waiting; an idle publisher costs one small query per
+// PollInterval.
+//
+// # Failures
+//
+// Broker down or retriable errors: the batch is retried with backoff, the
+// order is kept, and the Health passed in Config is degraded ("kafka") while
+// any shard fails. A record the broker rejects for good (MESSAGE_TOO_LARGE,
+// INVALID_RECORD, ... see [IsPermanent]; an event larger than BatchBytes is
+// refused before sending) is moved to outbox_dead_letters with the error in
+// the same fenced transaction, and the rest of the shard goes on. Because a
+// rejected produce request does not say which record was at fault, its
+// records are re-sent one at a time to find it. `publisher dead-letter
+// list` shows them and `publisher dead-letter retry` re-enqueues them.
+//
+// # Kafka record
+//
+// Key = aggregate id, value = payload (nil for a delete: a tombstone),
+// CloudEvents binary-mode headers as described in record.go, then the
+// event's own headers (traceparent, ...).
 package outbox

@@ -15,5 +15,9 @@ func main() {
 func commands() []cli.Command {
 	return []cli.Command{
 		cli.MigrateCommand("publisher", os.Stdout),
+		runCommand(),
+		statusCommand(os.Stdout),
+		deadLetterListCommand(os.Stdout),
+		deadLetterRetryCommand(os.Stdout),
 	}
 }

@@ -1,0 +1,88 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"time"
+
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/metrics"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
+	"github.com/outboxrelay/outboxrelay/internal/shutdown"
+	"github.com/outboxrelay/outboxrelay/outbox"
+)
+
+func runCommand() cli.Command {
+	return cli.Command{
+		Name:    "run",
+		Summary: "publish outbox events to Kafka until SIGTERM/SIGINT (run as many as you like)",
+		Run: func(ctx context.Context, args []string) error {
+			var (
+				c           cli.Common
+				cfg         outbox.Config
+				brokers     string
+				metricsAddr string
+				maxConns    int
+				grace       time.Duration
+			)
+			fs := cli.NewFlagSet("publisher run", "Leases outbox shards, sends their events to Kafka (acks=all, key = aggregate id),\nthen deletes them, fenced by the lease epoch. Several publishers share the 64 shards.")
+			c.RegisterDatabase(fs)
+			c.RegisterLogging(fs)
+			fs.String(&brokers, "kafka-brokers", "KAFKA_BROKERS", "", "Kafka bootstrap brokers, comma-separated host:port (required)")
+			fs.String(&metricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9102", `address for /metrics, /healthz and /readyz ("" disables)`)
+			fs.String(&cfg.ID, "publisher-id", "PUBLISHER_ID", "", "name of this publisher in the lease table (default hostname-pid-random; must be unique)")
+			fs.Duration(&cfg.LeaseTTL, "lease-ttl", "LEASE_TTL", outbox.DefaultLeaseTTL, "shard lease lifetime; heartbeats every third of it; a dead publisher's shards move after this")
+			fs.Duration(&cfg.PollInterval, "poll-interval", "POLL_INTERVAL", outbox.DefaultPollInterval, "polling fallback interval when no NOTIFY arrives")
+			fs.Int(&cfg.BatchSize, "batch-size", "BATCH_SIZE", outbox.DefaultBatchSize, "most events per shard per Kafka write")
+			fs.Int(&cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", outbox.DefaultBatchBytes, "most bytes per Kafka write; a larger event is dead-lettered (keep <= broker message.max.bytes)")
+			fs.Duration(&cfg.BatchTimeout, "batch-timeout", "BATCH_TIMEOUT", outbox.DefaultBatchTimeout, "kafka-go BatchTimeout: wait before sending a partly filled partition batch")
+			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "timeout of one produce attempt")
+			fs.Duration(&cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", outbox.DefaultRetryMaxElapsed, "time budget of one retry loop before the shard starts over from the database")
+			fs.Duration(&cfg.Retention, "retention", "RETENTION", 0, "keep published events in outbox_published this long (0 deletes them at once)")
+			fs.Duration(&cfg.BacklogInterval, "backlog-interval", "BACKLOG_INTERVAL", outbox.DefaultBacklogInterval, "refresh interval of the backlog metrics")
+			fs.String(&cfg.Source, "ce-source", "CE_SOURCE", outbox.DefaultSource, "CloudEvents ce_source header")
+			fs.Int(&maxConns, "database-max-conns", "DATABASE_MAX_CONNS", outbox.DefaultMaxConns, "PostgreSQL pool size")
+			fs.Duration(&grace, "shutdown-grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGTERM/SIGINT, how long to finish batches in flight before exiting anyway")
+			if _, err := fs.Parse(args); err != nil {
+				return err
+			}
+			logger, err := c.Logger()
+			if err != nil {
+				return err
+			}
+			for _, b := range strings.Split(brokers, ",") {
+				if b = strings.TrimSpace(b); b != "" {
+					cfg.Brokers = append(cfg.Brokers, b)
+				}
+			}
+			soft, hard, stop := shutdown.Contexts(ctx, grace, logger)
+			defer stop()
+			pool, err := pgconn.Open(hard, c.DatabaseURL, maxConns)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			reg := metrics.NewRegistry()
+			health := metrics.NewHealth()
+			health.AddCheck("postgres", pool.Ping)
+			cfg.Registerer, cfg.Health, cfg.Logger = reg, health, logger
+			pub, err := outbox.NewPublisher(pool, cfg)
+			if err != nil {
+				return cli.UsageError("%v", err)
+			}
+			if err := metrics.Serve(hard, metricsAddr, reg, health, logger); err != nil {
+				return cli.UsageError("%v", err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- pub.Run(soft) }()
+			select {
+			case err := <-done:
+				return err
+			case <-hard.Done():
+				// Grace expired or a second signal: exit now. Batches in flight
+				// were not recorded and will be sent again (at-least-once).
+				return nil
+			}
+		},
+	}
+}

@@ -1,0 +1,136 @@
+package outbox
+
+import (
+	"cmp"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outboxrelay/outboxrelay/internal/metrics"
+)
+
+// Defaults of [Config], in one place.
+const (
+	DefaultLeaseTTL        = 10 * time.Second
+	DefaultPollInterval    = time.Second
+	DefaultBatchSize       = 2000
+	DefaultBatchBytes      = 1_000_000
+	DefaultBatchTimeout    = time.Millisecond
+	DefaultWriteTimeout    = 10 * time.Second
+	DefaultRetryMaxElapsed = time.Minute
+	DefaultBacklogInterval = 5 * time.Second
+	DefaultSource          = "outboxrelay"
+	DefaultMaxConns        = 8
+)
+
+// Config configures a [Publisher]. The zero value of every field but Brokers
+// means "the default".
+type Config struct {
+	// Brokers are the Kafka bootstrap addresses ("host:port"). Required.
+	Brokers []string
+	// ID names this publisher in the lease table. Default: hostname-pid-random.
+	// Two running publishers must never share an ID.
+	ID string
+	// LeaseTTL is how long a shard lease and a membership last without a
+	// heartbeat; heartbeats run every LeaseTTL/3. A publisher that dies is
+	// replaced after at most LeaseTTL. Default 10s, minimum 300ms.
+	LeaseTTL time.Duration
+	// PollInterval is the polling fallback when no NOTIFY arrives (e.g. the
+	// listening connection is down). Default 1s.
+	PollInterval time.Duration
+	// BatchSize is the most events one shard sends in one WriteMessages
+	// call. Default 2000.
+	BatchSize int
+	// BatchBytes caps the bytes of one call (kafka-go's size estimate) and is
+	// the writer's BatchBytes; one event larger than this is dead-lettered.
+	// Keep it at or below the broker's message.max.bytes. Default 1,000,000.
+	BatchBytes int
+	// BatchTimeout is kafka-go's BatchTimeout: how long a partly filled
+	// partition batch waits before it is sent. The publisher hands a whole
+	// batch to one call, so waiting only adds latency. Default 1ms.
+	BatchTimeout time.Duration
+	// WriteTimeout bounds one produce attempt. Default 10s.
+	WriteTimeout time.Duration
+	// RetryMaxElapsed bounds one retry loop (a produce or a database write);
+	// the shard then starts over from the database. Default 1m.
+	RetryMaxElapsed time.Duration
+	// Retention keeps published rows in outbox_published this long before
+	// they are deleted in batches. 0 (default) deletes them at once.
+	Retention time.Duration
+	// BacklogInterval is how often the backlog gauges are refreshed.
+	// Default 5s.
+	BacklogInterval time.Duration
+	// Source is the CloudEvents ce_source. Default "outboxrelay".
+	Source string
+	// Registerer receives the publisher's metrics. nil: not registered.
+	Registerer prometheus.Registerer
+	// Health is marked degraded while the broker fails. nil: not reported.
+	Health *metrics.Health
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// OnPublished, when set, is called after each batch is acknowledged by
+	// the broker and recorded in the database (tests, benchmarks).
+	OnPublished func(shard int, events []Published)
+}
+
+// Published describes one event the broker acknowledged.
+type Published struct {
+	EventID          string
+	AggregateID      string
+	AggregateVersion int64
+	CreatedAt        time.Time
+	AckedAt          time.Time
+}
+
+func (c Config) withDefaults() Config {
+	c.ID = cmp.Or(c.ID, defaultID())
+	c.LeaseTTL = cmp.Or(c.LeaseTTL, DefaultLeaseTTL)
+	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
+	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
+	c.BatchBytes = cmp.Or(c.BatchBytes, DefaultBatchBytes)
+	c.BatchTimeout = cmp.Or(c.BatchTimeout, DefaultBatchTimeout)
+	c.WriteTimeout = cmp.Or(c.WriteTimeout, DefaultWriteTimeout)
+	c.RetryMaxElapsed = cmp.Or(c.RetryMaxElapsed, DefaultRetryMaxElapsed)
+	c.BacklogInterval = cmp.Or(c.BacklogInterval, DefaultBacklogInterval)
+	c.Source = cmp.Or(c.Source, DefaultSource)
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	switch {
+	case len(c.Brokers) == 0 || c.Brokers[0] == "":
+		return fmt.Errorf("KAFKA_BROKERS is empty: set --kafka-brokers or KAFKA_BROKERS (e.g. localhost:9092)")
+	case c.LeaseTTL < 300*time.Millisecond:
+		return fmt.Errorf("LEASE_TTL=%s: must be at least 300ms", c.LeaseTTL)
+	case c.PollInterval < 0:
+		return fmt.Errorf("POLL_INTERVAL=%s: must be > 0", c.PollInterval)
+	case c.BatchSize < 1 || c.BatchSize > 100_000:
+		return fmt.Errorf("BATCH_SIZE=%d: must be between 1 and 100000", c.BatchSize)
+	case c.BatchBytes < 1024:
+		return fmt.Errorf("BATCH_BYTES=%d: must be at least 1024", c.BatchBytes)
+	case c.BatchTimeout < 0:
+		return fmt.Errorf("BATCH_TIMEOUT=%s: must be >= 0", c.BatchTimeout)
+	case c.WriteTimeout <= 0:
+		return fmt.Errorf("WRITE_TIMEOUT=%s: must be > 0", c.WriteTimeout)
+	case c.RetryMaxElapsed <= 0:
+		return fmt.Errorf("RETRY_MAX_ELAPSED=%s: must be > 0", c.RetryMaxElapsed)
+	case c.Retention < 0:
+		return fmt.Errorf("RETENTION=%s: must be >= 0 (0 deletes published events at once)", c.Retention)
+	}
+	return nil
+}
+
+func defaultID() string {
+	host, _ := os.Hostname()
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return fmt.Sprintf("%s-%d-%s", cmp.Or(host, "publisher"), os.Getpid(), hex.EncodeToString(b[:]))
+}

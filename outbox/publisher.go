@@ -1,0 +1,411 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/segmentio/kafka-go"
+)
+
+// ErrLeaseLost is returned inside the publisher when a shard's fenced write
+// found another owner or epoch: the shard worker stops at once.
+var ErrLeaseLost = errors.New("shard lease lost")
+
+// Publisher drains outbox_events to Kafka. Run several, in one process or
+// many; they share the 64 shards through leases. See the package doc.
+type Publisher struct {
+	cfg       Config
+	pool      *pgxpool.Pool
+	leasePool *pgxpool.Pool // heartbeats: never wait behind shard work
+	log       *slog.Logger
+	m         *publisherMetrics
+	transport *kafka.Transport
+	base      time.Time // monotonic origin of lease deadlines
+
+	mu        sync.Mutex
+	workers   map[int]*shardWorker
+	releasing map[int]bool
+	wg        sync.WaitGroup
+
+	notify chan struct{}
+
+	failingMu sync.Mutex
+	failing   int // shard workers whose last produce failed
+}
+
+// NewPublisher checks cfg and returns a publisher on pool. pool needs about
+// as many connections as shards are written at once; 8 is plenty.
+func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	p := &Publisher{
+		cfg:       cfg,
+		pool:      pool,
+		log:       cfg.Logger.With(slog.String("publisher", cfg.ID)),
+		m:         newPublisherMetrics(cfg.Registerer),
+		base:      time.Now(),
+		workers:   map[int]*shardWorker{},
+		releasing: map[int]bool{},
+		notify:    make(chan struct{}, 1),
+		transport: &kafka.Transport{
+			Dial:        (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+			DialTimeout: 5 * time.Second,
+			IdleTimeout: 30 * time.Second,
+			MetadataTTL: 10 * time.Second,
+			ClientID:    "outboxrelay-publisher",
+		},
+	}
+	return p, nil
+}
+
+// ID is the publisher's name in outbox_publishers and the lease table.
+func (p *Publisher) ID() string { return p.cfg.ID }
+
+// Run publishes until ctx is cancelled, then stops softly: each shard
+// finishes the batch it is sending and records it, the leases are released
+// so other publishers take over at once, and Run returns nil. It returns an
+// error only when it cannot start.
+func (p *Publisher) Run(ctx context.Context) error {
+	if err := p.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("publisher %s: database: %w", p.cfg.ID, err)
+	}
+	lcfg := p.pool.Config().Copy()
+	lcfg.MaxConns, lcfg.MinConns = 2, 0
+	leasePool, err := pgxpool.NewWithConfig(ctx, lcfg)
+	if err != nil {
+		return fmt.Errorf("publisher %s: lease connection: %w", p.cfg.ID, err)
+	}
+	p.leasePool = leasePool
+	defer leasePool.Close()
+	p.log.Info("publisher starting", slog.Int("batch_size", p.cfg.BatchSize), slog.Duration("lease_ttl", p.cfg.LeaseTTL))
+	var bg sync.WaitGroup
+	for _, fn := range []func(context.Context){p.listen, p.dispatch, p.watchBacklog, p.cleanupPublished} {
+		bg.Add(1)
+		go func() {
+			defer bg.Done()
+			fn(ctx)
+		}()
+	}
+
+	beat := time.NewTicker(p.cfg.LeaseTTL / 3)
+	defer beat.Stop()
+	for {
+		if err := p.rebalance(ctx); err != nil && ctx.Err() == nil {
+			p.m.errors.WithLabelValues(errKindDatabase).Inc()
+			p.log.Warn("heartbeat failed; shards stop when their lease runs out", slog.String("error", err.Error()))
+		}
+		select {
+		case <-ctx.Done():
+			p.stop()
+			bg.Wait()
+			p.transport.CloseIdleConnections()
+			return nil
+		case <-beat.C:
+		}
+	}
+}
+
+// stop ends every shard worker, then releases leases and membership so the
+// remaining publishers rebalance at their next heartbeat.
+func (p *Publisher) stop() {
+	p.mu.Lock()
+	workers := make([]*shardWorker, 0, len(p.workers))
+	for _, w := range p.workers {
+		workers = append(workers, w)
+	}
+	p.mu.Unlock()
+	for _, w := range workers {
+		w.cancel()
+	}
+	p.wg.Wait()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, w := range workers {
+		if _, err := p.leasePool.Exec(ctx, releaseLeaseSQL, w.shard, p.cfg.ID, w.epoch); err != nil {
+			p.log.Warn("release lease", slog.Int("shard", w.shard), slog.String("error", err.Error()))
+		}
+	}
+	if _, err := p.leasePool.Exec(ctx, leaveSQL, p.cfg.ID); err != nil {
+		p.log.Warn("leave", slog.String("error", err.Error()))
+	}
+	p.m.shards.Set(0)
+	p.log.Info("publisher stopped", slog.Int("shards_released", len(workers)))
+}
+
+type lease struct {
+	shard int
+	epoch int64
+}
+
+// rebalance is one heartbeat: renew membership and leases, then claim or
+// release shards so each live publisher holds about ceil(64/live).
+func (p *Publisher) rebalance(ctx context.Context) error {
+	start := p.now()
+	var live int
+	var renewed, claimed []lease
+	err := pgx.BeginFunc(ctx, p.leasePool, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(ctx, heartbeatSQL, p.cfg.ID, p.cfg.LeaseTTL).Scan(&live); err != nil {
+			return fmt.Errorf("heartbeat: %w", err)
+		}
+		var err error
+		if renewed, err = scanLeases(tx.Query(ctx, renewLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL)); err != nil {
+			return fmt.Errorf("renew leases: %w", err)
+		}
+		target := int(math.Ceil(float64(NumShards) / float64(max(live, 1))))
+		p.mu.Lock()
+		owned := 0
+		for _, l := range renewed {
+			if !p.releasing[l.shard] {
+				owned++
+			}
+		}
+		p.mu.Unlock()
+		if owned < target {
+			if claimed, err = scanLeases(tx.Query(ctx, claimLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL, target-owned)); err != nil {
+				return fmt.Errorf("claim leases: %w", err)
+			}
+		}
+		if _, err := tx.Exec(ctx, forgetDeadPublishersSQL, 10*p.cfg.LeaseTTL); err != nil {
+			return fmt.Errorf("forget dead publishers: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	// The database extended the leases to now()+TTL at some point after
+	// start; counting from start keeps the local deadline on the safe side.
+	deadline := start + p.cfg.LeaseTTL - p.cfg.LeaseTTL/10
+	target := int(math.Ceil(float64(NumShards) / float64(max(live, 1))))
+
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	held := map[int]bool{}
+	for _, l := range append(renewed, claimed...) {
+		held[l.shard] = true
+		if p.releasing[l.shard] {
+			continue
+		}
+		w := p.workers[l.shard]
+		if w != nil && (w.epoch != l.epoch || w.exited()) {
+			w.cancel()
+			delete(p.workers, l.shard)
+			w = nil
+		}
+		if w == nil {
+			w = p.startWorker(ctx, l, deadline)
+			p.log.Debug("shard acquired", slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch))
+		}
+		w.deadline.Store(int64(deadline))
+	}
+	for shard, w := range p.workers {
+		if !held[shard] {
+			p.log.Warn("shard lease lost", slog.Int("shard", shard), slog.Int64("epoch", w.epoch))
+			w.cancel()
+			delete(p.workers, shard)
+		}
+	}
+	// Give surplus shards back, highest first, once their worker has
+	// finished its batch; the lease is renewed meanwhile so nobody else
+	// sends from the shard before this publisher has stopped.
+	for shard := NumShards - 1; shard >= 0 && len(p.workers) > target; shard-- {
+		w := p.workers[shard]
+		if w == nil {
+			continue
+		}
+		delete(p.workers, shard)
+		p.releasing[shard] = true
+		w.cancel()
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			<-w.done
+			rctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if _, err := p.leasePool.Exec(rctx, releaseLeaseSQL, w.shard, p.cfg.ID, w.epoch); err != nil {
+				p.log.Warn("release lease", slog.Int("shard", w.shard), slog.String("error", err.Error()))
+			} else {
+				p.log.Debug("shard released for rebalance", slog.Int("shard", w.shard), slog.Int("target", target))
+			}
+			p.mu.Lock()
+			delete(p.releasing, w.shard)
+			p.mu.Unlock()
+		}()
+	}
+	p.m.shards.Set(float64(len(p.workers)))
+	return nil
+}
+
+func scanLeases(rows pgx.Rows, err error) ([]lease, error) {
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (lease, error) {
+		var l lease
+		var shard int16
+		err := r.Scan(&shard, &l.epoch)
+		l.shard = int(shard)
+		return l, err
+	})
+}
+
+// now is a monotonic clock for lease deadlines (immune to wall-clock jumps).
+func (p *Publisher) now() time.Duration { return time.Since(p.base) }
+
+// listen wakes the dispatcher on every NOTIFY from the outbox trigger, on a
+// connection of its own (a pooled one could not wait). When the connection
+// fails, polling carries on and listen reconnects.
+func (p *Publisher) listen(ctx context.Context) {
+	for ctx.Err() == nil {
+		err := p.listenOnce(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		p.log.Warn("LISTEN connection lost; polling until it is back", slog.String("error", err.Error()))
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+func (p *Publisher) listenOnce(ctx context.Context) error {
+	conn, err := pgx.ConnectConfig(ctx, p.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+		return err
+	}
+	p.poke() // events may have committed while we were not listening
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return err
+		}
+		p.poke()
+	}
+}
+
+func (p *Publisher) poke() {
+	select {
+	case p.notify <- struct{}{}:
+	default:
+	}
+}
+
+// dispatch turns notifications and poll ticks into wake-ups of the shard
+// workers whose shards hold events: one cheap query per wake-up however many
+// notifications arrived meanwhile, and no query at all for idle shards.
+func (p *Publisher) dispatch(ctx context.Context) {
+	tick := time.NewTicker(p.cfg.PollInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-p.notify:
+		case <-tick.C:
+		}
+		rows, err := p.pool.Query(ctx, pendingShardsSQL, p.cfg.ID)
+		if err != nil {
+			if ctx.Err() == nil {
+				p.log.Debug("look for pending shards", slog.String("error", err.Error()))
+			}
+			continue
+		}
+		shards, err := pgx.CollectRows(rows, pgx.RowTo[int16])
+		if err != nil {
+			continue
+		}
+		p.mu.Lock()
+		for _, s := range shards {
+			if w := p.workers[int(s)]; w != nil {
+				w.wakeUp()
+			}
+		}
+		p.mu.Unlock()
+	}
+}
+
+// watchBacklog refreshes the backlog gauges.
+func (p *Publisher) watchBacklog(ctx context.Context) {
+	tick := time.NewTicker(p.cfg.BacklogInterval)
+	defer tick.Stop()
+	for {
+		var n int64
+		var age float64
+		if err := p.pool.QueryRow(ctx, backlogSQL).Scan(&n, &age); err == nil {
+			p.m.backlog.Set(float64(n))
+			p.m.oldestAge.Set(age)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// cleanupPublished deletes retained rows past the retention, in batches.
+func (p *Publisher) cleanupPublished(ctx context.Context) {
+	if p.cfg.Retention <= 0 {
+		return
+	}
+	every := min(max(p.cfg.Retention/10, time.Second), time.Minute)
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	const batch = 5000
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		for ctx.Err() == nil {
+			tag, err := p.pool.Exec(ctx, cleanupPublishedSQL, p.cfg.Retention, batch)
+			if err != nil {
+				p.log.Warn("delete retained events", slog.String("error", err.Error()))
+				break
+			}
+			if tag.RowsAffected() < batch {
+				break
+			}
+		}
+	}
+}
+
+// setFailing tracks shards whose broker writes fail; health is degraded
+// while any does.
+func (p *Publisher) setFailing(w *shardWorker, failing bool, cause error) {
+	if w.failing.Load() == failing {
+		return
+	}
+	w.failing.Store(failing)
+	p.failingMu.Lock()
+	defer p.failingMu.Unlock()
+	if failing {
+		p.failing++
+	} else {
+		p.failing--
+	}
+	if p.cfg.Health == nil {
+		return
+	}
+	switch {
+	case p.failing > 0 && cause != nil:
+		p.cfg.Health.SetDegraded("kafka", cause.Error())
+	case p.failing == 0:
+		p.cfg.Health.SetDegraded("kafka", "")
+	}
+}

@@ -1,0 +1,403 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+	"github.com/segmentio/kafka-go"
+)
+
+// shardWorker publishes one leased shard: one batch at a time, so one key's
+// events never overtake each other.
+type shardWorker struct {
+	shard    int
+	epoch    int64
+	cancel   context.CancelFunc
+	done     chan struct{}
+	wake     chan struct{}
+	deadline atomic.Int64 // Publisher.now() after which the lease may be gone
+	failing  atomic.Bool
+	writer   *kafka.Writer
+	log      *slog.Logger
+}
+
+func (w *shardWorker) wakeUp() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (w *shardWorker) exited() bool {
+	select {
+	case <-w.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// startWorker runs a worker for a freshly held lease. Called with p.mu held.
+func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.Duration) *shardWorker {
+	ctx, cancel := context.WithCancel(parent)
+	w := &shardWorker{
+		shard:  l.shard,
+		epoch:  l.epoch,
+		cancel: cancel,
+		done:   make(chan struct{}),
+		wake:   make(chan struct{}, 1),
+		log:    p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
+		// One writer per shard: its partition batches never mix with another
+		// shard's, so each call's messages for a partition go out in a single
+		// produce request (see doc.go).
+		writer: &kafka.Writer{
+			Addr:         kafka.TCP(p.cfg.Brokers...),
+			Balancer:     &kafka.Murmur2Balancer{},
+			RequiredAcks: kafka.RequireAll,
+			BatchSize:    p.cfg.BatchSize,
+			BatchBytes:   int64(p.cfg.BatchBytes),
+			BatchTimeout: p.cfg.BatchTimeout,
+			WriteTimeout: p.cfg.WriteTimeout,
+			ReadTimeout:  p.cfg.WriteTimeout,
+			// kafka-go's own retries sleep without a context and would hide
+			// an outage; the publisher retries with backoff instead.
+			MaxAttempts:            1,
+			Transport:              p.transport,
+			AllowAutoTopicCreation: true,
+		},
+	}
+	w.deadline.Store(int64(deadline))
+	w.wake <- struct{}{} // look at the shard once at start
+	p.workers[l.shard] = w
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		defer close(w.done)
+		defer w.writer.Close()
+		defer p.setFailing(w, false, nil)
+		p.runShard(ctx, w)
+	}()
+	return w
+}
+
+// valid reports whether the lease is certainly still ours.
+func (p *Publisher) valid(w *shardWorker) bool { return p.now() < time.Duration(w.deadline.Load()) }
+
+func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
+	failures := 0
+	for ctx.Err() == nil {
+		if !p.valid(w) {
+			// Heartbeats are failing (database down?): send nothing until a
+			// renewal proves the lease is still ours.
+			if !sleep(ctx, p.cfg.LeaseTTL/10) {
+				return
+			}
+			continue
+		}
+		n, full, err := p.publishBatch(ctx, w)
+		switch {
+		case errors.Is(err, ErrLeaseLost):
+			p.m.errors.WithLabelValues(errKindLeaseLost).Inc()
+			w.log.Warn("lease lost while publishing; stopping the shard")
+			return
+		case errors.Is(err, errLeaseExpired), ctx.Err() != nil:
+			continue
+		case err != nil:
+			failures++
+			w.log.Warn("publish batch failed; starting over from the outbox", slog.String("error", err.Error()), slog.Int("failures", failures))
+			if !sleep(ctx, min(time.Duration(failures)*time.Second, 10*time.Second)) {
+				return
+			}
+			continue
+		}
+		failures = 0
+		if n > 0 || full {
+			continue // more may be waiting: never wait on a timer while busy
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-w.wake:
+		}
+	}
+}
+
+// errLeaseExpired: the local lease deadline passed during a retry loop.
+var errLeaseExpired = errors.New("shard lease not renewed in time")
+
+type pendingEvent struct {
+	ev   storedEvent
+	msg  kafka.Message
+	err  error // set when the event is dead
+	code int32
+}
+
+// publishBatch reads, sends and records one batch. It returns how many events
+// left the outbox and whether the read was cut short by the size limits.
+func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker) (int, bool, error) {
+	events, err := p.read(ctx, w.shard)
+	if err != nil {
+		p.m.errors.WithLabelValues(errKindDatabase).Inc()
+		return 0, false, fmt.Errorf("read shard %d: %w", w.shard, err)
+	}
+	if len(events) == 0 {
+		return 0, false, nil
+	}
+	full := len(events) == p.cfg.BatchSize
+	// Keep the call under BatchBytes so kafka-go sends each partition's
+	// share as one request; the rest of the rows wait for the next batch.
+	batch := make([]*pendingEvent, 0, len(events))
+	bytes := 0
+	for i := range events {
+		pe := &pendingEvent{ev: events[i]}
+		pe.msg, pe.err = events[i].record(p.cfg.Source)
+		if pe.err == nil {
+			size := messageSize(&pe.msg)
+			if size > p.cfg.BatchBytes {
+				pe.err = fmt.Errorf("%w: %d bytes, limit %d (BATCH_BYTES; broker message.max.bytes): %w", ErrMessageTooLarge, size, p.cfg.BatchBytes, kafka.MessageSizeTooLarge)
+				pe.code = int32(kafka.MessageSizeTooLarge)
+			} else if bytes+size > p.cfg.BatchBytes {
+				full = true
+				break
+			} else {
+				bytes += size
+			}
+		}
+		batch = append(batch, pe)
+	}
+
+	if err := p.produce(ctx, w, batch); err != nil {
+		return 0, full, err
+	}
+	acked := time.Now()
+
+	var ids, deadIDs []int64
+	var deadErrs []string
+	var deadCodes []int32
+	published := make([]Published, 0, len(batch))
+	for _, pe := range batch {
+		if pe.err != nil {
+			deadIDs = append(deadIDs, pe.ev.id)
+			deadErrs = append(deadErrs, pe.err.Error())
+			deadCodes = append(deadCodes, pe.code)
+			w.log.Error("event rejected permanently; moved to outbox_dead_letters",
+				slog.String("event_id", pe.ev.eventID), slog.String("aggregate_id", pe.ev.aggregateID), slog.String("error", pe.err.Error()))
+			continue
+		}
+		ids = append(ids, pe.ev.id)
+		published = append(published, Published{
+			EventID: pe.ev.eventID, AggregateID: pe.ev.aggregateID, AggregateVersion: pe.ev.aggregateVersion,
+			CreatedAt: pe.ev.createdAt, AckedAt: acked,
+		})
+	}
+	if err := p.record(ctx, w, ids, deadIDs, deadErrs, deadCodes); err != nil {
+		return 0, full, err
+	}
+	p.m.published.Add(float64(len(ids)))
+	p.m.deadLetters.Add(float64(len(deadIDs)))
+	p.m.errors.WithLabelValues(errKindRejected).Add(float64(len(deadIDs)))
+	p.m.batchSize.Observe(float64(len(batch)))
+	for _, e := range published {
+		p.m.latency.Observe(acked.Sub(e.CreatedAt).Seconds())
+	}
+	if p.cfg.OnPublished != nil && len(published) > 0 {
+		p.cfg.OnPublished(w.shard, published)
+	}
+	return len(batch), full, nil
+}
+
+func (p *Publisher) read(ctx context.Context, shard int) ([]storedEvent, error) {
+	rows, err := p.pool.Query(ctx, readSQL, shard, p.cfg.BatchSize)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := make([]storedEvent, 0, 64)
+	for rows.Next() {
+		var e storedEvent
+		if err := rows.Scan(&e.id, &e.eventID, &e.topic, &e.aggregateType, &e.aggregateID, &e.aggregateVersion,
+			&e.eventType, &e.payload, &e.headers, &e.createdAt); err != nil {
+			return nil, err
+		}
+		out = append(out, e)
+	}
+	return out, rows.Err()
+}
+
+// produce sends every live event of the batch and returns once each one is
+// acknowledged or dead (pe.err set). Order is kept because each partition's
+// share of a call is one produce request that lands whole or not at all:
+// after a failure only the failed partitions' messages are sent again, in
+// their original order, and a retry can duplicate but never reorder.
+func (p *Publisher) produce(ctx context.Context, w *shardWorker, batch []*pendingEvent) error {
+	pending := make([]*pendingEvent, 0, len(batch))
+	for _, pe := range batch {
+		if pe.err == nil {
+			pending = append(pending, pe)
+		}
+	}
+	var suspects []*pendingEvent // rejected as part of a partition batch
+	err := p.retry(ctx, w, func(actx context.Context) error {
+		err := w.writer.WriteMessages(actx, messages(pending)...)
+		if err == nil {
+			pending = nil
+			return nil
+		}
+		var werrs kafka.WriteErrors
+		if !errors.As(err, &werrs) || len(werrs) != len(pending) {
+			if IsPermanent(err) {
+				suspects, pending = append(suspects, pending...), nil
+				return nil
+			}
+			return err
+		}
+		var again []*pendingEvent
+		var cause error
+		for i, e := range werrs {
+			switch {
+			case e == nil:
+			case IsPermanent(e):
+				suspects = append(suspects, pending[i])
+			default:
+				again, cause = append(again, pending[i]), e
+			}
+		}
+		pending = again
+		return cause
+	})
+	if err != nil {
+		return err
+	}
+	// A rejected request says nothing about which record was at fault (one
+	// too-large record fails its whole partition batch): send those records
+	// one at a time, in order, to find the culprits and deliver the rest.
+	slices.SortFunc(suspects, func(a, b *pendingEvent) int { return int(a.ev.id - b.ev.id) })
+	for _, pe := range suspects {
+		err := p.retry(ctx, w, func(actx context.Context) error {
+			err := w.writer.WriteMessages(actx, pe.msg)
+			var werrs kafka.WriteErrors
+			if errors.As(err, &werrs) && len(werrs) == 1 {
+				err = werrs[0]
+			}
+			if err != nil && IsPermanent(err) {
+				pe.err, pe.code = fmt.Errorf("broker rejected the record: %w", err), errorCode(err)
+				return nil
+			}
+			return err
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func messages(pes []*pendingEvent) []kafka.Message {
+	out := make([]kafka.Message, len(pes))
+	for i, pe := range pes {
+		out[i] = pe.msg
+	}
+	return out
+}
+
+// retry runs op with exponential backoff and jitter until it succeeds, the
+// loop's time budget runs out, the shard stops, or the lease deadline passes.
+// Each attempt gets WriteTimeout; an attempt in flight is not cut short by a
+// soft stop, so what the broker acknowledged gets recorded.
+func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.Context) error) error {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval = 100 * time.Millisecond
+	b.MaxInterval = 5 * time.Second
+	b.MaxElapsedTime = p.cfg.RetryMaxElapsed
+	attempt := 0
+	err := backoff.RetryNotify(func() error {
+		if !p.valid(w) {
+			return backoff.Permanent(errLeaseExpired)
+		}
+		attempt++
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.WriteTimeout)
+		defer cancel()
+		err := op(actx)
+		if err == nil {
+			p.setFailing(w, false, nil)
+		}
+		return err
+	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
+		p.m.errors.WithLabelValues(errKindBroker).Inc()
+		p.setFailing(w, true, err)
+		level := slog.LevelDebug
+		if attempt == 1 || attempt%10 == 0 {
+			level = slog.LevelWarn // an outage fails every shard: keep the log readable
+		}
+		w.log.Log(ctx, level, "kafka write failed; retrying", slog.String("error", err.Error()), slog.Int("attempt", attempt), slog.Duration("next", next))
+	})
+	if err != nil && ctx.Err() != nil && !errors.Is(err, errLeaseExpired) {
+		return ctx.Err()
+	}
+	return err
+}
+
+// record removes the acknowledged events from the outbox (or moves them to
+// outbox_published under a retention) and parks the dead ones, fenced by the
+// lease epoch. It runs to completion after a soft stop: the broker already
+// has the events.
+func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) error {
+	rctx := context.WithoutCancel(ctx)
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval = 100 * time.Millisecond
+	b.MaxElapsedTime = p.cfg.RetryMaxElapsed
+	del := deletePublishedSQL
+	if p.cfg.Retention > 0 {
+		del = retainPublishedSQL
+	}
+	return backoff.RetryNotify(func() error {
+		actx, cancel := context.WithTimeout(rctx, 30*time.Second)
+		defer cancel()
+		err := pgx.BeginFunc(actx, p.pool, func(tx pgx.Tx) error {
+			var held bool
+			var n int64
+			if len(deadIDs) > 0 {
+				if err := tx.QueryRow(actx, deadLetterSQL, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes).Scan(&held, &n); err != nil {
+					return err
+				}
+				if !held {
+					return ErrLeaseLost
+				}
+			}
+			if len(ids) > 0 {
+				if err := tx.QueryRow(actx, del, ids, w.shard, p.cfg.ID, w.epoch).Scan(&held, &n); err != nil {
+					return err
+				}
+				if !held {
+					return ErrLeaseLost
+				}
+			}
+			return nil
+		})
+		if errors.Is(err, ErrLeaseLost) {
+			return backoff.Permanent(err)
+		}
+		return err
+	}, backoff.WithContext(b, rctx), func(err error, next time.Duration) {
+		p.m.errors.WithLabelValues(errKindDatabase).Inc()
+		w.log.Warn("recording published events failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
+	})
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
