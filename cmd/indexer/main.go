@@ -15,5 +15,9 @@ func main() {
 func commands() []cli.Command {
 	return []cli.Command{
 		cli.MigrateCommand("indexer", os.Stdout),
+		runCommand(),
+		statusCommand(os.Stdout),
+		replayCommand(os.Stdout),
+		reindexCommand(os.Stdout),
 	}
 }

@@ -1,0 +1,41 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+)
+
+func TestBadSettingsExitWithUsage(t *testing.T) {
+	t.Setenv("KAFKA_BROKERS", "127.0.0.1:1")
+	t.Setenv("ELASTICSEARCH_URL", "http://127.0.0.1:1")
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{name: "no brokers", args: []string{"run"}, env: map[string]string{"KAFKA_BROKERS": ""}, want: "KAFKA_BROKERS is required"},
+		{name: "no engine", args: []string{"run"}, env: map[string]string{"ELASTICSEARCH_URL": ""}, want: "ELASTICSEARCH_URL is required"},
+		{name: "lanes out of range", args: []string{"run", "--lanes", "1000"}, want: "LANES=1000"},
+		{name: "bad env duration", args: []string{"run"}, env: map[string]string{"FLUSH_INTERVAL": "soon"}, want: `FLUSH_INTERVAL="soon"`},
+		{name: "missing mapping file", args: []string{"run", "--mapping-file", "/nonexistent.json"}, want: `MAPPING_FILE="/nonexistent.json"`},
+		{name: "reindex without --into", args: []string{"reindex"}, want: "--into is required"},
+		{name: "unknown command", args: []string{"frobnicate"}, want: "unknown command"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for k, v := range tt.env {
+				t.Setenv(k, v)
+			}
+			var stdout, stderr bytes.Buffer
+			code := cli.Dispatch(context.Background(), "indexer", "test", commands(), tt.args, &stdout, &stderr)
+			require.Equal(t, cli.ExitUsage, code, stderr.String())
+			require.Contains(t, stderr.String(), tt.want)
+		})
+	}
+}

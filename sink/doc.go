@@ -1,0 +1,86 @@
+// Package sink is the indexer: it consumes the outbox topic in a Kafka
+// consumer group and writes every record into Elasticsearch/OpenSearch with
+// _id = the aggregate id and version = the aggregate (source) version,
+// version_type=external, so that replays, stale messages and deletes are
+// harmless (DESIGN.md invariants 5, 6 and 8).
+//
+//	ix, err := sink.New(sink.Config{
+//		Brokers: []string{"127.0.0.1:9092"},
+//		URL:     "http://127.0.0.1:9200",
+//	})
+//	if err != nil { ... }
+//	err = ix.Run(ctx) // until ctx ends
+//
+// # Consuming and committing
+//
+// One kafka-go group [github.com/segmentio/kafka-go.Reader] fetches (never
+// ReadMessage: no auto-commit). Messages are routed to Config.Lanes lanes by
+// partition (partition p goes to lane p mod Lanes), so a partition is only
+// ever in one lane and its messages are applied in offset order, while
+// different partitions are indexed in parallel. A lane collects a batch
+// bounded by count, bytes and time, resolves every item of it, and only
+// then commits the batch's offsets (synchronously). A committed offset
+// therefore always means "everything before it is indexed or
+// dead-lettered"; that stays true across rebalances, so a commit that
+// reaches the group after its partition moved elsewhere is harmless too.
+// We chose lanes over a goroutine per assigned partition
+// (kafka.ConsumerGroup) because it bounds the number of concurrent bulk
+// requests independently of the partition count and keeps kafka-go's
+// rebalance handling; the cost is that one slow partition holds its lane.
+//
+// # Resolving a batch
+//
+// Per item of the bulk answer: 2xx → indexed; 409 version conflict → the
+// index already holds this version or a newer one (a replay or a stale
+// message) → done, counted as a conflict, not an error; 429, 5xx,
+// es_rejected_execution_exception and other transient types → only those
+// items are sent again, with exponential backoff and jitter
+// (cenkalti/backoff/v4), bounded by Config.RetryMaxElapsed; anything else
+// (mapper_parsing_exception, illegal_argument_exception, too large) →
+// dead-letter topic "<topic>.dlq" with the original key, value and headers
+// plus dlq_error_code, dlq_error_reason, dlq_error_status, dlq_topic,
+// dlq_partition, dlq_offset, dlq_group and dlq_time → done. Messages that
+// cannot be indexed at all (no key, no parsable ce_aggregateversion,
+// unknown ce_type, a non-object document) go to the same topic without
+// being sent. If the engine cannot be reached, the whole batch waits and
+// retries: its offsets are not committed, so nothing is skipped; when the
+// retry budget runs out, [Indexer.Run] returns an error and a restart
+// replays the batch. `indexer dead-letter replay` re-publishes dead letters
+// to their topic after a fix ([ReplayDeadLetters]).
+//
+// # Durable deletes
+//
+// An external-versioned DELETE only leaves a tombstone in the engine's
+// live version map, which is dropped after index.gc_deletes (60 s by
+// default) and on every node restart; a late replay of an older upsert
+// would then recreate the document. So the indexer never deletes: a delete
+// event indexes a tombstone document {"_deleted": true} with the delete's
+// version. It is an ordinary document, so its version is kept on disk for
+// good and every older upsert gets a version conflict, forever. The read
+// alias (Config.Alias, "records") carries the filter
+// must_not term _deleted=true, so user searches through it never see
+// tombstones without writing the filter themselves; GET by id through the
+// alias does return the tombstone (filters apply to searches only). The
+// cost is one small document per deleted id; a purge of old tombstones is
+// deliberately not automatic, because it would reopen the window it
+// closes for replays older than the purge horizon.
+//
+// # Index management and reindex
+//
+// Writes go through Config.WriteAlias ("records-write"), with
+// require_alias=true so a missing alias never auto-creates an index. When
+// the write alias is missing, [EnsureIndex] creates "<alias>_v1" from
+// Config.Mapping (default: the embedded mapping.json) with both aliases in
+// the same call. [Reindex] rebuilds into a new index without downtime:
+// move the write alias, copy the old index on the server with
+// version_type=external (live writes and copies resolve by version, in
+// any order), then swap the read alias in one atomic _aliases call.
+//
+// # Throttling
+//
+// Config.MaxRate caps documents per second for the whole process with one
+// token bucket (golang.org/x/time/rate) shared by all lanes. Independently,
+// a bulk with 429 answers halves the budget (starting from the throughput
+// just observed) and every clean bulk raises it by a quarter until it is
+// back at the cap.
+package sink

@@ -1,0 +1,305 @@
+package sink
+
+import (
+	"bytes"
+	"context"
+	_ "embed"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"strconv"
+	"time"
+
+	"github.com/olivere/elastic/v7"
+)
+
+// DefaultMapping is the create-index body used when none is configured:
+// one shard, dynamic mapping, and the tombstone marker field.
+//
+//go:embed mapping.json
+var DefaultMapping []byte
+
+// NewClient returns an olivere/elastic client for one engine address.
+// Sniffing and the health checker are off: they assume a cluster whose node
+// addresses are reachable from here, which a single loopback node, a proxy
+// or a managed service behind a load balancer are not.
+func NewClient(rawURL string) (*elastic.Client, error) {
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConnsPerHost = 64
+	c, err := elastic.NewSimpleClient(
+		elastic.SetURL(rawURL),
+		elastic.SetSniff(false),
+		elastic.SetHealthcheck(false),
+		elastic.SetHttpClient(&http.Client{Transport: tr}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("search engine client for ELASTICSEARCH_URL: %w", err)
+	}
+	return c, nil
+}
+
+// IsRetryable reports whether a failed request to the search engine may
+// succeed when sent again: overload (429), timeouts (408), server errors
+// (5xx) and anything that never got an HTTP answer (connection refused or
+// reset, no node available). Other 4xx answers will not heal.
+func IsRetryable(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) {
+		return false
+	}
+	var ee *elastic.Error
+	if errors.As(err, &ee) {
+		return ee.Status == http.StatusTooManyRequests || ee.Status == http.StatusRequestTimeout || ee.Status >= 500
+	}
+	return true
+}
+
+// retryableItemTypes are bulk item error types worth sending again even
+// when their status alone would not say so.
+var retryableItemTypes = map[string]bool{
+	"es_rejected_execution_exception":         true,
+	"cluster_block_exception":                 true, // read-only index (disk watermark): heals when an operator frees space
+	"index_not_found_exception":               true, // the write alias is missing (require_alias): heals when it comes back
+	"unavailable_shards_exception":            true,
+	"circuit_breaking_exception":              true,
+	"process_cluster_event_timeout_exception": true,
+}
+
+type itemOutcome int
+
+const (
+	outcomeIndexed itemOutcome = iota
+	outcomeConflict
+	outcomeRetry
+	outcomePermanent
+)
+
+type bulkItemResult struct {
+	Status int `json:"status"`
+	Error  *struct {
+		Type   string `json:"type"`
+		Reason string `json:"reason"`
+	} `json:"error"`
+}
+
+func (r bulkItemResult) outcome() itemOutcome {
+	switch {
+	case r.Status >= 200 && r.Status < 300:
+		return outcomeIndexed
+	case r.Status == http.StatusConflict:
+		return outcomeConflict
+	case r.Status == http.StatusTooManyRequests || r.Status >= 500:
+		return outcomeRetry
+	case r.Error != nil && retryableItemTypes[r.Error.Type]:
+		return outcomeRetry
+	default:
+		return outcomePermanent
+	}
+}
+
+func (r bulkItemResult) itemError() *itemError {
+	e := &itemError{Status: r.Status, Code: "http_" + strconv.Itoa(r.Status)}
+	if r.Error != nil {
+		e.Code, e.Reason = r.Error.Type, r.Error.Reason
+	}
+	return e
+}
+
+type bulkResponse struct {
+	Errors bool                        `json:"errors"`
+	Items  []map[string]bulkItemResult `json:"items"`
+}
+
+var bulkParams = url.Values{
+	// A missing write alias must fail the items, not auto-create an index
+	// named like the alias.
+	"require_alias": {"true"},
+	"filter_path":   {"errors,items.*.status,items.*.error.type,items.*.error.reason"},
+}
+
+// appendBulk appends one externally versioned index action and its body.
+func appendBulk(buf *bytes.Buffer, index string, d *doc) {
+	buf.WriteString(`{"index":{"_index":`)
+	appendJSONString(buf, index)
+	buf.WriteString(`,"_id":`)
+	appendJSONString(buf, d.id)
+	buf.WriteString(`,"version":`)
+	buf.WriteString(strconv.FormatInt(d.version, 10))
+	buf.WriteString(`,"version_type":"external"}}` + "\n")
+	buf.Write(d.body)
+	buf.WriteByte('\n')
+}
+
+func appendJSONString(buf *bytes.Buffer, s string) {
+	plain := true
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c >= 0x7f || c == '"' || c == '\\' {
+			plain = false
+			break
+		}
+	}
+	if plain {
+		buf.WriteByte('"')
+		buf.WriteString(s)
+		buf.WriteByte('"')
+		return
+	}
+	b, _ := json.Marshal(s) // a Go string always marshals
+	buf.Write(b)
+}
+
+// sendBulk sends docs in one bulk request and returns one result per doc,
+// in order. An error means no item result is known.
+func sendBulk(ctx context.Context, client *elastic.Client, index string, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
+	buf.Reset()
+	for _, d := range docs {
+		appendBulk(buf, index, d)
+	}
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method:      http.MethodPost,
+		Path:        "/_bulk",
+		Params:      bulkParams,
+		Body:        buf.String(),
+		ContentType: "application/x-ndjson",
+	})
+	if err != nil {
+		return nil, err
+	}
+	var br bulkResponse
+	if err := json.Unmarshal(res.Body, &br); err != nil {
+		return nil, fmt.Errorf("decode bulk response: %w", err)
+	}
+	out := make([]bulkItemResult, len(docs))
+	if len(br.Items) != len(docs) {
+		return nil, fmt.Errorf("bulk response has %d items for %d actions", len(br.Items), len(docs))
+	}
+	for i, it := range br.Items {
+		for _, r := range it { // exactly one key: the action name
+			out[i] = r
+		}
+	}
+	return out, nil
+}
+
+// notDeletedFilter is the read alias filter that hides tombstones.
+var notDeletedFilter = map[string]any{
+	"bool": map[string]any{"must_not": []any{map[string]any{"term": map[string]any{DeletedField: true}}}},
+}
+
+// AliasTargets returns the indices alias points at (none if it does not
+// exist).
+func AliasTargets(ctx context.Context, client *elastic.Client, alias string) ([]string, error) {
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method:       http.MethodGet,
+		Path:         "/_alias/" + url.PathEscape(alias),
+		IgnoreErrors: []int{http.StatusNotFound},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("get alias %s: %w", alias, err)
+	}
+	if res.StatusCode == http.StatusNotFound {
+		return nil, nil
+	}
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(res.Body, &m); err != nil {
+		return nil, fmt.Errorf("decode alias %s: %w", alias, err)
+	}
+	out := make([]string, 0, len(m))
+	for idx := range m {
+		out = append(out, idx)
+	}
+	return out, nil
+}
+
+// EnsureIndex makes sure the write alias exists. When it does not, it
+// creates "<alias>_v1" from mapping with both aliases in the same call, so
+// no reader ever sees one alias without the other. Several indexers may
+// race here; the loser finds the index created.
+func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias string, mapping []byte) (string, error) {
+	targets, err := AliasTargets(ctx, client, writeAlias)
+	if err != nil {
+		return "", err
+	}
+	if len(targets) == 1 {
+		return targets[0], nil
+	}
+	if len(targets) > 1 {
+		return "", fmt.Errorf("write alias %s points at %d indices %v; want one", writeAlias, len(targets), targets)
+	}
+	index := alias + "_v1"
+	if err := CreateIndex(ctx, client, index, mapping, map[string]any{
+		alias:      map[string]any{"filter": notDeletedFilter},
+		writeAlias: map[string]any{"is_write_index": true},
+	}); err != nil {
+		return "", err
+	}
+	return index, nil
+}
+
+// CreateIndex creates index from a create-index body (settings, mappings)
+// plus aliases. An index that already exists is not an error; its aliases
+// are then added in one _aliases call.
+func CreateIndex(ctx context.Context, client *elastic.Client, index string, mapping []byte, aliases map[string]any) error {
+	var body map[string]any
+	if err := json.Unmarshal(mapping, &body); err != nil {
+		return fmt.Errorf("index mapping is not a JSON object: %w", err)
+	}
+	if len(aliases) > 0 {
+		body["aliases"] = aliases
+	}
+	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodPut,
+		Path:   "/" + url.PathEscape(index),
+		Body:   body,
+	})
+	var ee *elastic.Error
+	if errors.As(err, &ee) && ee.Details != nil && ee.Details.Type == "resource_already_exists_exception" {
+		var actions []any
+		for name, spec := range aliases {
+			a := map[string]any{"index": index, "alias": name}
+			for k, v := range spec.(map[string]any) {
+				a[k] = v
+			}
+			actions = append(actions, map[string]any{"add": a})
+		}
+		if len(actions) == 0 {
+			return nil
+		}
+		return updateAliases(ctx, client, actions)
+	}
+	if err != nil {
+		return fmt.Errorf("create index %s: %w", index, err)
+	}
+	return nil
+}
+
+func updateAliases(ctx context.Context, client *elastic.Client, actions []any) error {
+	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodPost,
+		Path:   "/_aliases",
+		Body:   map[string]any{"actions": actions},
+	})
+	if err != nil {
+		return fmt.Errorf("update aliases: %w", err)
+	}
+	return nil
+}
+
+func refresh(ctx context.Context, client *elastic.Client, index string) error {
+	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/" + url.PathEscape(index) + "/_refresh"})
+	if err != nil {
+		return fmt.Errorf("refresh %s: %w", index, err)
+	}
+	return nil
+}
+
+// pingTimeout bounds the readiness check.
+const pingTimeout = 2 * time.Second
+
+func ping(ctx context.Context, client *elastic.Client) error {
+	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
+	defer cancel()
+	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodGet, Path: "/"})
+	return err
+}

@@ -1,0 +1,163 @@
+package sink
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// faultInjector is an httptest server in front of the real engine. Bulk
+// requests pass through it item by item: items it is told to fail get a
+// synthetic error answer and are NOT forwarded, the rest reach the real
+// engine, and the answers are merged back in request order. So a "partial
+// bulk failure" is a real one from the indexer's point of view, and the
+// data that did get through is really in the index.
+type itemFault struct {
+	times  int
+	answer bulkItemResult
+}
+
+type faultInjector struct {
+	srv    *httptest.Server
+	target *url.URL
+
+	mu sync.Mutex
+	// failRequests: the next N bulk requests are answered with this status
+	// as a whole.
+	failRequests       int
+	failRequestsStatus int
+	// failItems: id → how many more times its bulk item fails, and how.
+	failItems map[string]*itemFault
+	// bulks records the ids of every bulk request that reached the engine.
+	bulks [][]string
+}
+
+func newFaultInjector(t testing.TB, target string) *faultInjector {
+	t.Helper()
+	u, err := url.Parse(target)
+	require.NoError(t, err)
+	fi := &faultInjector{target: u, failItems: map[string]*itemFault{}}
+	proxy := httputil.NewSingleHostReverseProxy(u)
+	fi.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost && r.URL.Path == "/_bulk" {
+			fi.bulk(w, r)
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(fi.srv.Close)
+	return fi
+}
+
+func (fi *faultInjector) URL() string { return fi.srv.URL }
+
+func (fi *faultInjector) failNextRequests(n, status int) {
+	fi.mu.Lock()
+	defer fi.mu.Unlock()
+	fi.failRequests, fi.failRequestsStatus = n, status
+}
+
+func (fi *faultInjector) failItem(id string, times, status int, typ string) {
+	fi.mu.Lock()
+	defer fi.mu.Unlock()
+	f := &itemFault{times: times, answer: bulkItemResult{Status: status}}
+	fi.failItems[id] = f
+	f.answer.Error = &struct {
+		Type   string `json:"type"`
+		Reason string `json:"reason"`
+	}{typ, "injected by the test"}
+}
+
+func (fi *faultInjector) bulkIDs() [][]string {
+	fi.mu.Lock()
+	defer fi.mu.Unlock()
+	return append([][]string(nil), fi.bulks...)
+}
+
+func (fi *faultInjector) bulk(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	fi.mu.Lock()
+	if fi.failRequests > 0 {
+		fi.failRequests--
+		status := fi.failRequestsStatus
+		fi.mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		fmt.Fprintf(w, `{"error":{"type":"es_rejected_execution_exception","reason":"injected"},"status":%d}`, status)
+		return
+	}
+	// Split into (action, source) pairs and decide per item.
+	type pair struct{ action, source []byte }
+	var pairs []pair
+	sc := bufio.NewScanner(bytes.NewReader(body))
+	sc.Buffer(make([]byte, 1<<20), 64<<20)
+	for sc.Scan() {
+		a := append([]byte(nil), sc.Bytes()...)
+		sc.Scan()
+		pairs = append(pairs, pair{a, append([]byte(nil), sc.Bytes()...)})
+	}
+	answers := make([]json.RawMessage, len(pairs))
+	var forward bytes.Buffer
+	var forwardIdx []int
+	var ids []string
+	for i, p := range pairs {
+		var a map[string]struct {
+			ID string `json:"_id"`
+		}
+		_ = json.Unmarshal(p.action, &a)
+		id := a["index"].ID
+		ids = append(ids, id)
+		if f := fi.failItems[id]; f != nil && f.times > 0 {
+			f.times--
+			b, _ := json.Marshal(map[string]bulkItemResult{"index": f.answer})
+			answers[i] = b
+			continue
+		}
+		forward.Write(p.action)
+		forward.WriteByte('\n')
+		forward.Write(p.source)
+		forward.WriteByte('\n')
+		forwardIdx = append(forwardIdx, i)
+	}
+	fi.bulks = append(fi.bulks, ids)
+	fi.mu.Unlock()
+	if len(forwardIdx) > 0 {
+		u := *fi.target
+		u.Path, u.RawQuery = "/_bulk", r.URL.RawQuery
+		res, err := http.Post(u.String(), "application/x-ndjson", &forward)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		defer res.Body.Close()
+		rb, _ := io.ReadAll(res.Body)
+		if res.StatusCode != http.StatusOK {
+			w.WriteHeader(res.StatusCode)
+			_, _ = w.Write(rb)
+			return
+		}
+		var br struct {
+			Items []json.RawMessage `json:"items"`
+		}
+		if err := json.Unmarshal(rb, &br); err != nil || len(br.Items) != len(forwardIdx) {
+			http.Error(w, "injector: bad engine answer: "+string(rb), http.StatusBadGateway)
+			return
+		}
+		for j, i := range forwardIdx {
+			answers[i] = br.Items[j]
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	out, _ := json.Marshal(map[string]any{"errors": true, "items": answers})
+	_, _ = w.Write(out)
+}

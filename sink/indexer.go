@@ -1,0 +1,395 @@
+package sink
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/olivere/elastic/v7"
+	"github.com/segmentio/kafka-go"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outboxrelay/outboxrelay/internal/failpoint"
+)
+
+// Sentinel errors.
+var (
+	// ErrRetriesExhausted: the engine kept refusing a batch for longer than
+	// RetryMaxElapsed. Nothing of the batch was committed.
+	ErrRetriesExhausted = errors.New("search engine retries exhausted")
+)
+
+// Failpoints crash tests can arm (internal/failpoint).
+const (
+	FailpointAfterBulk   = "sink.after-bulk"   // batch indexed, offsets not committed
+	FailpointAfterCommit = "sink.after-commit" // offsets committed
+)
+
+// Indexer consumes the topic in a consumer group and writes every message
+// into the search index through the write alias. Build it with [New] and
+// call [Indexer.Run].
+type Indexer struct {
+	cfg      Config
+	log      *slog.Logger
+	client   *elastic.Client
+	dlq      *deadLetterWriter
+	throttle *throttle
+	m        *metrics
+	// onBatch, if set, is called after every resolved and committed batch
+	// (tests).
+	onBatch func(Batch)
+}
+
+// Batch describes one resolved batch, for [Config] observers and tests.
+type Batch struct {
+	Lane                                     int
+	Docs, Indexed, Conflicts, Dead, Attempts int
+}
+
+// New validates cfg and builds an Indexer. It does not touch the network.
+func New(cfg Config) (*Indexer, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, &ConfigError{Err: err}
+	}
+	client, err := NewClient(cfg.URL)
+	if err != nil {
+		return nil, &ConfigError{Err: err}
+	}
+	m := newMetrics(cfg.Registerer)
+	return &Indexer{
+		cfg:      cfg,
+		log:      cfg.Logger,
+		client:   client,
+		dlq:      newDeadLetterWriter(cfg),
+		throttle: newThrottle(cfg.MaxRate, cfg.BatchSize, m.rateLimit.Set),
+		m:        m,
+	}, nil
+}
+
+// ConfigError is a bad setting (exit code 2 in the command).
+type ConfigError struct{ Err error }
+
+func (e *ConfigError) Error() string { return e.Err.Error() }
+func (e *ConfigError) Unwrap() error { return e.Err }
+
+// Client returns the search engine client.
+func (ix *Indexer) Client() *elastic.Client { return ix.client }
+
+// Ping checks that the engine answers (readiness).
+func (ix *Indexer) Ping(ctx context.Context) error { return ping(ctx, ix.client) }
+
+// Run consumes until ctx ends or a batch fails for good. It creates the
+// index and its aliases when missing and the dead-letter topic when
+// missing. When ctx ends, the batch in flight is abandoned uncommitted (its
+// messages are replayed harmlessly by whoever owns the partition next).
+func (ix *Indexer) Run(ctx context.Context) error {
+	index, err := EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
+	if err != nil {
+		return err
+	}
+	if err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1); err != nil {
+		return err
+	}
+	ix.log.Info("indexer starting",
+		slog.String("topic", ix.cfg.Topic), slog.String("group", ix.cfg.Group),
+		slog.String("write_alias", ix.cfg.WriteAlias), slog.String("index", index),
+		slog.Int("lanes", ix.cfg.Lanes), slog.Int("batch_size", ix.cfg.BatchSize))
+
+	reader := kafka.NewReader(kafka.ReaderConfig{
+		Brokers:           ix.cfg.Brokers,
+		GroupID:           ix.cfg.Group,
+		Topic:             ix.cfg.Topic,
+		MinBytes:          1,
+		MaxBytes:          16 << 20,
+		MaxWait:           250 * time.Millisecond,
+		QueueCapacity:     ix.cfg.BatchSize,
+		CommitInterval:    0, // synchronous: CommitMessages returns once the broker has the offsets
+		StartOffset:       kafka.FirstOffset,
+		SessionTimeout:    ix.cfg.SessionTimeout,
+		HeartbeatInterval: ix.cfg.HeartbeatInterval,
+		RebalanceTimeout:  ix.cfg.SessionTimeout,
+		JoinGroupBackoff:  time.Second,
+		ReadLagInterval:   -1,
+		ErrorLogger: kafka.LoggerFunc(func(msg string, args ...any) {
+			ix.log.Warn("kafka reader", slog.String("error", fmt.Sprintf(msg, args...)))
+		}),
+	})
+	defer reader.Close()
+	defer ix.dlq.Close()
+
+	g, gctx := errgroup.WithContext(ctx)
+	lanes := make([]chan *doc, ix.cfg.Lanes)
+	for i := range lanes {
+		lanes[i] = make(chan *doc, ix.cfg.BatchSize)
+		g.Go(func() error { return ix.runLane(gctx, reader, i, lanes[i]) })
+	}
+	g.Go(func() error {
+		for {
+			m, err := reader.FetchMessage(gctx)
+			if err != nil {
+				if gctx.Err() != nil {
+					return nil
+				}
+				return fmt.Errorf("fetch from %s: %w", ix.cfg.Topic, err)
+			}
+			d := parse(m, ix.cfg.MaxDocumentBytes)
+			select {
+			case lanes[m.Partition%len(lanes)] <- d:
+			case <-gctx.Done():
+				return nil
+			}
+		}
+	})
+	err = g.Wait()
+	if err == nil && ctx.Err() != nil {
+		ix.log.Info("indexer stopped")
+	}
+	return err
+}
+
+// runLane batches the documents of its partitions by count, bytes and
+// time, resolves each batch completely, then commits its offsets.
+func (ix *Indexer) runLane(ctx context.Context, reader *kafka.Reader, lane int, in <-chan *doc) error {
+	batch := make([]*doc, 0, ix.cfg.BatchSize)
+	size := 0
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	flush := func() error {
+		if len(batch) == 0 {
+			return nil
+		}
+		res, err := ix.resolve(ctx, batch)
+		if err != nil {
+			return err
+		}
+		res.Lane = lane
+		failpoint.Hit(FailpointAfterBulk)
+		if err := ix.commit(ctx, reader, batch); err != nil {
+			return err
+		}
+		failpoint.Hit(FailpointAfterCommit)
+		if ix.onBatch != nil {
+			ix.onBatch(res)
+		}
+		batch, size = batch[:0], 0
+		return nil
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case d := <-in:
+			if len(batch) == 0 {
+				timer.Reset(ix.cfg.FlushInterval)
+			}
+			batch = append(batch, d)
+			size += len(d.body) + len(d.id) + 80
+			if len(batch) >= ix.cfg.BatchSize || size >= ix.cfg.BatchBytes {
+				timer.Stop()
+				if err := flush(); err != nil {
+					return err
+				}
+			}
+		case <-timer.C:
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// commit commits the batch's offsets. The batch is fully resolved, so the
+// commit goes through even when ctx has just ended: that is the point where
+// the work is known to be done. A failed commit is not fatal: the messages
+// are replayed and the replay is harmless.
+func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, batch []*doc) error {
+	msgs := make([]kafka.Message, len(batch))
+	lag := map[int]int64{}
+	for i, d := range batch {
+		msgs[i] = d.msg
+		lag[d.msg.Partition] = d.msg.HighWaterMark - d.msg.Offset - 1
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ix.cfg.SessionTimeout)
+	defer cancel()
+	if err := reader.CommitMessages(cctx, msgs...); err != nil {
+		ix.m.commitErrs.Inc()
+		ix.log.Warn("offset commit failed; the batch will be replayed", slog.Int("docs", len(batch)), slog.String("error", err.Error()))
+		return nil
+	}
+	for p, l := range lag {
+		ix.m.setLag(p, max(l, 0))
+	}
+	return nil
+}
+
+func (ix *Indexer) newBackOff(ctx context.Context) backoff.BackOff {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval = ix.cfg.RetryInitial
+	b.MaxInterval = ix.cfg.RetryMax
+	b.MaxElapsedTime = ix.cfg.RetryMaxElapsed
+	b.RandomizationFactor = 0.5
+	b.Reset()
+	return backoff.WithContext(b, ctx)
+}
+
+// resolve brings every document of the batch to a final state: indexed,
+// conflict (stale or duplicate: the index already holds this version or a
+// newer one) or dead-lettered. It returns an error only when that is not
+// possible (ctx ended, retries exhausted, dead-letter topic unwritable).
+func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
+	res := Batch{Docs: len(batch)}
+	var dead []*doc
+	pending := make([]*doc, 0, len(batch))
+	for _, d := range batch {
+		if d.poison != nil {
+			dead = append(dead, d)
+			continue
+		}
+		pending = append(pending, d)
+	}
+	if err := ix.throttle.wait(ctx, len(pending)); err != nil {
+		return res, err
+	}
+	bo := ix.newBackOff(ctx)
+	var buf bytes.Buffer
+	oneByOne := false // after a 413: the request, not an item, was too large
+	for len(pending) > 0 {
+		res.Attempts++
+		step := len(pending)
+		if oneByOne {
+			step = 1
+		}
+		var retry []*doc
+		var reqErr error
+		saw429 := false
+		started := time.Now()
+		sent := 0
+		for lo := 0; lo < len(pending); lo += step {
+			chunk := pending[lo:min(lo+step, len(pending))]
+			results, err := ix.bulk(ctx, chunk, &buf)
+			if err != nil {
+				if ctx.Err() != nil {
+					return res, ctx.Err()
+				}
+				if elastic.IsStatusCode(err, http.StatusRequestEntityTooLarge) {
+					if len(chunk) > 1 {
+						oneByOne = true
+						retry = append(retry, pending[lo:]...)
+						break
+					}
+					chunk[0].poison = &itemError{Code: CodeDocumentTooLarge, Reason: "the engine refused the request as too large", Status: http.StatusRequestEntityTooLarge}
+					dead = append(dead, chunk[0])
+					continue
+				}
+				if !IsRetryable(err) {
+					return res, fmt.Errorf("bulk request to %s refused: %w", ix.cfg.WriteAlias, err)
+				}
+				saw429 = saw429 || elastic.IsStatusCode(err, http.StatusTooManyRequests)
+				reqErr = err
+				ix.m.retries.WithLabelValues("request").Add(float64(len(chunk)))
+				retry = append(retry, chunk...)
+				continue
+			}
+			sent += len(chunk)
+			for i, r := range results {
+				d := chunk[i]
+				switch r.outcome() {
+				case outcomeIndexed:
+					res.Indexed++
+					if d.op == opDelete {
+						ix.m.docs.WithLabelValues("deleted").Inc()
+					} else {
+						ix.m.docs.WithLabelValues("indexed").Inc()
+					}
+				case outcomeConflict:
+					res.Conflicts++
+					ix.m.docs.WithLabelValues("conflict").Inc()
+				case outcomeRetry:
+					if r.Status == http.StatusTooManyRequests {
+						saw429 = true
+						ix.m.retries.WithLabelValues("item_429").Inc()
+					} else if r.Status >= 500 {
+						ix.m.retries.WithLabelValues("item_5xx").Inc()
+					} else {
+						ix.m.retries.WithLabelValues("item_other").Inc()
+					}
+					if reqErr == nil {
+						reqErr = r.itemError()
+					}
+					retry = append(retry, d)
+				case outcomePermanent:
+					d.poison = r.itemError()
+					dead = append(dead, d)
+				}
+			}
+		}
+		if elapsed := time.Since(started).Seconds(); elapsed > 0 {
+			if saw429 {
+				ix.throttle.overloaded(float64(sent) / elapsed)
+			} else if len(retry) == 0 {
+				ix.throttle.healthy(float64(sent) / elapsed)
+			}
+		}
+		pending = retry
+		if len(pending) == 0 {
+			break
+		}
+		wait := bo.NextBackOff()
+		if wait == backoff.Stop {
+			if ctx.Err() != nil {
+				return res, ctx.Err()
+			}
+			return res, fmt.Errorf("%w: %d document(s) still refused after %s: %v", ErrRetriesExhausted, len(pending), ix.cfg.RetryMaxElapsed, reqErr)
+		}
+		ix.log.Warn("retrying bulk items", slog.Int("items", len(pending)), slog.Int("attempt", res.Attempts), slog.Duration("wait", wait), slog.Any("error", reqErr))
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return res, ctx.Err()
+		}
+	}
+	if len(dead) > 0 {
+		if err := ix.dlq.write(ctx, ix.cfg, dead); err != nil {
+			return res, err
+		}
+		for _, d := range dead {
+			ix.m.docs.WithLabelValues("dead_lettered").Inc()
+			ix.m.deadLetters.WithLabelValues(d.poison.Code).Inc()
+			ix.log.Warn("message dead-lettered",
+				slog.String("id", d.id), slog.Int("partition", d.msg.Partition), slog.Int64("offset", d.msg.Offset),
+				slog.String("code", d.poison.Code), slog.String("reason", d.poison.Reason), slog.String("traceparent", traceparent(d.msg)))
+		}
+		res.Dead = len(dead)
+	}
+	return res, nil
+}
+
+func (e *itemError) Error() string {
+	return fmt.Sprintf("%s (status %d): %s", e.Code, e.Status, e.Reason)
+}
+
+func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
+	ctx, cancel := context.WithTimeout(ctx, ix.cfg.RequestTimeout)
+	defer cancel()
+	start := time.Now()
+	res, err := sendBulk(ctx, ix.client, ix.cfg.WriteAlias, docs, buf)
+	took := time.Since(start)
+	ix.m.bulkSeconds.Observe(took.Seconds())
+	if ix.cfg.BulkObserver != nil {
+		ix.cfg.BulkObserver(len(docs), buf.Len(), took)
+	}
+	ix.m.bulkDocs.Observe(float64(len(docs)))
+	ix.m.bulkBytes.Observe(float64(buf.Len()))
+	return res, err
+}
+
+func traceparent(m kafka.Message) string {
+	v, _ := header(m, "traceparent")
+	return v
+}

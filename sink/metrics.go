@@ -1,0 +1,72 @@
+package sink
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metrics are the indexer's Prometheus series. Names start with indexer_.
+type metrics struct {
+	docs        *prometheus.CounterVec // result = indexed | deleted | conflict | dead_lettered
+	retries     *prometheus.CounterVec // reason = item_429 | item_5xx | item_other | request
+	deadLetters *prometheus.CounterVec // code
+	bulkSeconds prometheus.Histogram
+	bulkDocs    prometheus.Histogram
+	bulkBytes   prometheus.Histogram
+	lag         *prometheus.GaugeVec // partition
+	rateLimit   prometheus.Gauge
+	commitErrs  prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		docs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "indexer_docs_total",
+			Help: "Documents resolved, by result: indexed, deleted (tombstone written), conflict (stale or duplicate, counted as success), dead_lettered.",
+		}, []string{"result"}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "indexer_retries_total",
+			Help: "Bulk items (or whole requests) sent again, by reason.",
+		}, []string{"reason"}),
+		deadLetters: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "indexer_dead_lettered_total",
+			Help: "Messages written to the dead-letter topic, by error code.",
+		}, []string{"code"}),
+		bulkSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "indexer_bulk_duration_seconds",
+			Help:    "Latency of one bulk request.",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
+		}),
+		bulkDocs: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "indexer_bulk_size_docs",
+			Help:    "Documents per bulk request.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 14),
+		}),
+		bulkBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "indexer_bulk_size_bytes",
+			Help:    "Bytes per bulk request body.",
+			Buckets: prometheus.ExponentialBuckets(1024, 2, 14),
+		}),
+		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "indexer_consumer_lag",
+			Help: "Messages behind the partition's high watermark after the last resolved batch.",
+		}, []string{"partition"}),
+		rateLimit: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "indexer_rate_limit_docs_per_second",
+			Help: "Current document budget of the process; 0 means unlimited.",
+		}),
+		commitErrs: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "indexer_commit_errors_total",
+			Help: "Offset commits that failed (the messages are replayed, harmlessly).",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs)
+	}
+	return m
+}
+
+func (m *metrics) setLag(partition int, lag int64) {
+	m.lag.WithLabelValues(strconv.Itoa(partition)).Set(float64(lag))
+}
