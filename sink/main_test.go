@@ -19,6 +19,7 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
+	"github.com/outboxrelay/outboxrelay/reconcile"
 )
 
 func TestMain(m *testing.M) { stack.Main(m) }
@@ -201,7 +202,30 @@ func (f *fixture) get(id string) storedDoc {
 	require.NoError(f.t, err)
 	var d storedDoc
 	require.NoError(f.t, json.Unmarshal(res.Body, &d))
+	if d.Found {
+		d.Source = stripReconcileFields(f.t, id, d.Version, d.Source)
+	}
 	return d
+}
+
+// stripReconcileFields checks the fields the indexer adds for package
+// reconcile and returns the document without them, as the user wrote it.
+// Documents the test wrote directly into the engine come back unchanged.
+func stripReconcileFields(t testing.TB, id string, version int64, src json.RawMessage) json.RawMessage {
+	t.Helper()
+	var m map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(src, &m))
+	if _, byIndexer := m[reconcile.FieldBucket]; !byIndexer {
+		return src // written by the test itself, not through the indexer
+	}
+	deleted := string(m[DeletedField]) == "true"
+	require.Equal(t, strconv.Itoa(reconcile.Bucket(id)), string(m[reconcile.FieldBucket]), "%s of %s", reconcile.FieldBucket, id)
+	require.Equal(t, strconv.FormatInt(reconcile.IDV(id, version, deleted), 10), string(m[reconcile.FieldIDV]), "%s of %s", reconcile.FieldIDV, id)
+	delete(m, reconcile.FieldBucket)
+	delete(m, reconcile.FieldIDV)
+	out, err := json.Marshal(m)
+	require.NoError(t, err)
+	return out
 }
 
 // search returns id → source of every document a user sees through alias.
@@ -227,7 +251,7 @@ func (f *fixture) search(alias string) map[string]string {
 	require.NoError(f.t, json.Unmarshal(res.Body, &sr))
 	out := map[string]string{}
 	for _, h := range sr.Hits.Hits {
-		out[h.ID] = fmt.Sprintf("v%d %s", h.Version, h.Source)
+		out[h.ID] = fmt.Sprintf("v%d %s", h.Version, stripReconcileFields(f.t, h.ID, h.Version, h.Source))
 	}
 	return out
 }

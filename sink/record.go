@@ -9,6 +9,7 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
+	"github.com/outboxrelay/outboxrelay/reconcile"
 )
 
 // DeletedField marks a delete tombstone document. The read alias filters
@@ -111,12 +112,29 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 			}
 			trimmed = buf.Bytes()
 		}
-		d.body = trimmed
+		d.body = withReconcileFields(trimmed, d.id, d.version, false)
 	case outbox.TypePrefix + "delete":
 		d.op = opDelete
-		d.body = tombstoneDoc
+		d.body = withReconcileFields(tombstoneDoc, d.id, d.version, true)
 	default:
 		return poison(CodeUnknownType, "header %s=%q: want %supsert or %sdelete", outbox.HeaderType, typ, outbox.TypePrefix, outbox.TypePrefix)
 	}
 	return d
+}
+
+// withReconcileFields appends the fields package reconcile aggregates on
+// (the id's bucket and a hash of id, version and deleted-ness) to a JSON
+// object, so reconciliation compares summaries instead of scanning
+// documents. _bucket and _idv are reserved names in indexed documents.
+func withReconcileFields(obj []byte, id string, version int64, deleted bool) []byte {
+	out := make([]byte, 0, len(obj)+48)
+	out = append(out, obj[:len(obj)-1]...) // without the closing brace
+	if len(bytes.TrimSpace(out[1:])) > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, `"`+reconcile.FieldBucket+`":`...)
+	out = strconv.AppendInt(out, int64(reconcile.Bucket(id)), 10)
+	out = append(out, `,"`+reconcile.FieldIDV+`":`...)
+	out = strconv.AppendInt(out, reconcile.IDV(id, version, deleted), 10)
+	return append(out, '}')
 }

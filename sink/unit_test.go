@@ -1,6 +1,8 @@
 package sink
 
 import (
+	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -9,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
+	"github.com/outboxrelay/outboxrelay/reconcile"
 )
 
 func TestParse(t *testing.T) {
@@ -49,9 +52,22 @@ func TestParse(t *testing.T) {
 			}
 			require.Nil(t, d.poison)
 			require.Equal(t, tt.wantOp, d.op)
-			require.Equal(t, tt.wantBody, string(d.body))
+			require.Equal(t, string(withReconcileFields([]byte(tt.wantBody), "a", tt.wantVer, tt.wantOp == opDelete)), string(d.body))
 			require.Equal(t, tt.wantVer, d.version)
 		})
+	}
+}
+
+func TestWithReconcileFields(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ name, in, want string }{
+		{"empty object", `{}`, `{"_bucket":%d,"_idv":%d}`},
+		{"object", `{"x":1}`, `{"x":1,"_bucket":%d,"_idv":%d}`},
+		{"spaces inside", `{ }`, `{ "_bucket":%d,"_idv":%d}`},
+	} {
+		got := withReconcileFields([]byte(tc.in), "42", 3, false)
+		require.Equal(t, fmt.Sprintf(tc.want, reconcile.Bucket("42"), reconcile.IDV("42", 3, false)), string(got), tc.name)
+		require.True(t, json.Valid(got), tc.name)
 	}
 }
 
