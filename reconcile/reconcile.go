@@ -34,8 +34,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"net/url"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -100,6 +103,11 @@ type Config struct {
 	// Limit caps the drifted ids listed per kind (counts stay exact).
 	// Default 10,000.
 	Limit int
+	// DeleteGC is how long the engine remembers a delete (the index's
+	// index.gc_deletes). 0 = read it from the index.
+	DeleteGC time.Duration
+	// Logger, if set, tells what Repair waits for.
+	Logger *slog.Logger
 }
 
 func (c *Config) validate() error {
@@ -365,10 +373,14 @@ type RepairResult struct {
 // Repair re-enqueues outbox events for the missing and stale ids of rep and
 // deletes its extras from the index. A stale document that is ahead of the
 // source ([Drift.IndexAhead]) is deleted first, so the re-enqueued event
-// can land; the engine refuses it until it forgets the delete
-// (index.gc_deletes), in which case the next reconcile reports the id as
-// missing and the next repair finishes it. Lists are capped by
-// Config.Limit: when a count exceeds its list, run again after.
+// can land. A delete made outside the pipeline (by hand, or by Repair)
+// leaves a version tombstone the engine keeps for index.gc_deletes; an
+// event at the source version would be refused as stale until then, so
+// Repair waits that long (plus a refresh) before it enqueues when any
+// document is missing or was removed. The indexer itself never deletes
+// (see package sink), so a short gc_deletes is safe and makes this fast.
+// Lists are capped by Config.Limit: when a count exceeds its list, run
+// again after.
 func Repair(ctx context.Context, cfg Config, rep Report) (RepairResult, error) {
 	if err := cfg.validate(); err != nil {
 		return RepairResult{}, err
@@ -393,6 +405,11 @@ func Repair(ctx context.Context, cfg Config, rep Report) (RepairResult, error) {
 			if item.Status < 300 || item.Status == 404 {
 				res.Removed++
 			}
+		}
+	}
+	if len(remove) > 0 || len(rep.Missing) > 0 {
+		if err := waitForgetDeletes(ctx, cfg); err != nil {
+			return res, err
 		}
 	}
 	ids := make([]string, 0, len(rep.Missing)+len(rep.Stale))
@@ -445,4 +462,79 @@ WHERE source = $1 AND source_id = ANY($2)`, cfg.Source, ids)
 		}
 	}
 	return res, nil
+}
+
+// waitForgetDeletes waits until the engine has forgotten the deletes made
+// so far: index.gc_deletes, then a refresh (tombstones are pruned on
+// refresh).
+func waitForgetDeletes(ctx context.Context, cfg Config) error {
+	gc := cfg.DeleteGC
+	if gc == 0 {
+		var err error
+		if gc, err = indexDeleteGC(ctx, cfg); err != nil {
+			return err
+		}
+	}
+	wait := gc + time.Second
+	if cfg.Logger != nil {
+		cfg.Logger.InfoContext(ctx, "waiting for the engine to forget deletes before re-enqueuing (index.gc_deletes)", slog.Duration("wait", wait))
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+	}
+	if _, err := cfg.Search.Refresh(cfg.Index).Do(ctx); err != nil {
+		return fmt.Errorf("refresh %s: %w", cfg.Index, err)
+	}
+	return nil
+}
+
+func indexDeleteGC(ctx context.Context, cfg Config) (time.Duration, error) {
+	resp, err := cfg.Search.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: "GET",
+		Path:   "/" + url.PathEscape(cfg.Index) + "/_settings/index.gc_deletes",
+		Params: url.Values{"include_defaults": {"true"}, "flat_settings": {"true"}},
+	})
+	if err != nil {
+		return 0, fmt.Errorf("read index.gc_deletes of %s: %w", cfg.Index, err)
+	}
+	var body map[string]struct {
+		Settings map[string]string `json:"settings"`
+		Defaults map[string]string `json:"defaults"`
+	}
+	if err := json.Unmarshal(resp.Body, &body); err != nil {
+		return 0, fmt.Errorf("read index.gc_deletes of %s: %w", cfg.Index, err)
+	}
+	longest := time.Duration(0)
+	for _, idx := range body {
+		v, ok := idx.Settings["index.gc_deletes"]
+		if !ok {
+			v, ok = idx.Defaults["index.gc_deletes"]
+		}
+		if !ok {
+			continue
+		}
+		d, err := parseESDuration(v)
+		if err != nil {
+			return 0, fmt.Errorf("index.gc_deletes=%q of %s: %w", v, cfg.Index, err)
+		}
+		longest = max(longest, d)
+	}
+	if longest == 0 {
+		longest = time.Minute // the engines' default
+	}
+	return longest, nil
+}
+
+// parseESDuration reads the engine's time units ("60s", "1m", "500ms",
+// "1d").
+func parseESDuration(v string) (time.Duration, error) {
+	if n, ok := strings.CutSuffix(v, "d"); ok {
+		d, err := strconv.Atoi(n)
+		return time.Duration(d) * 24 * time.Hour, err
+	}
+	return time.ParseDuration(v)
 }

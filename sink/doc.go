@@ -63,7 +63,16 @@
 // alias does return the tombstone (filters apply to searches only). The
 // cost is one small document per deleted id; a purge of old tombstones is
 // deliberately not automatic, because it would reopen the window it
-// closes for replays older than the purge horizon.
+// closes for replays older than the purge horizon. Since the indexer never
+// deletes, the engine's own delete tombstones only come from deletes made
+// by hand or by reconcile's repair; the built-in mapping sets
+// index.gc_deletes to 5s so that a repair re-enqueued after such a delete
+// is not refused for a minute.
+//
+// Every document also carries _bucket and _idv (reserved field names),
+// the id's bucket and a hash of id, version and deleted-ness, which
+// package reconcile aggregates to compare the index with
+// normalized_records without reading documents.
 //
 // # Index management and reindex
 //

@@ -19,5 +19,6 @@ func commands() []cli.Command {
 		statusCommand(os.Stdout),
 		replayCommand(os.Stdout),
 		reindexCommand(os.Stdout),
+		reconcileCommand(os.Stdout),
 	}
 }

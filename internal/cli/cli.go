@@ -41,6 +41,7 @@ const (
 	ExitError1   = 1 // any failure
 	ExitUsage    = 2 // bad flags, bad settings
 	ExitConflict = 3 // the request conflicts with stored state; nothing changed
+	ExitDrift    = 4 // a check found differences (e.g. reconcile without --repair)
 )
 
 // UsageError marks an error as the caller's (exit code 2).

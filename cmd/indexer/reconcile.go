@@ -1,0 +1,137 @@
+package main
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"text/tabwriter"
+
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
+	"github.com/outboxrelay/outboxrelay/reconcile"
+	"github.com/outboxrelay/outboxrelay/sink"
+)
+
+func reconcileCommand(stdout io.Writer) cli.Command {
+	return cli.Command{
+		Name:    "reconcile",
+		Summary: "compare normalized_records with the index per id bucket; --repair re-enqueues drifted ids",
+		Run: func(ctx context.Context, args []string) error {
+			var (
+				common      cli.Common
+				url, alias  string
+				writeAlias  string
+				source      string
+				topic       string
+				repair      bool
+				asJSON      bool
+				limit, show int
+			)
+			fs := cli.NewFlagSet("indexer reconcile", "Summarises both sides per id bucket (count and a hash of id, version, deleted), reads id by id\nonly the buckets that differ, and reports missing, stale and extra documents. Run it when the\npipeline is drained: events in flight show up as drift. Exit code 4 when drift is found and not\nrepaired.")
+			common.RegisterDatabase(fs)
+			common.RegisterLogging(fs)
+			fs.Secret(&url, "elasticsearch-url", "ELASTICSEARCH_URL", "", "search engine URL, e.g. http://127.0.0.1:9200 (required)")
+			fs.String(&alias, "alias", "ALIAS", sink.DefaultAlias, "read alias of the index")
+			fs.String(&writeAlias, "write-alias", "WRITE_ALIAS", "", `unfiltered alias compared (tombstones included) ("" = <alias>-write)`)
+			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare (the job's source name)")
+			fs.String(&topic, "topic", "TOPIC", sink.DefaultTopic, "topic of the repair events")
+			fs.Bool(&repair, "repair", "", false, "re-enqueue outbox events for missing and stale ids and delete extra documents")
+			fs.Bool(&asJSON, "json", "", false, "print the report as JSON")
+			fs.Int(&limit, "limit", "", 10_000, "most drifted ids listed (and repaired) per kind in one pass")
+			fs.Int(&show, "show", "", 20, "drifted ids printed per kind in the table")
+			if _, err := fs.Parse(args); err != nil {
+				return err
+			}
+			if url == "" {
+				return cli.UsageError("ELASTICSEARCH_URL is required (e.g. http://127.0.0.1:9200)")
+			}
+			pool, err := pgconn.Open(ctx, common.DatabaseURL, 4)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			client, err := sink.NewClient(url)
+			if err != nil {
+				return cli.UsageError("ELASTICSEARCH_URL: %v", err)
+			}
+			cfg := reconcile.Config{
+				DB: pool, Search: client, Index: cmp.Or(writeAlias, alias+"-write"),
+				Source: source, Topic: topic, Limit: limit,
+			}
+			rep, err := reconcile.Run(ctx, cfg)
+			if err != nil {
+				return err
+			}
+			var fixed *reconcile.RepairResult
+			if repair && !rep.Clean() {
+				res, err := reconcile.Repair(ctx, cfg, rep)
+				if err != nil {
+					return err
+				}
+				fixed = &res
+			}
+			if asJSON {
+				enc := json.NewEncoder(stdout)
+				enc.SetIndent("", "  ")
+				if err := enc.Encode(struct {
+					reconcile.Report
+					Repair *reconcile.RepairResult `json:"repair,omitempty"`
+				}{rep, fixed}); err != nil {
+					return err
+				}
+			} else {
+				printReport(stdout, rep, fixed, show)
+			}
+			if !rep.Clean() && fixed == nil {
+				return &cli.ExitError{Code: cli.ExitDrift, Err: fmt.Errorf("drift: %d missing, %d stale, %d extra (run with --repair to fix)", rep.MissingCount, rep.StaleCount, rep.ExtraCount)}
+			}
+			return nil
+		},
+	}
+}
+
+func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResult, show int) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "source rows\t%d\n", rep.SourceRows)
+	fmt.Fprintf(tw, "index documents\t%d\t(tombstones included)\n", rep.IndexDocs)
+	fmt.Fprintf(tw, "buckets differing\t%d of %d\n", len(rep.DifferingBuckets), reconcile.Buckets)
+	fmt.Fprintf(tw, "documents read\t%d\t(only in differing buckets)\n", rep.DocsRead)
+	fmt.Fprintf(tw, "missing\t%d\n", rep.MissingCount)
+	fmt.Fprintf(tw, "stale\t%d\n", rep.StaleCount)
+	fmt.Fprintf(tw, "extra\t%d\n", rep.ExtraCount)
+	fmt.Fprintf(tw, "took\t%s\n", rep.Took.Round(1e6))
+	tw.Flush()
+	list := func(kind string, ds []reconcile.Drift) {
+		if len(ds) == 0 {
+			return
+		}
+		fmt.Fprintf(w, "\n%s:\n", kind)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "  ID\tSOURCE VERSION\tSOURCE DELETED\tINDEX VERSION\tINDEX DELETED")
+		for i, d := range ds {
+			if i == show {
+				fmt.Fprintf(tw, "  … %d more\n", len(ds)-show)
+				break
+			}
+			fmt.Fprintf(tw, "  %s\t%s\t%v\t%s\t%v\n", d.ID, orDash(d.SourceVersion), d.SourceDeleted, orDash(d.IndexVersion), d.IndexDeleted)
+		}
+		tw.Flush()
+	}
+	list("missing (in normalized_records, not in the index)", rep.Missing)
+	list("stale (another version or deleted-ness in the index)", rep.Stale)
+	list("extra (in the index, not in normalized_records)", rep.Extra)
+	if fixed != nil {
+		fmt.Fprintf(w, "\nrepair: %d outbox event(s) enqueued, %d document(s) removed; run reconcile again once the pipeline has drained\n", fixed.Enqueued, fixed.Removed)
+	} else if rep.Clean() {
+		fmt.Fprintln(w, "\nno drift")
+	}
+}
+
+func orDash(v int64) string {
+	if v == 0 {
+		return "-"
+	}
+	return fmt.Sprint(v)
+}
