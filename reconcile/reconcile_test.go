@@ -2,7 +2,7 @@ package reconcile_test
 
 import (
 	"context"
-		"strconv"
+	"strconv"
 	"testing"
 
 	"github.com/olivere/elastic/v7"
