@@ -20,7 +20,7 @@ const (
 	DefaultPollInterval    = time.Second
 	DefaultBatchSize       = 2000
 	DefaultBatchBytes      = 1_000_000
-	DefaultBatchTimeout    = time.Millisecond
+	DefaultBatchTimeout    = time.Microsecond
 	DefaultWriteTimeout    = 10 * time.Second
 	DefaultRetryMaxElapsed = time.Minute
 	DefaultBacklogInterval = 5 * time.Second
@@ -50,9 +50,11 @@ type Config struct {
 	// the writer's BatchBytes; one event larger than this is dead-lettered.
 	// Keep it at or below the broker's message.max.bytes. Default 1,000,000.
 	BatchBytes int
-	// BatchTimeout is kafka-go's BatchTimeout: how long a partly filled
-	// partition batch waits before it is sent. The publisher hands a whole
-	// batch to one call, so waiting only adds latency. Default 1ms.
+	// BatchTimeout is kafka-go's BatchTimeout: how long a partition's share
+	// of a call that does not fill the batch waits before it is sent. The
+	// publisher hands a whole batch to one call and never adds to it, so
+	// waiting only adds latency (a call's share of a partition is one batch
+	// however short this is). Default 1µs.
 	BatchTimeout time.Duration
 	// WriteTimeout bounds one produce attempt. Default 10s.
 	WriteTimeout time.Duration

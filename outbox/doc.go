@@ -35,16 +35,25 @@
 // after the shard's worker finished its batch in flight, so a shard is never
 // sent from two healthy publishers at once. A publisher that dies loses its
 // shards after LeaseTTL; one that stops cleanly releases them at once.
-// Heartbeats use their own two connections so they never queue behind the
-// shard work.
+// Joining, giving shards back and leaving are announced on the
+// outboxrelay_publishers channel, and the others rebalance at once rather
+// than at their next heartbeat. A starting publisher registers, waits a
+// 100 ms join window, and only then claims, so publishers started together
+// split the shards fairly at once instead of handing them around. Heartbeats use their own two
+// connections so they never queue behind the shard work.
 //
 // # One shard, one batch at a time
 //
 // Each leased shard has one worker: read up to BatchSize unpublished events
 // in id order (and at most BatchBytes), send them in one WriteMessages call
 // with RequiredAcks=all, then delete them in one short statement fenced by
-// the lease (owner and epoch). No transaction or row lock is open while
-// Kafka is waited on. Zero matching lease rows means the shard was lost:
+// the lease (owner and epoch). The delete and the read of the next batch go
+// out as one pipelined round trip (one implicit transaction, committed
+// before the next batch is sent), so a busy shard costs one query per
+// batch. That transaction commits with synchronous_commit off: the broker
+// already has the events, so a database crash that loses the commit only
+// sends them again. No transaction or row lock is open while Kafka is
+// waited on. Zero matching lease rows means the shard was lost:
 // the worker stops and whatever it sent is a duplicate the new owner also
 // sends, never a loss. With Config.Retention the rows move to
 // outbox_published instead and are deleted in batches after the retention,
@@ -63,9 +72,13 @@
 // newer one. kafka-go's own retries are off (MaxAttempts 1: they sleep
 // without a context); the publisher retries with exponential backoff and
 // jitter (backoff/v4), each attempt bounded by WriteTimeout, each loop by
-// RetryMaxElapsed, after which the shard starts over from the database. The
-// default 1 s BatchTimeout would delay every call by a second because a
-// partition's share rarely fills a batch; it is 1 ms here.
+// RetryMaxElapsed, after which the shard starts over from the database.
+// Nothing is ever added to a call, so nothing is waited for: the writer's
+// BatchSize is set to the call's size before each call (a one-partition call
+// is a full batch and leaves at once, and kafka-go no longer allocates a
+// 2000-message buffer for a one-event batch), and BatchTimeout, which only
+// decides when a partition's share of a call is sent, is 1µs (kafka-go's
+// default of 1 s would delay every call by a second).
 //
 // # Commit order
 //
@@ -95,13 +108,15 @@
 //
 // # Wake-up
 //
-// A trigger NOTIFYs outboxrelay_outbox once per INSERT statement (folded to
-// one per transaction). A publisher LISTENs on a connection of its own; on a
-// notification, or every PollInterval when none comes (the fallback while
-// that connection is down), it asks with one query which of its shards hold
-// events and wakes only those workers. A busy worker reads its next batch at
-// once without waiting; an idle publisher costs one small query per
-// PollInterval.
+// A statement-level trigger NOTIFYs outboxrelay_outbox once per INSERT
+// statement with the distinct shards it inserted into as the payload
+// ("3,17,42", from a transition table; delivered at commit). A publisher
+// LISTENs on a connection of its own and wakes those shards' workers
+// directly, with no query in between. Every PollInterval, and for a
+// notification it cannot read, it asks with one query which of its shards
+// hold events (the fallback for lost notifications and while the LISTEN
+// connection is down). A busy worker reads its next batch at once without
+// waiting; an idle publisher costs one small query per PollInterval.
 //
 // # Failures
 //

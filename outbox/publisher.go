@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -14,6 +16,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
 )
+
+// joinWindow is how long a starting publisher waits between registering and
+// claiming shards, so that publishers started together see each other.
+const joinWindow = 100 * time.Millisecond
 
 // ErrLeaseLost is returned inside the publisher when a shard's fenced write
 // found another owner or epoch: the shard worker stops at once.
@@ -35,7 +41,10 @@ type Publisher struct {
 	releasing map[int]bool
 	wg        sync.WaitGroup
 
-	notify chan struct{}
+	notify       chan struct{} // run the pending-shards query now
+	rebalanceNow chan struct{} // membership changed: rebalance before the next heartbeat
+	joined       bool          // the first heartbeat announced this publisher
+	claiming     bool          // the join window passed: claim shards
 
 	failingMu sync.Mutex
 	failing   int // shard workers whose last produce failed
@@ -49,14 +58,15 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 		return nil, err
 	}
 	p := &Publisher{
-		cfg:       cfg,
-		pool:      pool,
-		log:       cfg.Logger.With(slog.String("publisher", cfg.ID)),
-		m:         newPublisherMetrics(cfg.Registerer),
-		base:      time.Now(),
-		workers:   map[int]*shardWorker{},
-		releasing: map[int]bool{},
-		notify:    make(chan struct{}, 1),
+		cfg:          cfg,
+		pool:         pool,
+		log:          cfg.Logger.With(slog.String("publisher", cfg.ID)),
+		m:            newPublisherMetrics(cfg.Registerer),
+		base:         time.Now(),
+		workers:      map[int]*shardWorker{},
+		releasing:    map[int]bool{},
+		notify:       make(chan struct{}, 1),
+		rebalanceNow: make(chan struct{}, 1),
 		transport: &kafka.Transport{
 			Dial:        (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
 			DialTimeout: 5 * time.Second,
@@ -104,6 +114,16 @@ func (p *Publisher) Run(ctx context.Context) error {
 			p.m.errors.WithLabelValues(errKindDatabase).Inc()
 			p.log.Warn("heartbeat failed; shards stop when their lease runs out", slog.String("error", err.Error()))
 		}
+		if p.joined && !p.claiming {
+			// The first heartbeat only registered this publisher. Publishers
+			// started together register within a moment of each other: after
+			// a short join window each one counts all of them and claims its
+			// fair share, instead of the first one claiming all 64 shards and
+			// handing most of them back a batch later.
+			p.claiming = true
+			sleep(ctx, min(p.cfg.LeaseTTL/10, joinWindow))
+			continue
+		}
 		select {
 		case <-ctx.Done():
 			p.stop()
@@ -111,6 +131,7 @@ func (p *Publisher) Run(ctx context.Context) error {
 			p.transport.CloseIdleConnections()
 			return nil
 		case <-beat.C:
+		case <-p.rebalanceNow:
 		}
 	}
 }
@@ -138,6 +159,7 @@ func (p *Publisher) stop() {
 	if _, err := p.leasePool.Exec(ctx, leaveSQL, p.cfg.ID); err != nil {
 		p.log.Warn("leave", slog.String("error", err.Error()))
 	}
+	p.announce(ctx)
 	p.m.shards.Set(0)
 	p.log.Info("publisher stopped", slog.Int("shards_released", len(workers)))
 }
@@ -148,7 +170,10 @@ type lease struct {
 }
 
 // rebalance is one heartbeat: renew membership and leases, then claim or
-// release shards so each live publisher holds about ceil(64/live).
+// release shards so each live publisher holds about ceil(64/live). It also
+// runs at once when another publisher joins, gives shards back or leaves
+// (membersChannel), so a publisher that starts next to a running one gets
+// its share within one batch time instead of one or two heartbeats.
 func (p *Publisher) rebalance(ctx context.Context) error {
 	start := p.now()
 	var live int
@@ -170,7 +195,7 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 			}
 		}
 		p.mu.Unlock()
-		if owned < target {
+		if owned < target && p.claiming {
 			if claimed, err = scanLeases(tx.Query(ctx, claimLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL, target-owned)); err != nil {
 				return fmt.Errorf("claim leases: %w", err)
 			}
@@ -178,11 +203,18 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 		if _, err := tx.Exec(ctx, forgetDeadPublishersSQL, 10*p.cfg.LeaseTTL); err != nil {
 			return fmt.Errorf("forget dead publishers: %w", err)
 		}
+		if !p.joined {
+			// Delivered at commit: the others give back their surplus now.
+			if _, err := tx.Exec(ctx, membersChangedSQL, p.cfg.ID); err != nil {
+				return fmt.Errorf("announce: %w", err)
+			}
+		}
 		return nil
 	})
 	if err != nil {
 		return err
 	}
+	p.joined = true
 	// The database extended the leases to now()+TTL at some point after
 	// start; counting from start keeps the local deadline on the safe side.
 	deadline := start + p.cfg.LeaseTTL - p.cfg.LeaseTTL/10
@@ -217,7 +249,10 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 	}
 	// Give surplus shards back, highest first, once their worker has
 	// finished its batch; the lease is renewed meanwhile so nobody else
-	// sends from the shard before this publisher has stopped.
+	// sends from the shard before this publisher has stopped. When all of
+	// them are back, one notification lets the others claim them at once.
+	var released sync.WaitGroup
+	releases := 0
 	for shard := NumShards - 1; shard >= 0 && len(p.workers) > target; shard-- {
 		w := p.workers[shard]
 		if w == nil {
@@ -227,8 +262,11 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 		p.releasing[shard] = true
 		w.cancel()
 		p.wg.Add(1)
+		released.Add(1)
+		releases++
 		go func() {
 			defer p.wg.Done()
+			defer released.Done()
 			<-w.done
 			rctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
@@ -240,6 +278,16 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 			p.mu.Lock()
 			delete(p.releasing, w.shard)
 			p.mu.Unlock()
+		}()
+	}
+	if releases > 0 {
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			released.Wait()
+			actx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			p.announce(actx)
 		}()
 	}
 	p.m.shards.Set(float64(len(p.workers)))
@@ -259,12 +307,21 @@ func scanLeases(rows pgx.Rows, err error) ([]lease, error) {
 	})
 }
 
+// announce tells the other publishers that membership or the free shards
+// changed, so they rebalance now. Best effort: heartbeats catch up anyway.
+func (p *Publisher) announce(ctx context.Context) {
+	if _, err := p.leasePool.Exec(ctx, membersChangedSQL, p.cfg.ID); err != nil && ctx.Err() == nil {
+		p.log.Debug("announce membership change", slog.String("error", err.Error()))
+	}
+}
+
 // now is a monotonic clock for lease deadlines (immune to wall-clock jumps).
 func (p *Publisher) now() time.Duration { return time.Since(p.base) }
 
-// listen wakes the dispatcher on every NOTIFY from the outbox trigger, on a
-// connection of its own (a pooled one could not wait). When the connection
-// fails, polling carries on and listen reconnects.
+// listen wakes shard workers on every NOTIFY from the outbox trigger, and
+// rebalances when another publisher announces a change, on a connection of
+// its own (a pooled one could not wait). When the connection fails, polling
+// and heartbeats carry on and listen reconnects.
 func (p *Publisher) listen(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := p.listenOnce(ctx)
@@ -285,16 +342,53 @@ func (p *Publisher) listenOnce(ctx context.Context) error {
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel+"; LISTEN "+membersChannel); err != nil {
 		return err
 	}
 	p.poke() // events may have committed while we were not listening
 	for {
-		if _, err := conn.WaitForNotification(ctx); err != nil {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
 			return err
 		}
-		p.poke()
+		switch {
+		case n.Channel == membersChannel:
+			if n.Payload != p.cfg.ID {
+				select {
+				case p.rebalanceNow <- struct{}{}:
+				default:
+				}
+			}
+		case !p.wakeShards(n.Payload):
+			p.poke()
+		}
 	}
+}
+
+// wakeShards wakes the workers of the shards a notification names ("3,17").
+// The trigger computed them from the inserted rows, so no query is needed;
+// a shard held by another publisher is that publisher's to wake. It reports
+// false for a payload it cannot read, and the dispatcher asks the database.
+func (p *Publisher) wakeShards(payload string) bool {
+	if payload == "" {
+		return false
+	}
+	var shards [NumShards]bool
+	for field := range strings.SplitSeq(payload, ",") {
+		s, err := strconv.Atoi(field)
+		if err != nil || s < 0 || s >= NumShards {
+			return false
+		}
+		shards[s] = true
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for s, touched := range shards {
+		if w := p.workers[s]; touched && w != nil {
+			w.wakeUp()
+		}
+	}
+	return true
 }
 
 func (p *Publisher) poke() {
@@ -304,9 +398,10 @@ func (p *Publisher) poke() {
 	}
 }
 
-// dispatch turns notifications and poll ticks into wake-ups of the shard
-// workers whose shards hold events: one cheap query per wake-up however many
-// notifications arrived meanwhile, and no query at all for idle shards.
+// dispatch is the fallback for notifications that name no shards and for
+// lost ones: on a poke or every PollInterval it asks which of this
+// publisher's shards hold events and wakes those workers, one cheap query
+// however many pokes arrived meanwhile.
 func (p *Publisher) dispatch(ctx context.Context) {
 	tick := time.NewTicker(p.cfg.PollInterval)
 	defer tick.Stop()

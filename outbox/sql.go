@@ -7,8 +7,24 @@ package outbox
 // NumShards is the number of outbox shards (outboxrelay_shard in 001).
 const NumShards = 64
 
-// notifyChannel is the channel the outbox_events_notify trigger signals.
+// notifyChannel is the channel the outbox_events_notify trigger signals;
+// the payload lists the shards the INSERT touched ("3,17,42").
 const notifyChannel = "outboxrelay_outbox"
+
+// membersChannel carries membership changes between publishers: a publisher
+// that joins, gives shards back or stops says so, and the others rebalance
+// at once instead of at their next heartbeat.
+const membersChannel = "outboxrelay_publishers"
+
+// membersChangedSQL announces a membership change on membersChannel.
+const membersChangedSQL = `SELECT pg_notify('` + membersChannel + `', $1)`
+
+// asyncCommitSQL makes the transaction that records a batch commit without
+// waiting for its WAL flush. Safe here because the broker already has the
+// events: a database crash that loses the commit puts them back in the
+// outbox and they are sent again, a duplicate and never a loss. Every shard
+// round trip then costs one network hop instead of one plus an fsync.
+const asyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
 
 // readSQL reads the oldest unpublished events of one shard in id order. No
 // watermark: published rows are gone, so an event that committed late (a

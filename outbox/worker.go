@@ -92,16 +92,31 @@ func (p *Publisher) valid(w *shardWorker) bool { return p.now() < time.Duration(
 
 func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 	failures := 0
+	var events []storedEvent
+	fresh := false // events were read after the last batch was recorded
 	for ctx.Err() == nil {
 		if !p.valid(w) {
 			// Heartbeats are failing (database down?): send nothing until a
 			// renewal proves the lease is still ours.
+			fresh = false
 			if !sleep(ctx, p.cfg.LeaseTTL/10) {
 				return
 			}
 			continue
 		}
-		n, full, err := p.publishBatch(ctx, w)
+		var err error
+		if !fresh {
+			if events, err = p.read(ctx, w.shard); err != nil {
+				p.m.errors.WithLabelValues(errKindDatabase).Inc()
+				err = fmt.Errorf("read shard %d: %w", w.shard, err)
+			}
+		}
+		if err == nil && len(events) > 0 {
+			// The round trip that records this batch also reads the next
+			// one, so a busy shard costs one query per batch.
+			events, err = p.publishBatch(ctx, w, events)
+		}
+		fresh = err == nil
 		switch {
 		case errors.Is(err, ErrLeaseLost):
 			p.m.errors.WithLabelValues(errKindLeaseLost).Inc()
@@ -118,13 +133,14 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 			continue
 		}
 		failures = 0
-		if n > 0 || full {
-			continue // more may be waiting: never wait on a timer while busy
+		if len(events) > 0 {
+			continue // more is waiting: never wait on a timer while busy
 		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-w.wake:
+			fresh = false
 		}
 	}
 }
@@ -139,20 +155,11 @@ type pendingEvent struct {
 	code int32
 }
 
-// publishBatch reads, sends and records one batch. It returns how many events
-// left the outbox and whether the read was cut short by the size limits.
-func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker) (int, bool, error) {
-	events, err := p.read(ctx, w.shard)
-	if err != nil {
-		p.m.errors.WithLabelValues(errKindDatabase).Inc()
-		return 0, false, fmt.Errorf("read shard %d: %w", w.shard, err)
-	}
-	if len(events) == 0 {
-		return 0, false, nil
-	}
-	full := len(events) == p.cfg.BatchSize
+// publishBatch sends and records one batch read from the shard, and returns
+// the shard's next batch, read in the same round trip as the recording.
+func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, events []storedEvent) ([]storedEvent, error) {
 	// Keep the call under BatchBytes so kafka-go sends each partition's
-	// share as one request; the rest of the rows wait for the next batch.
+	// share as one request; the rest of the rows come with the next read.
 	batch := make([]*pendingEvent, 0, len(events))
 	bytes := 0
 	for i := range events {
@@ -164,7 +171,6 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker) (int, bool
 				pe.err = fmt.Errorf("%w: %d bytes, limit %d (BATCH_BYTES; broker message.max.bytes): %w", ErrMessageTooLarge, size, p.cfg.BatchBytes, kafka.MessageSizeTooLarge)
 				pe.code = int32(kafka.MessageSizeTooLarge)
 			} else if bytes+size > p.cfg.BatchBytes {
-				full = true
 				break
 			} else {
 				bytes += size
@@ -174,7 +180,7 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker) (int, bool
 	}
 
 	if err := p.produce(ctx, w, batch); err != nil {
-		return 0, full, err
+		return nil, err
 	}
 	acked := time.Now()
 
@@ -197,8 +203,9 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker) (int, bool
 			CreatedAt: pe.ev.createdAt, AckedAt: acked,
 		})
 	}
-	if err := p.record(ctx, w, ids, deadIDs, deadErrs, deadCodes); err != nil {
-		return 0, full, err
+	next, err := p.record(ctx, w, ids, deadIDs, deadErrs, deadCodes)
+	if err != nil {
+		return nil, err
 	}
 	p.m.published.Add(float64(len(ids)))
 	p.m.deadLetters.Add(float64(len(deadIDs)))
@@ -210,7 +217,7 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker) (int, bool
 	if p.cfg.OnPublished != nil && len(published) > 0 {
 		p.cfg.OnPublished(w.shard, published)
 	}
-	return len(batch), full, nil
+	return next, nil
 }
 
 func (p *Publisher) read(ctx context.Context, shard int) ([]storedEvent, error) {
@@ -218,6 +225,10 @@ func (p *Publisher) read(ctx context.Context, shard int) ([]storedEvent, error) 
 	if err != nil {
 		return nil, err
 	}
+	return scanEvents(rows)
+}
+
+func scanEvents(rows pgx.Rows) ([]storedEvent, error) {
 	defer rows.Close()
 	out := make([]storedEvent, 0, 64)
 	for rows.Next() {
@@ -245,7 +256,7 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, batch []*pendin
 	}
 	var suspects []*pendingEvent // rejected as part of a partition batch
 	err := p.retry(ctx, w, func(actx context.Context) error {
-		err := w.writer.WriteMessages(actx, messages(pending)...)
+		err := w.write(actx, messages(pending)...)
 		if err == nil {
 			pending = nil
 			return nil
@@ -281,7 +292,7 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, batch []*pendin
 	slices.SortFunc(suspects, func(a, b *pendingEvent) int { return int(a.ev.id - b.ev.id) })
 	for _, pe := range suspects {
 		err := p.retry(ctx, w, func(actx context.Context) error {
-			err := w.writer.WriteMessages(actx, pe.msg)
+			err := w.write(actx, pe.msg)
 			var werrs kafka.WriteErrors
 			if errors.As(err, &werrs) && len(werrs) == 1 {
 				err = werrs[0]
@@ -297,6 +308,19 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, batch []*pendin
 		}
 	}
 	return nil
+}
+
+// write sends msgs in one WriteMessages call. The writer's BatchSize is set
+// to the call's size first: a partition that receives the whole call then
+// has a full batch and goes out at once instead of after BatchTimeout, and
+// kafka-go sizes each partition batch's buffer by BatchSize, so a one-event
+// call no longer allocates room for 2000 messages. Only this shard's
+// goroutine calls write, and kafka-go reads BatchSize only inside
+// WriteMessages, so changing it between calls is safe. A call never exceeds
+// BatchSize or BatchBytes, so each partition's share is still one request.
+func (w *shardWorker) write(ctx context.Context, msgs ...kafka.Message) error {
+	w.writer.BatchSize = len(msgs)
+	return w.writer.WriteMessages(ctx, msgs...)
 }
 
 func messages(pes []*pendingEvent) []kafka.Message {
@@ -346,9 +370,12 @@ func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.C
 
 // record removes the acknowledged events from the outbox (or moves them to
 // outbox_published under a retention) and parks the dead ones, fenced by the
-// lease epoch. It runs to completion after a soft stop: the broker already
+// lease epoch, then reads the shard's next batch. All of it is one pipelined
+// round trip, run by PostgreSQL as one implicit transaction that commits
+// before the next batch goes to Kafka (no transaction is open while Kafka is
+// waited on). It runs to completion after a soft stop: the broker already
 // has the events.
-func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) error {
+func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) ([]storedEvent, error) {
 	rctx := context.WithoutCancel(ctx)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval = 100 * time.Millisecond
@@ -357,30 +384,48 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 	if p.cfg.Retention > 0 {
 		del = retainPublishedSQL
 	}
-	return backoff.RetryNotify(func() error {
+	var next []storedEvent
+	err := backoff.RetryNotify(func() error {
 		actx, cancel := context.WithTimeout(rctx, 30*time.Second)
 		defer cancel()
-		err := pgx.BeginFunc(actx, p.pool, func(tx pgx.Tx) error {
-			var held bool
-			var n int64
-			if len(deadIDs) > 0 {
-				if err := tx.QueryRow(actx, deadLetterSQL, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes).Scan(&held, &n); err != nil {
+		batch := &pgx.Batch{}
+		batch.Queue(asyncCommitSQL)
+		if len(deadIDs) > 0 {
+			batch.Queue(deadLetterSQL, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
+		}
+		if len(ids) > 0 {
+			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch)
+		}
+		batch.Queue(readSQL, w.shard, p.cfg.BatchSize)
+		err := func() error {
+			br := p.pool.SendBatch(actx, batch)
+			defer br.Close()
+			if _, err := br.Exec(); err != nil {
+				return err
+			}
+			// A lost lease makes the fenced statements no-ops; the read that
+			// follows is then thrown away.
+			for range len(batch.QueuedQueries) - 2 {
+				var held bool
+				var n int64
+				if err := br.QueryRow().Scan(&held, &n); err != nil {
 					return err
 				}
 				if !held {
 					return ErrLeaseLost
 				}
 			}
-			if len(ids) > 0 {
-				if err := tx.QueryRow(actx, del, ids, w.shard, p.cfg.ID, w.epoch).Scan(&held, &n); err != nil {
-					return err
-				}
-				if !held {
-					return ErrLeaseLost
-				}
+			rows, err := br.Query()
+			if err != nil {
+				return err
 			}
-			return nil
-		})
+			if next, err = scanEvents(rows); err != nil {
+				return err
+			}
+			// Close reads the end of the implicit transaction: only then is
+			// the recording committed.
+			return br.Close()
+		}()
 		if errors.Is(err, ErrLeaseLost) {
 			return backoff.Permanent(err)
 		}
@@ -389,6 +434,10 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 		p.m.errors.WithLabelValues(errKindDatabase).Inc()
 		w.log.Warn("recording published events failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
 	})
+	if err != nil {
+		return nil, err
+	}
+	return next, nil
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {
