@@ -53,3 +53,12 @@ bench-publisher: ## publisher throughput vs raw kafka-go produce, and latency
 .PHONY: bench-indexer
 bench-indexer: ## indexer throughput vs a raw bulk baseline
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/indexer/
+
+.PHONY: demo
+demo: build ## the whole pipeline on the local stack: seed, batch, publish, index, change, follow (ROWS=200000)
+	@$(WITH_STACK) $(GO) run ./demo --rows $${ROWS:-200000}
+
+.PHONY: demo-down
+demo-down: ## stop what `make demo` started (the local stack) and remove the demo's files
+	@$(STACK) down
+	rm -rf .stack/demo

@@ -116,6 +116,11 @@ func (ix *Indexer) Run(ctx context.Context) error {
 		RebalanceTimeout:  ix.cfg.SessionTimeout,
 		JoinGroupBackoff:  time.Second,
 		ReadLagInterval:   -1,
+		// A topic created after the group joined (the publisher creates it
+		// with its first event), or given more partitions later, triggers a
+		// rebalance instead of leaving the indexer idle.
+		WatchPartitionChanges:  true,
+		PartitionWatchInterval: 2 * time.Second,
 		ErrorLogger: kafka.LoggerFunc(func(msg string, args ...any) {
 			ix.log.Warn("kafka reader", slog.String("error", fmt.Sprintf(msg, args...)))
 		}),

@@ -1,0 +1,504 @@
+// Command demo runs the whole outboxrelay pipeline on the local stack and
+// shows it working: `make demo` (which starts the stack and builds the
+// binaries first).
+//
+// It seeds source_records in a fresh database, runs batcher, publisher and
+// indexer as separate processes, shows each stage's progress, waits until
+// the index matches the source (reconciled by count and versions), prints a
+// summary and a sample search, then changes and soft-deletes some rows,
+// runs the next batcher run and shows the index following. Ctrl-C stops
+// everything it started.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/olivere/elastic/v7"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"github.com/segmentio/kafka-go"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/demo"
+	"github.com/outboxrelay/outboxrelay/internal/logging"
+	"github.com/outboxrelay/outboxrelay/reconcile"
+	"github.com/outboxrelay/outboxrelay/sink"
+)
+
+type config struct {
+	rows      int
+	binDir    string
+	workDir   string
+	database  string
+	brokers   string
+	searchURL string
+	timeout   time.Duration
+}
+
+func main() {
+	var c config
+	flag.IntVar(&c.rows, "rows", envInt("ROWS", 200_000), "source rows to seed (env ROWS)")
+	flag.StringVar(&c.binDir, "bin", "bin", "directory holding batcher, publisher and indexer")
+	flag.StringVar(&c.workDir, "work", ".stack/demo", "directory for the demo's logs and spec")
+	flag.DurationVar(&c.timeout, "timeout", 20*time.Minute, "give up after this long")
+	flag.Parse()
+	c.database = os.Getenv("DATABASE_URL")
+	c.brokers = os.Getenv("KAFKA_BROKERS")
+	c.searchURL = os.Getenv("ELASTICSEARCH_URL")
+	if c.database == "" || c.brokers == "" || c.searchURL == "" {
+		fmt.Fprintln(os.Stderr, "demo: DATABASE_URL, KAFKA_BROKERS and ELASTICSEARCH_URL must be set (make demo starts the stack and sets them)")
+		os.Exit(2)
+	}
+	if c.rows <= 0 {
+		fmt.Fprintf(os.Stderr, "demo: ROWS=%d: want a positive number\n", c.rows)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	d := &run{config: c, tty: logging.IsTerminal(os.Stdout)}
+	err := d.main(ctx)
+	d.stopAll()
+	if err != nil {
+		if errors.Is(ctx.Err(), context.Canceled) {
+			fmt.Fprintln(os.Stderr, "\ndemo: interrupted; everything it started is stopped")
+			os.Exit(130)
+		}
+		fmt.Fprintf(os.Stderr, "\ndemo: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func envInt(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil {
+		return v
+	}
+	return def
+}
+
+type run struct {
+	config
+	tty      bool
+	dbURL    string
+	pool     *pgxpool.Pool
+	es       *elastic.Client
+	procs    []*exec.Cmd
+	specFile string
+	topic    string
+	alias    string
+	indexerM string // indexer metrics address
+}
+
+const job = "records"
+
+func (d *run) main(ctx context.Context) error {
+	start := time.Now()
+	if err := os.MkdirAll(d.workDir, 0o755); err != nil {
+		return err
+	}
+	stamp := strconv.FormatInt(time.Now().Unix(), 10)
+	d.topic = "outboxrelay.demo." + stamp
+	d.alias = "demo-records"
+
+	fmt.Printf("outboxrelay demo: %d rows, PostgreSQL → batcher → outbox → publisher → Kafka → indexer → OpenSearch\n\n", d.rows)
+	if err := d.setup(ctx); err != nil {
+		return err
+	}
+	defer d.pool.Close()
+
+	step("seed", "creating source_records with %d rows (every 10,000th row has no title and will be quarantined)", d.rows)
+	t := time.Now()
+	err := demo.Seed(ctx, d.pool, demo.SeedOptions{Rows: d.rows, BadEvery: 10_000, Progress: func(done int) {
+		d.line("  seeded %d/%d rows", done, d.rows)
+	}})
+	if err != nil {
+		return err
+	}
+	d.endLine()
+	fmt.Printf("  seeded %d rows in %s\n", d.rows, time.Since(t).Round(time.Millisecond))
+
+	step("start", "publisher and indexer as separate processes (logs in %s)", d.workDir)
+	pubAddr, ixAddr := freeAddr(), freeAddr()
+	d.indexerM = ixAddr
+	if err := d.startProc(ctx, "publisher", []string{"DATABASE_URL=" + d.dbURL, "KAFKA_BROKERS=" + d.brokers, "METRICS_ADDR=" + pubAddr, "LOG_FORMAT=json"}, "run"); err != nil {
+		return err
+	}
+	if err := d.startProc(ctx, "indexer", []string{"KAFKA_BROKERS=" + d.brokers, "ELASTICSEARCH_URL=" + d.searchURL, "TOPIC=" + d.topic,
+		"GROUP=outboxrelay-demo-" + stamp, "ALIAS=" + d.alias, "METRICS_ADDR=" + ixAddr, "LOG_FORMAT=json"}, "run"); err != nil {
+		return err
+	}
+
+	step("run 1", "batcher: full scan of source_records up to the boundary fixed at start")
+	first, err := d.pipelineRun(ctx, 1)
+	if err != nil {
+		return err
+	}
+	if err := d.sampleSearch(ctx); err != nil {
+		return err
+	}
+
+	step("change", "updating and soft-deleting some source rows")
+	changes, err := demo.Mutate(ctx, d.pool, 100, 250, 7)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("  %d rows updated (version + 1), %d rows soft-deleted\n", changes.Updated, changes.Deleted)
+	var updatedID, deletedID string
+	_ = d.pool.QueryRow(ctx, `SELECT id::text FROM source_records WHERE deleted_at IS NULL AND version > 1 ORDER BY id LIMIT 1`).Scan(&updatedID)
+	_ = d.pool.QueryRow(ctx, `SELECT id::text FROM source_records WHERE deleted_at IS NOT NULL ORDER BY id LIMIT 1`).Scan(&deletedID)
+
+	step("run 2", "batcher: the next run; unchanged rows produce no event, changed and deleted rows do")
+	second, err := d.pipelineRun(ctx, 2)
+	if err != nil {
+		return err
+	}
+	if err := d.showFollowing(ctx, updatedID, deletedID); err != nil {
+		return err
+	}
+
+	q, dl := d.quarantineAndDeadLetters(ctx)
+	fmt.Printf("\n== summary ==\n")
+	fmt.Printf("  rows                      %d seeded, %d changed, %d soft-deleted\n", d.rows, changes.Updated, changes.Deleted)
+	fmt.Printf("  run 1                     %s\n", first)
+	fmt.Printf("  run 2                     %s\n", second)
+	fmt.Printf("  duplicates absorbed       %d (stale or replayed messages the index refused by version)\n", d.metric(ctx, "indexer_docs_total", "conflict"))
+	fmt.Printf("  quarantined               %d rows (batcher quarantine list)\n", q)
+	fmt.Printf("  dead-lettered             %d (publisher + indexer)\n", dl)
+	fmt.Printf("  total demo time           %s\n", time.Since(start).Round(time.Millisecond))
+	fmt.Printf("\nSearch it yourself: curl '%s/%s/_search?q=title:kafka&size=3&pretty'\n", d.searchURL, d.alias)
+	return nil
+}
+
+func step(name, format string, args ...any) {
+	fmt.Printf("\n== %s == %s\n", name, fmt.Sprintf(format, args...))
+}
+
+// line shows a progress line: rewritten in place on a terminal, printed
+// every few seconds otherwise.
+var lastPlain time.Time
+
+func (d *run) line(format string, args ...any) {
+	s := fmt.Sprintf(format, args...)
+	if d.tty {
+		fmt.Printf("\r\033[K%s", s)
+		return
+	}
+	if time.Since(lastPlain) >= 3*time.Second {
+		fmt.Println(s)
+		lastPlain = time.Now()
+	}
+}
+
+func (d *run) endLine() {
+	if d.tty {
+		fmt.Print("\r\033[K")
+	}
+}
+
+func (d *run) setup(ctx context.Context) error {
+	step("setup", "fresh database outboxrelay_demo, index alias %s, topic %s", d.alias, d.topic)
+	admin, err := pgx.Connect(ctx, d.database)
+	if err != nil {
+		return fmt.Errorf("connect to DATABASE_URL: %w", err)
+	}
+	defer admin.Close(ctx)
+	for _, q := range []string{`DROP DATABASE IF EXISTS outboxrelay_demo WITH (FORCE)`, `CREATE DATABASE outboxrelay_demo`} {
+		if _, err := admin.Exec(ctx, q); err != nil {
+			return fmt.Errorf("%s: %w", q, err)
+		}
+	}
+	u, err := urlWithDatabase(d.database, "outboxrelay_demo")
+	if err != nil {
+		return err
+	}
+	d.dbURL = u
+	if out, err := d.binary(ctx, "batcher", []string{"DATABASE_URL=" + d.dbURL}, "migrate").CombinedOutput(); err != nil {
+		return fmt.Errorf("batcher migrate: %v\n%s", err, out)
+	}
+	if d.pool, err = pgxpool.New(ctx, d.dbURL); err != nil {
+		return err
+	}
+	if d.es, err = sink.NewClient(d.searchURL); err != nil {
+		return err
+	}
+	// A previous demo's index and aliases go, so the counts start at zero.
+	if _, err := d.es.DeleteIndex(d.alias + "_v*").Do(ctx); err != nil && !elastic.IsNotFound(err) {
+		return fmt.Errorf("remove the previous demo index: %w", err)
+	}
+	if err := createTopic(d.brokers, d.topic, 6); err != nil {
+		return err
+	}
+	spec, err := batch.LoadSpec("demo/job.yaml")
+	if err != nil {
+		return err
+	}
+	spec.Topic = d.topic
+	b, err := json.MarshalIndent(spec, "", "  ")
+	if err != nil {
+		return err
+	}
+	d.specFile = filepath.Join(d.workDir, "job.json")
+	return os.WriteFile(d.specFile, b, 0o644)
+}
+
+func urlWithDatabase(base, name string) (string, error) {
+	u, err := url.Parse(base)
+	if err != nil || u.Scheme == "" {
+		return "", fmt.Errorf("DATABASE_URL must be a URL such as postgres://user@host:5432/db")
+	}
+	u.Path = "/" + name
+	return u.String(), nil
+}
+
+func (d *run) binary(ctx context.Context, name string, env []string, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(ctx, filepath.Join(d.binDir, name), args...)
+	cmd.Env = append(os.Environ(), env...)
+	return cmd
+}
+
+func (d *run) startProc(ctx context.Context, name string, env []string, args ...string) error {
+	logf, err := os.Create(filepath.Join(d.workDir, name+".log"))
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(filepath.Join(d.binDir, name), args...) // outlives ctx: stopped by stopAll
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start %s: %w", name, err)
+	}
+	d.procs = append(d.procs, cmd)
+	fmt.Printf("  %s running (pid %d)\n", name, cmd.Process.Pid)
+	return nil
+}
+
+// stopAll asks every process to stop (SIGTERM), then kills what is left.
+func (d *run) stopAll() {
+	for _, p := range d.procs {
+		_ = p.Process.Signal(syscall.SIGTERM)
+	}
+	for _, p := range d.procs {
+		done := make(chan struct{})
+		go func() { _ = p.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(15 * time.Second):
+			_ = p.Process.Kill()
+			<-done
+		}
+	}
+	d.procs = nil
+}
+
+func freeAddr() string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return ""
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// pipelineRun runs the batcher once and waits until the index matches
+// normalized_records (reconciled), showing each stage's progress.
+func (d *run) pipelineRun(ctx context.Context, n int) (string, error) {
+	t0 := time.Now()
+	logf, err := os.Create(filepath.Join(d.workDir, fmt.Sprintf("batcher-run%d.log", n)))
+	if err != nil {
+		return "", err
+	}
+	defer logf.Close()
+	b := d.binary(ctx, "batcher", []string{"DATABASE_URL=" + d.dbURL, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json"}, "run", "--spec", d.specFile)
+	b.Stdout, b.Stderr = logf, logf
+	if err := b.Start(); err != nil {
+		return "", fmt.Errorf("start batcher: %w", err)
+	}
+	batchDone := make(chan error, 1)
+	go func() { batchDone <- b.Wait() }()
+
+	var batchEnd, drainedAt time.Time
+	var processed, changed, total int64
+	tick := time.NewTicker(500 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return "", ctx.Err()
+		case err := <-batchDone:
+			if err != nil {
+				return "", fmt.Errorf("batcher run failed: %v (log: %s)", err, logf.Name())
+			}
+			batchEnd = time.Now()
+			batchDone = nil
+		case <-tick.C:
+		}
+		_ = d.pool.QueryRow(ctx, `SELECT coalesce(sum(processed_count), 0), coalesce(sum(changed_count), 0), coalesce(sum(estimated_total), 0)
+FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1)`, job).Scan(&processed, &changed, &total)
+		var backlog int64
+		_ = d.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events`).Scan(&backlog)
+		indexed := d.count(ctx)
+		state := "running"
+		if !batchEnd.IsZero() {
+			state = "done"
+		}
+		rate := float64(processed) / time.Since(t0).Seconds()
+		d.line("  batcher %d/%d rows (%s, %.0f rows/s) | outbox backlog %d | index %d docs", processed, max(total, processed), state, rate, backlog, indexed)
+		if batchEnd.IsZero() || backlog > 0 {
+			continue
+		}
+		if drainedAt.IsZero() {
+			drainedAt = time.Now()
+		}
+		rep, err := reconcile.Run(ctx, reconcile.Config{DB: d.pool, Search: d.es, Index: d.alias + "-write", Source: "source_records"})
+		if err == nil && rep.Clean() {
+			d.endLine()
+			indexedAt := time.Now()
+			fmt.Printf("  batcher   %d rows read, %d changed in %s (%.0f rows/s)\n", processed, changed, batchEnd.Sub(t0).Round(time.Millisecond), float64(processed)/batchEnd.Sub(t0).Seconds())
+			fmt.Printf("  publisher outbox drained %s after the start (%.0f events/s end to end)\n", drainedAt.Sub(t0).Round(time.Millisecond), float64(changed)/drainedAt.Sub(t0).Seconds())
+			fmt.Printf("  indexer   index matches the source %s after the start: %d documents reconciled (%.0f docs/s end to end)\n", indexedAt.Sub(t0).Round(time.Millisecond), rep.IndexDocs, float64(changed)/indexedAt.Sub(t0).Seconds())
+			return fmt.Sprintf("%d rows read, %d events, index matched after %s", processed, changed, indexedAt.Sub(t0).Round(time.Millisecond)), nil
+		}
+	}
+}
+
+// count returns the documents in the index (tombstones included).
+func (d *run) count(ctx context.Context) int64 {
+	n, err := d.es.Count(d.alias + "-write").Do(ctx)
+	if err != nil {
+		return 0
+	}
+	return n
+}
+
+func (d *run) sampleSearch(ctx context.Context) error {
+	fmt.Printf("\n  sample search through the read alias %s: title:kafka\n", d.alias)
+	res, err := d.es.Search(d.alias).Query(elastic.NewMatchQuery("title", "kafka")).Size(3).Version(true).Do(ctx)
+	if err != nil {
+		return fmt.Errorf("sample search: %w", err)
+	}
+	fmt.Printf("  %d hits; the first %d:\n", res.TotalHits(), len(res.Hits.Hits))
+	for _, h := range res.Hits.Hits {
+		var doc struct {
+			Title string   `json:"title"`
+			Tags  []string `json:"tags"`
+		}
+		_ = json.Unmarshal(h.Source, &doc)
+		fmt.Printf("    _id=%-8s _version=%d title=%q tags=%v\n", h.Id, derefVersion(h.Version), doc.Title, doc.Tags)
+	}
+	return nil
+}
+
+func derefVersion(v *int64) int64 {
+	if v == nil {
+		return 0
+	}
+	return *v
+}
+
+func (d *run) showFollowing(ctx context.Context, updatedID, deletedID string) error {
+	if updatedID != "" {
+		res, err := d.es.Search(d.alias).Query(elastic.NewIdsQuery().Ids(updatedID)).Version(true).Do(ctx)
+		if err != nil {
+			return err
+		}
+		for _, h := range res.Hits.Hits {
+			var doc struct {
+				Title string `json:"title"`
+			}
+			_ = json.Unmarshal(h.Source, &doc)
+			fmt.Printf("  updated row %s: the index now has _version=%d title=%q\n", updatedID, derefVersion(h.Version), doc.Title)
+		}
+	}
+	if deletedID != "" {
+		res, err := d.es.Search(d.alias).Query(elastic.NewIdsQuery().Ids(deletedID)).Do(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("  soft-deleted row %s: %d hits through the read alias (a versioned tombstone keeps it deleted)\n", deletedID, res.TotalHits())
+	}
+	return nil
+}
+
+func (d *run) quarantineAndDeadLetters(ctx context.Context) (quarantined, deadLettered int64) {
+	_ = d.pool.QueryRow(ctx, `SELECT count(DISTINCT source_id) FROM batch_quarantine WHERE job = $1`, job).Scan(&quarantined)
+	var pub int64
+	_ = d.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_dead_letters`).Scan(&pub)
+	return quarantined, pub + d.metric(ctx, "indexer_dead_lettered_total", "")
+}
+
+// metric reads a counter from the indexer's /metrics (summed over the
+// series whose labels contain want, or all when want is "").
+func (d *run) metric(ctx context.Context, name, want string) int64 {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+d.indexerM+"/metrics", nil)
+	if err != nil {
+		return 0
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(io.LimitReader(resp.Body, 8<<20))
+	if err != nil {
+		return 0
+	}
+	fam, ok := families[name]
+	if !ok {
+		return 0
+	}
+	var sum float64
+	for _, m := range fam.GetMetric() {
+		match := want == ""
+		for _, l := range m.GetLabel() {
+			match = match || l.GetValue() == want
+		}
+		if match {
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return int64(sum)
+}
+
+// createTopic creates the demo's topic with enough partitions for the
+// indexer's lanes to work in parallel.
+func createTopic(brokers, topic string, partitions int) error {
+	conn, err := kafka.Dial("tcp", strings.Split(brokers, ",")[0])
+	if err != nil {
+		return fmt.Errorf("connect to KAFKA_BROKERS: %w", err)
+	}
+	defer conn.Close()
+	ctrl, err := conn.Controller()
+	if err != nil {
+		return fmt.Errorf("find the Kafka controller: %w", err)
+	}
+	cc, err := kafka.Dial("tcp", net.JoinHostPort(ctrl.Host, strconv.Itoa(ctrl.Port)))
+	if err != nil {
+		return fmt.Errorf("connect to the Kafka controller: %w", err)
+	}
+	defer cc.Close()
+	if err := cc.CreateTopics(kafka.TopicConfig{Topic: topic, NumPartitions: partitions, ReplicationFactor: 1}); err != nil {
+		return fmt.Errorf("create topic %s: %w", topic, err)
+	}
+	return nil
+}
