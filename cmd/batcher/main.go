@@ -13,7 +13,10 @@ func main() {
 }
 
 func commands() []cli.Command {
-	return []cli.Command{
+	cmds := []cli.Command{
 		cli.MigrateCommand("batcher", os.Stdout),
 	}
+	cmds = append(cmds, scanCommands(os.Stdout)...)
+	cmds = append(cmds, manifestCommands()...)
+	return append(cmds, demoCommands(os.Stdout)...)
 }
