@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -40,5 +42,17 @@ func TestBinariesHelpAndMigrate(t *testing.T) {
 			require.Equal(t, 0, ok.ExitCode(), ok.Stderr())
 			require.Contains(t, ok.Stdout(), "0 migration(s) applied now")
 		})
+	}
+}
+
+// The README's configuration tables name every setting of the services.
+func TestReadmeListsEverySetting(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile(filepath.Join(stack.RepoRoot(), "README.md"))
+	require.NoError(t, err)
+	for _, c := range [][]string{{"batcher", "run"}, {"publisher", "run"}, {"indexer", "run"}} {
+		for _, env := range settingsOf(t, c[0], c) {
+			require.Contains(t, string(readme), "`"+env+"`", "README.md does not document %s of `%s %s`", env, c[0], c[1])
+		}
 	}
 }
