@@ -1,0 +1,505 @@
+package batch
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// stmt is one compiled statement: SQL text plus its parameters, each bound
+// either to a constant from the spec (filter values, field names, json
+// paths) or to a runtime value by name. Nothing from the spec is spliced
+// into the text except identifiers quoted with pgx.Identifier and type
+// names read back from the catalog.
+type stmt struct {
+	sql    string
+	params []param
+}
+
+type param struct {
+	name  string // runtime value name; "" for a constant
+	value any    // the constant
+}
+
+// args binds the runtime values.
+func (s stmt) args(vals map[string]any) []any {
+	out := make([]any, len(s.params))
+	for i, p := range s.params {
+		if p.name == "" {
+			out[i] = p.value
+			continue
+		}
+		v, ok := vals[p.name]
+		if !ok {
+			panic("batch: statement parameter " + p.name + " not bound")
+		}
+		out[i] = v
+	}
+	return out
+}
+
+// builder accumulates one statement's parameters.
+type builder struct {
+	params []param
+	named  map[string]int
+}
+
+func newBuilder() *builder { return &builder{named: map[string]int{}} }
+
+// p returns the placeholder of runtime value name, cast to typ.
+func (b *builder) p(name, typ string) string {
+	n, ok := b.named[name]
+	if !ok {
+		b.params = append(b.params, param{name: name})
+		n = len(b.params)
+		b.named[name] = n
+	}
+	return "$" + strconv.Itoa(n) + "::" + typ
+}
+
+// c returns the placeholder of a constant, cast to typ.
+func (b *builder) c(v any, typ string) string {
+	b.params = append(b.params, param{value: v})
+	return "$" + strconv.Itoa(len(b.params)) + "::" + typ
+}
+
+func (b *builder) stmt(sql string) stmt { return stmt{sql: sql, params: b.params} }
+
+// compiled is a spec checked against the catalog and turned into SQL.
+type compiled struct {
+	spec  Spec
+	table string            // quoted, schema-qualified
+	types map[string]string // column -> format_type
+	cur   []string          // quoted cursor columns, "s"."col"
+	curT  []string          // their types
+
+	boundary   stmt // args: start, pkey
+	partitions stmt
+	estimate   stmt // args: start, boundary, pkey
+	count      stmt // same range, exact
+	chunkFirst stmt // SQL path; args: boundary, limit, pkey, job, run
+	chunkNext  stmt // + cursor
+	chunkIDs   stmt // SQL path by ids (quarantine retry); args: ids, pkey, job, run
+	fetchFirst stmt // Go path
+	fetchNext  stmt
+	fetchIDs   stmt
+	write      stmt // Go path: unnest into normalized_records and outbox_events
+	quarantine stmt // Go path: unnest into batch_quarantine
+	resolve    stmt // mark quarantine rows resolved
+	checkpoint stmt
+}
+
+func q(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
+
+// introspect loads the table's columns or fails naming what is missing.
+func introspect(ctx context.Context, db querier, schema, table string) (map[string]string, error) {
+	rows, err := db.Query(ctx, `
+SELECT a.attname, format_type(a.atttypid, a.atttypmod)
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, q(schema, table))
+	if err != nil {
+		return nil, fmt.Errorf("read columns of %s.%s: %w", schema, table, err)
+	}
+	types := map[string]string{}
+	for rows.Next() {
+		var name, typ string
+		if err := rows.Scan(&name, &typ); err != nil {
+			return nil, err
+		}
+		types[name] = typ
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read columns of %s.%s: %w", schema, table, err)
+	}
+	if len(types) == 0 {
+		return nil, fmt.Errorf("%w: source table %s.%s does not exist (source.schema / source.table)", ErrSpec, schema, table)
+	}
+	return types, nil
+}
+
+// compile checks every column the spec names and builds the statements.
+func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
+	types, err := introspect(ctx, db, s.Source.Schema, s.Source.Table)
+	if err != nil {
+		return nil, err
+	}
+	c := &compiled{spec: s, table: q(s.Source.Schema, s.Source.Table), types: types}
+	need := func(setting, col string) error {
+		if _, ok := types[col]; !ok {
+			return fmt.Errorf("%w: %s: column %q does not exist in %s.%s", ErrSpec, setting, col, s.Source.Schema, s.Source.Table)
+		}
+		return nil
+	}
+	for i, col := range s.Source.Cursor {
+		if err := need(fmt.Sprintf("source.cursor[%d]", i), col); err != nil {
+			return nil, err
+		}
+		c.cur = append(c.cur, "s."+q(col))
+		c.curT = append(c.curT, types[col])
+	}
+	for setting, col := range map[string]string{"source.id": s.Source.ID, "source.version": s.Source.Version, "source.deleted": s.Source.Deleted, "source.partition": s.Source.Partition} {
+		if col != "" {
+			if err := need(setting, col); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for i, f := range s.Source.Filter {
+		if err := need(fmt.Sprintf("source.filter[%d].column", i), f.Column); err != nil {
+			return nil, err
+		}
+	}
+	for i, f := range s.Document.Fields {
+		root, _, _ := strings.Cut(f.From, ".")
+		if err := need(fmt.Sprintf("document.fields[%d].from", i), root); err != nil {
+			return nil, err
+		}
+		if strings.Contains(f.From, ".") && types[root] != "jsonb" && types[root] != "json" {
+			return nil, fmt.Errorf("%w: document.fields[%d].from %q: column %q is %s, a key path needs jsonb", ErrSpec, i, f.From, root, types[root])
+		}
+	}
+	c.build()
+	return c, nil
+}
+
+// scopeWhere is the filter plus the partition condition.
+func (c *compiled) scopeWhere(b *builder) string {
+	var terms []string
+	for _, f := range c.spec.Source.Filter {
+		col, typ := "s."+q(f.Column), c.types[f.Column]
+		switch op := filterOps[strings.ToLower(f.Op)]; op {
+		case "is null", "is not null":
+			terms = append(terms, col+" "+strings.ToUpper(op))
+		case "in":
+			terms = append(terms, col+" = ANY("+b.c(f.Values, "text[]")+"::"+typ+"[])")
+		default:
+			terms = append(terms, col+" "+op+" "+b.c(f.Value, "text")+"::"+typ)
+		}
+	}
+	if p := c.spec.Source.Partition; p != "" {
+		terms = append(terms, "s."+q(p)+" = "+b.p("pkey", "text")+"::"+c.types[p])
+	}
+	if len(terms) == 0 {
+		return "true"
+	}
+	return strings.Join(terms, " AND ")
+}
+
+// keyset returns "(cursor cols) op (values of the text[] runtime value)".
+func (c *compiled) keyset(b *builder, op, name string) string {
+	vals := make([]string, len(c.cur))
+	for i := range c.cur {
+		vals[i] = "(" + b.p(name, "text[]") + ")[" + strconv.Itoa(i+1) + "]::" + c.curT[i]
+	}
+	return "(" + strings.Join(c.cur, ", ") + ") " + op + " (" + strings.Join(vals, ", ") + ")"
+}
+
+func (c *compiled) orderBy(desc bool) string {
+	cols := make([]string, len(c.cur))
+	for i, col := range c.cur {
+		cols[i] = col
+		if desc {
+			cols[i] += " DESC"
+		}
+	}
+	return strings.Join(cols, ", ")
+}
+
+func (c *compiled) cursorText(prefix string) string {
+	parts := make([]string, len(c.cur))
+	for i := range c.cur {
+		parts[i] = prefix + "k" + strconv.Itoa(i+1) + "::text"
+	}
+	return "ARRAY[" + strings.Join(parts, ", ") + "]"
+}
+
+func (c *compiled) deletedExpr() string {
+	d := c.spec.Source.Deleted
+	switch {
+	case d == "":
+		return "false"
+	case c.types[d] == "boolean":
+		return "COALESCE(s." + q(d) + ", false)"
+	default:
+		return "(s." + q(d) + " IS NOT NULL)"
+	}
+}
+
+// rowColumns is the inner select list shared by both paths: id, version,
+// deleted flag and the cursor columns as k1..kn.
+func (c *compiled) rowColumns() string {
+	cols := []string{
+		"s." + q(c.spec.Source.ID) + "::text AS id",
+		"s." + q(c.spec.Source.Version) + "::bigint AS ver",
+		c.deletedExpr() + " AS del",
+	}
+	for i, col := range c.cur {
+		cols = append(cols, col+" AS k"+strconv.Itoa(i+1))
+	}
+	return strings.Join(cols, ", ")
+}
+
+// fieldValue is the raw jsonb value of a field.
+func (c *compiled) fieldValue(b *builder, f Field) string {
+	root, path, hasPath := strings.Cut(f.From, ".")
+	if !hasPath {
+		return "to_jsonb(s." + q(root) + ")"
+	}
+	col := "s." + q(root)
+	if c.types[root] == "json" {
+		col += "::jsonb"
+	}
+	return col + " #> " + b.c(strings.Split(path, "."), "text[]")
+}
+
+// transform applies the string transforms to a jsonb value.
+func transform(v string, ts []string) string {
+	if len(ts) == 0 {
+		return v
+	}
+	e := v + " #>> '{}'"
+	for _, t := range ts {
+		switch t {
+		case "trim":
+			e = "btrim(" + e + ")"
+		case "lower":
+			e = "lower(" + e + ")"
+		case "upper":
+			e = "upper(" + e + ")"
+		}
+	}
+	return "CASE WHEN jsonb_typeof(" + v + ") = 'string' THEN to_jsonb(" + e + ") ELSE " + v + " END"
+}
+
+// normalize returns the inner field columns, the document expression over
+// them (x.f1...) and the error code / message expressions.
+func (c *compiled) normalize(b *builder) (fieldCols, doc, errCode, errMsg string) {
+	fs := c.spec.Document.Fields
+	if len(fs) == 0 {
+		return "to_jsonb(s) AS f0", "x.f0", "NULL::text", "NULL::text"
+	}
+	var cols, pairs, codes, msgs []string
+	// A key path into a jsonb column that is not an object is a bad row.
+	roots := map[string]bool{}
+	for _, f := range fs {
+		if root, _, ok := strings.Cut(f.From, "."); ok && !roots[root] {
+			roots[root] = true
+			cols = append(cols, "jsonb_typeof(s."+q(root)+"::jsonb) AS t_"+strconv.Itoa(len(roots)))
+			codes = append(codes, "WHEN x.t_"+strconv.Itoa(len(roots))+" IS DISTINCT FROM 'object' THEN 'not_an_object'")
+			msgs = append(msgs, "WHEN x.t_"+strconv.Itoa(len(roots))+" IS DISTINCT FROM 'object' THEN "+b.c("column "+root+" is not a JSON object", "text"))
+		}
+	}
+	for i, f := range fs {
+		fc := "x.f" + strconv.Itoa(i+1)
+		cols = append(cols, c.fieldValue(b, f)+" AS f"+strconv.Itoa(i+1))
+		pairs = append(pairs, b.c(f.Name, "text"), transform(fc, f.Transforms))
+		if f.Required {
+			codes = append(codes, "WHEN "+fc+" IS NULL OR "+fc+" = 'null'::jsonb THEN 'missing_field'")
+			msgs = append(msgs, "WHEN "+fc+" IS NULL OR "+fc+" = 'null'::jsonb THEN "+b.c(fmt.Sprintf("field %s (%s) is missing", f.Name, f.From), "text"))
+		}
+		if f.Type != "" {
+			cond := "jsonb_typeof(" + fc + ") NOT IN ('null', " + b.c(f.Type, "text") + ")"
+			codes = append(codes, "WHEN "+cond+" THEN 'invalid_type'")
+			msgs = append(msgs, "WHEN "+cond+" THEN "+b.c(fmt.Sprintf("field %s (%s): want %s, got ", f.Name, f.From, f.Type), "text")+" || jsonb_typeof("+fc+")")
+		}
+	}
+	doc = "jsonb_build_object(" + strings.Join(pairs, ", ") + ")"
+	if c.spec.Document.DropNulls {
+		doc = "jsonb_strip_nulls(" + doc + ")"
+	}
+	errCode, errMsg = "NULL::text", "NULL::text"
+	if len(codes) > 0 {
+		errCode = "CASE " + strings.Join(codes, " ") + " END"
+		errMsg = "CASE " + strings.Join(msgs, " ") + " END"
+	}
+	return strings.Join(cols, ", "), doc, errCode, errMsg
+}
+
+const upsertTail = `
+  ON CONFLICT (source, source_id) DO UPDATE SET
+    document = EXCLUDED.document, source_version = EXCLUDED.source_version,
+    processor_version = EXCLUDED.processor_version, deleted = EXCLUDED.deleted, updated_at = EXCLUDED.updated_at
+  -- An older source version never overwrites a newer one; the same version
+  -- and processor version is unchanged and yields no event.
+  WHERE n.source_version < EXCLUDED.source_version
+     OR (n.source_version = EXCLUDED.source_version AND n.processor_version <> EXCLUDED.processor_version)
+  RETURNING n.source_id, n.source_version, n.document, n.deleted`
+
+// sel is "keyset-first", "keyset-next" or "ids".
+func (c *compiled) selection(b *builder, sel string) (where, tail string) {
+	where = c.scopeWhere(b)
+	switch sel {
+	case "keyset-first":
+		where += " AND " + c.keyset(b, "<=", "boundary")
+	case "keyset-next":
+		where += " AND " + c.keyset(b, ">", "cursor") + " AND " + c.keyset(b, "<=", "boundary")
+	case "ids":
+		where += " AND s." + q(c.spec.Source.ID) + " = ANY(" + b.p("ids", "text[]") + "::" + c.types[c.spec.Source.ID] + "[])"
+		return where, " ORDER BY " + c.orderBy(false)
+	}
+	return where, " ORDER BY " + c.orderBy(false) + " LIMIT " + b.p("limit", "int")
+}
+
+// chunkSQL is the SQL path: one statement, a CTE per step, selects the
+// keyset range, normalizes it, quarantines bad rows (quarantine policy),
+// upserts the good ones with the version guard and inserts one outbox event
+// per row the upsert RETURNed (changed rows only). Nothing crosses the wire
+// but five numbers: the row count, the bad count, the first bad row, the
+// changed count and the last cursor. (A temp table between two statements
+// measured 25% slower: every document is written and read once more.) The
+// Go path's write statement ends with the same two steps.
+func (c *compiled) chunkSQL(sel string) stmt {
+	b := newBuilder()
+	where, tail := c.selection(b, sel)
+	fieldCols, doc, errCode, errMsg := c.normalize(b)
+	kcols := make([]string, len(c.cur))
+	for i := range c.cur {
+		kcols[i] = "k" + strconv.Itoa(i+1)
+	}
+	var quarantine, resolve string
+	if c.spec.Errors.Policy == PolicyQuarantine || sel == "ids" {
+		quarantine = `,
+q AS (
+  INSERT INTO batch_quarantine AS bq (job, logical_run_id, partition_key, source_id, error_code, message)
+  SELECT ` + b.p("job", "text") + `, ` + b.p("run", "text") + `, ` + b.p("pkeytext", "text") + `, id, err_code, err_msg FROM src WHERE err_code IS NOT NULL
+  ON CONFLICT (job, logical_run_id, source_id) DO UPDATE SET error_code = EXCLUDED.error_code, message = EXCLUDED.message,
+    attempts = bq.attempts + 1, last_seen_at = now(), resolved_at = NULL
+  RETURNING 1)`
+	}
+	if sel == "ids" {
+		resolve = `,
+r AS (
+  UPDATE batch_quarantine SET resolved_at = now()
+  WHERE job = ` + b.p("job", "text") + ` AND logical_run_id = ` + b.p("run", "text") + `
+    AND source_id IN (SELECT id FROM src WHERE err_code IS NULL) AND resolved_at IS NULL)`
+	}
+	sql := `
+WITH src AS MATERIALIZED (
+  SELECT x.id, x.ver, x.del, ` + strings.Join(kcols, ", ") + `,
+         CASE WHEN x.del THEN NULL ELSE ` + doc + ` END AS doc,
+         CASE WHEN x.del THEN NULL ELSE ` + errCode + ` END AS err_code,
+         CASE WHEN x.del THEN NULL ELSE ` + errMsg + ` END AS err_msg
+  FROM (
+    SELECT ` + c.rowColumns() + `, ` + fieldCols + `
+    FROM ` + c.table + ` s
+    WHERE ` + where + tail + `
+  ) x
+)` + quarantine + resolve + `,
+up AS (
+  INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, updated_at)
+  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src WHERE err_code IS NULL` + upsertTail + `
+),
+` + c.outboxCTE(b) + `
+SELECT (SELECT count(*) FROM src),
+       (SELECT count(*) FROM src WHERE err_code IS NOT NULL),
+       (SELECT id || ': ' || err_code || ': ' || err_msg FROM src WHERE err_code IS NOT NULL ORDER BY ` + strings.Join(kcols, ", ") + ` LIMIT 1),
+       (SELECT count(*) FROM up),
+       (SELECT ` + c.cursorText("") + ` FROM src ORDER BY ` + strings.Join(kcols, " DESC, ") + ` DESC LIMIT 1)`
+	return b.stmt(sql)
+}
+
+// outboxCTE inserts one outbox event per row the upsert CTE "up" returned.
+func (c *compiled) outboxCTE(b *builder) string {
+	return `ev AS (
+  INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload)
+  SELECT outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `),
+         ` + b.c(c.spec.Topic, "text") + `, ` + b.c(c.spec.AggregateType, "text") + `, source_id, source_version,
+         CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document
+  FROM up
+  ON CONFLICT (event_id) DO NOTHING
+  RETURNING 1
+)`
+}
+
+// fetchSQL is the Go path's read: the rows of the range with the whole row
+// as JSON.
+func (c *compiled) fetchSQL(sel string) stmt {
+	b := newBuilder()
+	where, tail := c.selection(b, sel)
+	return b.stmt(`SELECT x.id, x.ver, x.del, ` + c.cursorText("x.") + `, x.row FROM (SELECT ` + c.rowColumns() + `, row_to_json(s) AS row FROM ` + c.table + ` s WHERE ` + where + tail + `) x`)
+}
+
+func (c *compiled) build() {
+	b := newBuilder()
+	where := c.scopeWhere(b)
+	c.boundary = b.stmt(`SELECT ` + c.cursorText("x.") + ` FROM (SELECT ` + c.rowColumnsKeysOnly() + ` FROM ` + c.table + ` s WHERE ` + where + ` AND (` + b.p("start", "text[]") + ` IS NULL OR ` + c.keyset(b, ">", "start") + `) ORDER BY ` + c.orderBy(true) + ` LIMIT 1) x`)
+
+	if p := c.spec.Source.Partition; p != "" {
+		b = newBuilder()
+		saved := c.spec.Source.Partition
+		c.spec.Source.Partition = "" // the filter alone decides which partitions exist
+		where := c.scopeWhere(b)
+		c.spec.Source.Partition = saved
+		c.partitions = b.stmt(`SELECT DISTINCT s.` + q(p) + `::text FROM ` + c.table + ` s WHERE ` + where + ` ORDER BY 1`)
+	}
+
+	b = newBuilder()
+	where = c.scopeWhere(b)
+	rangeWhere := ` s WHERE ` + where + ` AND (` + b.p("start", "text[]") + ` IS NULL OR ` + c.keyset(b, ">", "start") + `) AND ` + c.keyset(b, "<=", "boundary")
+	c.estimate = b.stmt(`EXPLAIN (FORMAT JSON) SELECT 1 FROM ` + c.table + rangeWhere)
+	c.count = b.stmt(`SELECT count(*) FROM ` + c.table + rangeWhere)
+
+	c.chunkFirst = c.chunkSQL("keyset-first")
+	c.chunkNext = c.chunkSQL("keyset-next")
+	c.chunkIDs = c.chunkSQL("ids")
+	c.fetchFirst = c.fetchSQL("keyset-first")
+	c.fetchNext = c.fetchSQL("keyset-next")
+	c.fetchIDs = c.fetchSQL("ids")
+
+	b = newBuilder()
+	c.write = b.stmt(`
+WITH src AS (SELECT * FROM unnest(` + b.p("ids", "text[]") + `, ` + b.p("vers", "bigint[]") + `, ` + b.p("dels", "boolean[]") + `, ` + b.p("docs", "jsonb[]") + `) AS u(id, ver, del, doc)),
+up AS (
+  INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, updated_at)
+  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src` + upsertTail + `
+),
+` + c.outboxCTE(b) + `
+SELECT count(*) FROM up`)
+
+	b = newBuilder()
+	c.quarantine = b.stmt(`
+INSERT INTO batch_quarantine AS bq (job, logical_run_id, partition_key, source_id, error_code, message)
+SELECT ` + b.p("job", "text") + `, ` + b.p("run", "text") + `, ` + b.p("pkeytext", "text") + `, u.id, u.code, u.msg
+FROM unnest(` + b.p("ids", "text[]") + `, ` + b.p("codes", "text[]") + `, ` + b.p("msgs", "text[]") + `) AS u(id, code, msg)
+ON CONFLICT (job, logical_run_id, source_id) DO UPDATE SET error_code = EXCLUDED.error_code, message = EXCLUDED.message,
+  attempts = bq.attempts + 1, last_seen_at = now(), resolved_at = NULL`)
+
+	b = newBuilder()
+	c.resolve = b.stmt(`UPDATE batch_quarantine SET resolved_at = now() WHERE job = ` + b.p("job", "text") + ` AND logical_run_id = ` + b.p("run", "text") + ` AND source_id = ANY(` + b.p("ids", "text[]") + `) AND resolved_at IS NULL`)
+
+	// The checkpoint write is fenced by the lease token and the previous
+	// cursor, and checks the invariants with the cursor columns' real types:
+	// the cursor moves forward and never past the boundary.
+	b = newBuilder()
+	typed := func(expr string) string {
+		vals := make([]string, len(c.curT))
+		for i, t := range c.curT {
+			vals[i] = "(" + expr + ")[" + strconv.Itoa(i+1) + "]::" + t
+		}
+		return "(" + strings.Join(vals, ", ") + ")"
+	}
+	next := b.p("next", "text[]")
+	c.checkpoint = b.stmt(`
+UPDATE batch_runs SET cursor = ` + next + `,
+  processed_count = processed_count + ` + b.p("n", "bigint") + `,
+  changed_count = changed_count + ` + b.p("changed", "bigint") + `,
+  quarantined_count = quarantined_count + ` + b.p("bad", "bigint") + `,
+  chunk_size = ` + b.p("size", "int") + `, chunks = chunks + 1, retries = retries + ` + b.p("retries", "bigint") + `,
+  heartbeat_at = now(), checkpoint_at = now(), updated_at = now()
+WHERE job = ` + b.p("job", "text") + ` AND logical_run_id = ` + b.p("run", "text") + ` AND partition_key = ` + b.p("pkeytext", "text") + `
+  AND lease_token = ` + b.p("token", "uuid") + ` AND state = 'running'
+  AND cursor IS NOT DISTINCT FROM ` + b.p("prev", "text[]") + `
+  AND (cursor IS NULL OR ` + typed(next) + ` > ` + typed("cursor") + `)
+  AND ` + typed(next) + ` <= ` + typed("boundary"))
+}
+
+func (c *compiled) rowColumnsKeysOnly() string {
+	cols := make([]string, len(c.cur))
+	for i, col := range c.cur {
+		cols[i] = col + " AS k" + strconv.Itoa(i+1)
+	}
+	return strings.Join(cols, ", ")
+}

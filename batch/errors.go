@@ -1,0 +1,88 @@
+package batch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+var (
+	// ErrSpec is wrapped by errors about a spec that does not match the
+	// database (missing table or column).
+	ErrSpec = errors.New("invalid job spec")
+	// ErrLeaseLost means another worker owns the partition now (this one was
+	// too slow to heartbeat, or the partition was paused and reclaimed). The
+	// worker stops without writing anything.
+	ErrLeaseLost = errors.New("lease lost: another worker owns the partition")
+	// ErrCheckpointIncompatible means the stored run was made with another
+	// processor version or scope.
+	ErrCheckpointIncompatible = errors.New("checkpoint incompatible with the spec")
+	// ErrCheckpointInvariant means a checkpoint write would move the cursor
+	// back, past the boundary, or from a cursor other than the stored one.
+	ErrCheckpointInvariant = errors.New("checkpoint invariant violated")
+	// ErrBadRow is wrapped by the error of a strict (or retry) run that met a
+	// row it cannot normalize.
+	ErrBadRow = errors.New("bad row")
+	// ErrNotFound means no such job, run or partition.
+	ErrNotFound = errors.New("not found")
+)
+
+// errPaused stops a partition whose run was paused by an operator.
+var errPaused = errors.New("partition paused")
+
+// transientError marks a row error a Processor expects to heal on retry.
+type transientError struct{ err error }
+
+func (e *transientError) Error() string { return "transient: " + e.err.Error() }
+func (e *transientError) Unwrap() error { return e.err }
+
+// Transient marks err as transient: under the retry policy the chunk is
+// rolled back and retried with backoff.
+func Transient(err error) error { return &transientError{err: err} }
+
+// IsRetryable reports whether err is worth retrying the chunk for: a row
+// error marked [Transient], or a PostgreSQL error that heals (serialization
+// failure, deadlock, lock timeout, lost connection). Never a cancellation.
+func IsRetryable(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var te *transientError
+	if errors.As(err, &te) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "40001", "40P01", "55P03", "57P01", "57P02", "57P03", "53300":
+			return true
+		}
+		return len(pgErr.Code) == 5 && pgErr.Code[:2] == "08"
+	}
+	if pgconn.SafeToRetry(err) || pgconn.Timeout(err) {
+		return true
+	}
+	var ce *pgconn.ConnectError
+	return errors.As(err, &ce) || errors.Is(err, pgx.ErrTxClosed)
+}
+
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}
+
+// BadRowError names a row the processor could not normalize.
+type BadRowError struct {
+	ID      string
+	Code    string
+	Message string
+}
+
+func (e *BadRowError) Error() string {
+	return fmt.Sprintf("%v: row id=%s: %s: %s", ErrBadRow, e.ID, e.Code, e.Message)
+}
+
+func (e *BadRowError) Unwrap() error { return ErrBadRow }

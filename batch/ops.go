@@ -1,0 +1,380 @@
+package batch
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os/user"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// actor names who moved a checkpoint when the caller does not say.
+func actor() string {
+	if u, err := user.Current(); err == nil && u.Username != "" {
+		return u.Username
+	}
+	return "unknown"
+}
+
+// RunStatus is one partition of a run, as `batcher status` shows it.
+type RunStatus struct {
+	Job, RunID, Partition, State, Mode string
+	Cursor, Boundary                   []string
+	ProcessorVersion                   string
+	Processed, Changed                 int64
+	Estimated                          *int64
+	Quarantined                        int64 // open quarantine rows of the run partition
+	Retries                            int64
+	ChunkSize                          *int
+	LeaseOwner                         *string
+	Attempt                            int
+	Error                              *string
+	StartedAt, CheckpointAt            *time.Time
+	CreatedAt                          time.Time
+	// Rate is rows per second between the start and the last checkpoint.
+	Rate float64
+	// CheckpointAge is the time since the last checkpoint (0 if none).
+	CheckpointAge time.Duration
+}
+
+// Status lists the partitions of the newest runs (at most runs of them per
+// job; job "" = every job), newest first. Read from the database, which is
+// the source of truth.
+func Status(ctx context.Context, db *pgxpool.Pool, job string, runs int) ([]RunStatus, error) {
+	rows, err := db.Query(ctx, `
+WITH recent AS (
+  SELECT job, logical_run_id, max(created_at) AS created, row_number() OVER (PARTITION BY job ORDER BY max(created_at) DESC) AS rn
+  FROM batch_runs WHERE ($1 = '' OR job = $1) GROUP BY job, logical_run_id
+)
+SELECT b.job, b.logical_run_id, b.partition_key, b.state, b.mode, b.cursor, b.boundary, b.processor_version,
+       b.processed_count, b.changed_count, b.estimated_total,
+       (SELECT count(*) FROM batch_quarantine q WHERE q.job = b.job AND q.logical_run_id = b.logical_run_id AND q.partition_key = b.partition_key AND q.resolved_at IS NULL),
+       b.retries, b.chunk_size, b.lease_owner, b.attempt, b.error, b.started_at, b.checkpoint_at, b.created_at,
+       COALESCE(extract(epoch FROM now() - b.checkpoint_at), 0)
+FROM batch_runs b JOIN recent r USING (job, logical_run_id)
+WHERE r.rn <= $2
+ORDER BY b.job, r.created DESC, b.partition_key`, job, runs)
+	if err != nil {
+		return nil, fmt.Errorf("read runs: %w", err)
+	}
+	defer rows.Close()
+	var out []RunStatus
+	for rows.Next() {
+		var s RunStatus
+		var age float64
+		if err := rows.Scan(&s.Job, &s.RunID, &s.Partition, &s.State, &s.Mode, &s.Cursor, &s.Boundary, &s.ProcessorVersion,
+			&s.Processed, &s.Changed, &s.Estimated, &s.Quarantined, &s.Retries, &s.ChunkSize, &s.LeaseOwner, &s.Attempt, &s.Error,
+			&s.StartedAt, &s.CheckpointAt, &s.CreatedAt, &age); err != nil {
+			return nil, err
+		}
+		s.CheckpointAge = time.Duration(age * float64(time.Second))
+		if s.StartedAt != nil && s.CheckpointAt != nil {
+			if d := s.CheckpointAt.Sub(*s.StartedAt).Seconds(); d > 0 {
+				s.Rate = float64(s.Processed) / d
+			}
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+// SetState pauses (to "paused") or resumes (to "pending") the partitions
+// of a run. run "" = the job's newest run; partition "" = all. A worker
+// holding a paused partition rolls back its chunk in flight and lets it go.
+// It returns how many partitions changed.
+func SetState(ctx context.Context, db *pgxpool.Pool, job, run, partition, to string) (int64, error) {
+	var from []string
+	switch to {
+	case "paused":
+		from = []string{"pending", "running"}
+	case "pending":
+		from = []string{"paused"}
+	default:
+		return 0, fmt.Errorf("state %q: want paused or pending", to)
+	}
+	if run == "" {
+		if err := db.QueryRow(ctx, `SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1`, job).Scan(&run); err != nil {
+			if errors.Is(err, pgx.ErrNoRows) {
+				return 0, fmt.Errorf("%w: job %s has no runs", ErrNotFound, job)
+			}
+			return 0, err
+		}
+	}
+	tag, err := db.Exec(ctx, `UPDATE batch_runs SET state = $5, lease_token = NULL, lease_owner = NULL, updated_at = now()
+WHERE job = $1 AND logical_run_id = $2 AND ($3 = '' OR partition_key = $3) AND state = ANY($4)`, job, run, partition, from, to)
+	if err != nil {
+		return 0, fmt.Errorf("set %s/%s to %s: %w", job, run, to, err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// LoadJobSpec returns the spec the job last ran with.
+func LoadJobSpec(ctx context.Context, db querier, job string) (Spec, error) {
+	var raw []byte
+	if err := db.QueryRow(ctx, `SELECT spec FROM batch_jobs WHERE job = $1`, job).Scan(&raw); err != nil {
+		if errors.Is(err, pgx.ErrNoRows) {
+			return Spec{}, fmt.Errorf("%w: job %s has never run (pass --spec)", ErrNotFound, job)
+		}
+		return Spec{}, err
+	}
+	s, err := ParseSpec(raw, ".json")
+	if err != nil {
+		return Spec{}, fmt.Errorf("stored spec of job %s: %w", job, err)
+	}
+	return s, nil
+}
+
+// CheckpointMove is a manual checkpoint move.
+type CheckpointMove struct {
+	Job, RunID, Partition string
+	// Cursor is the new position (the cursor columns' values as text).
+	Cursor []string
+	Actor  string // default: the OS user
+	Reason string // required
+}
+
+// CheckpointMoved says what [SetCheckpoint] did.
+type CheckpointMoved struct {
+	Before, After []string
+	// NewRunID is set when the move was backwards: the old run is superseded
+	// and a new run starts at the requested position.
+	NewRunID string
+}
+
+// SetCheckpoint moves a checkpoint by hand and audits it in
+// checkpoint_audit. Forward (never past the boundary) moves it in place:
+// the skipped rows will not be processed by this run. Backward creates a new
+// run from the requested position, because a run's cursor never goes back.
+// The partition must not be leased by a live worker: pause it first.
+func SetCheckpoint(ctx context.Context, db *pgxpool.Pool, m CheckpointMove) (*CheckpointMoved, error) {
+	if m.Reason == "" {
+		return nil, fmt.Errorf("a reason is required (--reason)")
+	}
+	m.Actor = cmpOr(m.Actor, actor())
+	spec, err := LoadJobSpec(ctx, db, m.Job)
+	if err != nil {
+		return nil, err
+	}
+	c, err := compile(ctx, db, spec)
+	if err != nil {
+		return nil, err
+	}
+	if len(m.Cursor) != len(c.cur) {
+		return nil, fmt.Errorf("cursor has %d values, job %s's cursor is %v", len(m.Cursor), m.Job, spec.Source.Cursor)
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	var (
+		state     string
+		cur, bnd  []string
+		processed int64
+		leased    bool
+	)
+	err = tx.QueryRow(ctx, `SELECT state, cursor, boundary, processed_count, lease_token IS NOT NULL AND lease_expires_at > now()
+FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FOR UPDATE`, m.Job, m.RunID, m.Partition).Scan(&state, &cur, &bnd, &processed, &leased)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("%w: run %s/%s partition %q", ErrNotFound, m.Job, m.RunID, m.Partition)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if state == "running" && leased {
+		return nil, fmt.Errorf("run %s/%s partition %q is leased by a live worker: pause it first (batcher pause)", m.Job, m.RunID, m.Partition)
+	}
+	if state == "succeeded" || state == "superseded" {
+		return nil, fmt.Errorf("run %s/%s partition %q is %s; start a new run instead", m.Job, m.RunID, m.Partition, state)
+	}
+	// Compare with the cursor columns' real types.
+	b := newBuilder()
+	typed := func(name string) string {
+		vals := ""
+		for i, t := range c.curT {
+			if i > 0 {
+				vals += ", "
+			}
+			vals += fmt.Sprintf("(%s)[%d]::%s", b.p(name, "text[]"), i+1, t)
+		}
+		return "(" + vals + ")"
+	}
+	st := b.stmt(`SELECT ` + b.p("cur", "text[]") + ` IS NULL OR ` + typed("new") + ` > ` + typed("cur") + `, ` + typed("new") + ` <= ` + typed("bnd") + `, ` + typed("new") + ` = ` + typed("cur") + ` IS TRUE`)
+	var forward, within, same bool
+	if err := tx.QueryRow(ctx, st.sql, st.args(map[string]any{"cur": cur, "new": m.Cursor, "bnd": bnd})...).Scan(&forward, &within, &same); err != nil {
+		return nil, fmt.Errorf("cursor %v does not fit job %s's cursor columns %v: %w", m.Cursor, m.Job, spec.Source.Cursor, err)
+	}
+	if same {
+		return nil, fmt.Errorf("the checkpoint is already at %v", m.Cursor)
+	}
+	if !within {
+		return nil, fmt.Errorf("%w: cursor %v is past the run's boundary %v", ErrCheckpointInvariant, m.Cursor, bnd)
+	}
+	out := &CheckpointMoved{Before: cur, After: m.Cursor}
+	if forward {
+		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET cursor = $4, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3`, m.Job, m.RunID, m.Partition, m.Cursor); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed) VALUES ($1, $2, $3, $4, $5, 'forward', $6, $7, $8)`,
+			m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed); err != nil {
+			return nil, err
+		}
+		return out, tx.Commit(ctx)
+	}
+	// Backwards: a new run, every partition copied, this one at the new
+	// position with its count restarted.
+	out.NewRunID = time.Now().UTC().Format("20060102T150405.000Z")
+	if _, err := tx.Exec(ctx, `
+INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, processed_count, finished_at)
+SELECT job, $3, partition_key, CASE WHEN partition_key = $4 OR state <> 'succeeded' THEN 'pending' ELSE state END, mode, start_cursor,
+       CASE WHEN partition_key = $4 THEN $5 ELSE cursor END, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size,
+       CASE WHEN partition_key = $4 THEN 0 ELSE processed_count END, CASE WHEN partition_key = $4 OR state <> 'succeeded' THEN NULL ELSE finished_at END
+FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, m.Job, m.RunID, out.NewRunID, m.Partition, m.Cursor); err != nil {
+		return nil, err
+	}
+	if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, finished_at = now(), updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, m.Job, m.RunID); err != nil {
+		return nil, err
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed, new_logical_run_id) VALUES ($1, $2, $3, $4, $5, 'backward-new-run', $6, $7, $8, $9)`,
+		m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed, out.NewRunID); err != nil {
+		return nil, err
+	}
+	return out, tx.Commit(ctx)
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// QuarantinedRow is one row of batch_quarantine.
+type QuarantinedRow struct {
+	Job, RunID, Partition, SourceID, Code, Message string
+	Attempts                                       int
+	FirstSeen, LastSeen                            time.Time
+	ResolvedAt                                     *time.Time
+}
+
+// ListQuarantine returns the job's quarantined rows (all = include
+// resolved ones).
+func ListQuarantine(ctx context.Context, db querier, job string, all bool) ([]QuarantinedRow, error) {
+	rows, err := db.Query(ctx, `SELECT job, logical_run_id, partition_key, source_id, error_code, message, attempts, first_seen_at, last_seen_at, resolved_at
+FROM batch_quarantine WHERE ($1 = '' OR job = $1) AND ($2 OR resolved_at IS NULL) ORDER BY job, first_seen_at, source_id`, job, all)
+	if err != nil {
+		return nil, fmt.Errorf("read quarantine: %w", err)
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (QuarantinedRow, error) {
+		var q QuarantinedRow
+		err := r.Scan(&q.Job, &q.RunID, &q.Partition, &q.SourceID, &q.Code, &q.Message, &q.Attempts, &q.FirstSeen, &q.LastSeen, &q.ResolvedAt)
+		return q, err
+	})
+}
+
+// RetryResult says what [RetryQuarantine] did.
+type RetryResult struct {
+	Retried, Resolved, StillBad int64
+}
+
+// RetryQuarantine reprocesses the job's open quarantined rows from the
+// source table with spec (normally the job's stored spec, perhaps with a
+// fixed processor): rows that now normalize are upserted and enqueued in the
+// same transaction that marks them resolved; the others stay with attempts
+// incremented. No checkpoint moves. proc nil = built-in normalizer.
+func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Processor) (RetryResult, error) {
+	var out RetryResult
+	spec = spec.withDefaults()
+	if err := spec.validate(); err != nil {
+		return out, err
+	}
+	c, err := compile(ctx, db, spec)
+	if err != nil {
+		return out, err
+	}
+	rows, err := db.Query(ctx, `SELECT logical_run_id, partition_key, array_agg(source_id ORDER BY source_id) FROM batch_quarantine WHERE job = $1 AND resolved_at IS NULL GROUP BY 1, 2`, spec.Job)
+	if err != nil {
+		return out, err
+	}
+	type group struct {
+		run, key string
+		ids      []string
+	}
+	groups, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (group, error) {
+		var g group
+		return g, r.Scan(&g.run, &g.key, &g.ids)
+	})
+	if err != nil {
+		return out, err
+	}
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return out, err
+	}
+	defer conn.Release()
+	r := &Runner{pool: db, spec: spec, c: c, cfg: Config{Processor: proc}.withDefaults()}
+	for _, g := range groups {
+		for ids := range slices.Chunk(g.ids, 1000) {
+			n, resolved, err := r.retryIDs(ctx, conn.Conn(), g.run, g.key, ids)
+			if err != nil {
+				return out, err
+			}
+			out.Retried += int64(len(ids))
+			out.Resolved += resolved
+			_ = n
+		}
+	}
+	out.StillBad = out.Retried - out.Resolved
+	return out, nil
+}
+
+func (r *Runner) retryIDs(ctx context.Context, conn *pgx.Conn, run, key string, ids []string) (int, int64, error) {
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	vals := map[string]any{"ids": ids, "pkey": key, "pkeytext": key, "job": r.spec.Job, "run": run, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion}
+	var n int
+	var resolved int64
+	if r.cfg.Processor == nil {
+		var bad, changed int64
+		var first *string
+		var last []string
+		if err := tx.QueryRow(ctx, r.c.chunkIDs.sql, r.c.chunkIDs.args(vals)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
+			return 0, 0, fmt.Errorf("retry quarantined rows: %w", err)
+		}
+		resolved = int64(n) - bad
+	} else {
+		saved := r.spec.Errors.Policy
+		r.spec.Errors.Policy = PolicyQuarantine // still-bad rows stay quarantined
+		var res chunkResult
+		err := r.goChunk(ctx, tx, nil, vals, &res)
+		r.spec.Errors.Policy = saved
+		if err != nil {
+			return 0, 0, err
+		}
+		n = res.n
+		resolved = int64(res.n) - res.bad
+		good, _ := vals["ids"].([]string)
+		vals["ids"] = good
+		if _, err := tx.Exec(ctx, r.c.resolve.sql, r.c.resolve.args(vals)...); err != nil {
+			return 0, 0, err
+		}
+	}
+	return n, resolved, tx.Commit(ctx)
+}
+
+// MarshalJSON keeps durations readable in `status --json`.
+func (s RunStatus) MarshalJSON() ([]byte, error) {
+	type alias RunStatus
+	return json.Marshal(struct {
+		alias
+		CheckpointAge string
+	}{alias(s), s.CheckpointAge.String()})
+}

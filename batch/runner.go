@@ -1,0 +1,695 @@
+package batch
+
+import (
+	"bufio"
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxrelay/outboxrelay/internal/failpoint"
+)
+
+// Config configures a [Runner]. Zero values take the defaults named on
+// each field.
+type Config struct {
+	StartOptions
+	// WorkerID names this worker in leases. Default host-pid.
+	WorkerID string
+	// Workers is how many partitions this process works on at once. Default 1.
+	Workers int
+	// LeaseTTL is how long a lease lives without a heartbeat before another
+	// worker may take the partition. It also bounds how long PostgreSQL keeps
+	// a frozen worker's open transaction (idle_in_transaction_session_timeout).
+	// Default 30s.
+	LeaseTTL time.Duration
+	// HeartbeatInterval between lease renewals. Default LeaseTTL/3.
+	HeartbeatInterval time.Duration
+	// MaxChunks stops softly after this many committed chunks (all workers
+	// of this process together). 0 means no limit.
+	MaxChunks int
+	// Partition restricts this process to one partition. "" = all.
+	Partition string
+	// Processor, when set, replaces the built-in SQL normalizer: rows are
+	// read into Go, processed and written back with unnest arrays.
+	Processor Processor
+	// Logger receives a line per chunk (debug level when Progress is set).
+	// Default: discard.
+	Logger *slog.Logger
+	// Metrics, when set, records the batch_* series.
+	Metrics *Metrics
+	// Progress, when set (a terminal), receives a progress line: processed /
+	// estimated, rate, ETA.
+	Progress io.Writer
+}
+
+func (c Config) withDefaults() Config {
+	if c.WorkerID == "" {
+		host, _ := os.Hostname()
+		c.WorkerID = cmp.Or(host, "worker") + "-" + strconv.Itoa(os.Getpid())
+	}
+	c.Workers = cmp.Or(c.Workers, 1)
+	c.LeaseTTL = cmp.Or(c.LeaseTTL, 30*time.Second)
+	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, c.LeaseTTL/3)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	switch {
+	case c.Workers < 1:
+		return fmt.Errorf("workers %d: want >= 1", c.Workers)
+	case c.LeaseTTL < 100*time.Millisecond:
+		return fmt.Errorf("lease TTL %s: want >= 100ms", c.LeaseTTL)
+	case c.HeartbeatInterval >= c.LeaseTTL:
+		return fmt.Errorf("heartbeat interval %s must be shorter than the lease TTL %s", c.HeartbeatInterval, c.LeaseTTL)
+	case c.MaxChunks < 0:
+		return fmt.Errorf("max chunks %d: want >= 0", c.MaxChunks)
+	}
+	return nil
+}
+
+// Runner runs one scan job: it prepares the run (boundary, scope,
+// compatibility), then its workers claim partitions and process chunks until
+// the run is done or they are told to stop.
+type Runner struct {
+	pool  *pgxpool.Pool
+	spec  Spec
+	cfg   Config
+	c     *compiled
+	runID string
+
+	chunks     atomic.Int64
+	rows       atomic.Int64
+	changed    atomic.Int64
+	bad        atomic.Int64
+	started    time.Time
+	progress   *progress
+	maxReached atomic.Bool
+}
+
+// Summary says what a [Runner.Run] did.
+type Summary struct {
+	RunID       string
+	Chunks      int64
+	Rows        int64 // source rows committed by this process
+	Changed     int64 // rows that produced an event
+	Quarantined int64
+	// Done is true when every partition of the run has succeeded.
+	Done bool
+}
+
+// NewRunner checks the spec's defaults and the config. The database checks
+// happen in [Runner.Prepare].
+func NewRunner(pool *pgxpool.Pool, spec Spec, cfg Config) (*Runner, error) {
+	spec = spec.withDefaults()
+	if err := spec.validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return &Runner{pool: pool, spec: spec, cfg: cfg}, nil
+}
+
+// Prepare checks the spec against the database (table and columns exist),
+// then finds, creates or refuses the run (see [StartOptions]). It returns
+// the run id. Run calls it when it was not called.
+func (r *Runner) Prepare(ctx context.Context) (string, error) {
+	if r.runID != "" {
+		return r.runID, nil
+	}
+	c, err := compile(ctx, r.pool, r.spec)
+	if err != nil {
+		return "", err
+	}
+	r.c = c
+	id, err := prepareRun(ctx, r.pool, c, r.cfg.StartOptions, time.Now())
+	if err != nil {
+		return "", err
+	}
+	r.runID = id
+	return id, nil
+}
+
+var errSoftStop = errors.New("soft stop")
+
+// Run works on the run until every partition is done, soft is cancelled
+// (finish the chunk in flight, release the lease, return nil), or hard is
+// cancelled (the chunk in flight rolls back). soft must be derived from hard
+// or be cancelled no later. A partition whose lease was lost returns
+// [ErrLeaseLost]; a failed chunk fails the partition and is returned.
+func (r *Runner) Run(soft, hard context.Context) (*Summary, error) {
+	if _, err := r.Prepare(hard); err != nil {
+		return nil, err
+	}
+	r.started = time.Now()
+	if r.cfg.Progress != nil {
+		r.progress = newProgress(r.cfg.Progress)
+		if err := r.progress.load(hard, r.pool, r.spec.Job, r.runID); err != nil {
+			return nil, err
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, r.cfg.Workers)
+	for i := range r.cfg.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = r.worker(soft, hard, r.cfg.WorkerID+"/"+strconv.Itoa(i))
+		}()
+	}
+	wg.Wait()
+	if r.progress != nil {
+		r.progress.finish()
+	}
+	sum := &Summary{RunID: r.runID, Chunks: r.chunks.Load(), Rows: r.rows.Load(), Changed: r.changed.Load(), Quarantined: r.bad.Load()}
+	var left int
+	if err := r.pool.QueryRow(context.WithoutCancel(hard), `SELECT count(*) FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, r.spec.Job, r.runID).Scan(&left); err == nil {
+		sum.Done = left == 0
+	}
+	if err := errors.Join(errs...); err != nil {
+		return sum, err
+	}
+	if hard.Err() != nil {
+		return sum, context.Cause(hard)
+	}
+	return sum, nil
+}
+
+func (r *Runner) partitionFilter() *string {
+	if r.cfg.Partition == "" {
+		return nil
+	}
+	return &r.cfg.Partition
+}
+
+// worker holds one connection (its session settings live there) and claims
+// partitions until none is left.
+func (r *Runner) worker(soft, hard context.Context, id string) error {
+	conn, err := r.pool.Acquire(hard)
+	if err != nil {
+		return fmt.Errorf("acquire a connection: %w", err)
+	}
+	defer conn.Release()
+	// A worker frozen inside a transaction (SIGSTOP, a GC pause of the VM)
+	// must not keep its locks past its lease: the server ends the session.
+	if _, err := conn.Exec(hard, `SELECT set_config('idle_in_transaction_session_timeout', $1, false)`, strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
+		return fmt.Errorf("set up session: %w", err)
+	}
+	for {
+		if soft.Err() != nil || r.maxReached.Load() {
+			return nil
+		}
+		cl, err := claimPartition(hard, r.pool, r.spec.Job, r.runID, r.partitionFilter(), id, r.cfg.LeaseTTL)
+		if err != nil {
+			return err
+		}
+		if cl == nil {
+			n, err := unfinished(hard, r.pool, r.spec.Job, r.runID, r.partitionFilter())
+			if err != nil {
+				return err
+			}
+			if n == 0 {
+				return nil
+			}
+			// Others hold the rest; wait in case a lease goes stale.
+			select {
+			case <-soft.Done():
+				return nil
+			case <-time.After(r.cfg.HeartbeatInterval):
+			}
+			continue
+		}
+		err = r.partition(soft, hard, conn.Conn(), cl, id)
+		switch {
+		case err == nil, errors.Is(err, errPaused):
+			continue
+		case errors.Is(err, errSoftStop):
+			return nil
+		default:
+			return err
+		}
+	}
+}
+
+func (r *Runner) logAttrs(key string) []any {
+	return []any{slog.String("job", r.spec.Job), slog.String("run", r.runID), slog.String("partition", key)}
+}
+
+// partition processes chunks of one claimed partition.
+func (r *Runner) partition(soft, hard context.Context, conn *pgx.Conn, cl *claim, worker string) error {
+	job, run := r.spec.Job, r.runID
+	log := r.cfg.Logger.With(r.logAttrs(cl.key)...)
+	log.Info("partition claimed", slog.String("worker", worker), slog.Int("attempt", cl.attempt), slog.Any("cursor", cl.cursor), slog.Any("boundary", cl.boundary))
+	ctx, cancel := context.WithCancelCause(hard)
+	defer cancel(nil)
+	hbDone := make(chan struct{})
+	go func() {
+		defer close(hbDone)
+		t := time.NewTicker(r.cfg.HeartbeatInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			hctx, hcancel := context.WithTimeout(ctx, r.cfg.HeartbeatInterval)
+			ok, err := heartbeat(hctx, r.pool, job, run, cl.key, cl.token, r.cfg.LeaseTTL)
+			hcancel()
+			if err != nil {
+				log.Warn("heartbeat failed", slog.String("error", err.Error()))
+				continue
+			}
+			if !ok {
+				// Lost or paused: cancel the chunk in flight; it rolls back.
+				cancel(whyNotOwned(context.WithoutCancel(ctx), r.pool, job, run, cl.key, cl.token))
+				return
+			}
+		}
+	}()
+	defer func() { cancel(nil); <-hbDone }()
+
+	size := cmp.Or(cl.chunkSize, r.spec.Chunk.Size)
+	sizer := NewSizer(size, r.spec.Chunk.Min, r.spec.Chunk.Max, time.Duration(r.spec.Chunk.TargetDuration))
+	cursor := cl.cursor
+	// Lease bookkeeping after a stop must happen even though hard may be
+	// cancelled: bounded, detached contexts.
+	cctx, ccancel := context.WithTimeout(context.WithoutCancel(hard), time.Hour)
+	defer ccancel()
+	cleanup := func() context.Context { return cctx }
+	for {
+		if soft.Err() != nil || r.maxReached.Load() {
+			if err := releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token); err != nil {
+				log.Warn("release lease", slog.String("error", err.Error()))
+			}
+			log.Info("stopped at the last committed checkpoint", slog.Any("cursor", cursor))
+			return errSoftStop
+		}
+		if cl.boundary == nil {
+			break
+		}
+		res, err := r.chunkWithRetry(ctx, conn, cl, cursor, sizer, log)
+		if err != nil {
+			if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+				err = cause
+			}
+			switch {
+			case errors.Is(err, errPaused):
+				log.Info("partition paused by an operator; chunk rolled back", slog.Any("cursor", cursor))
+				return errPaused
+			case errors.Is(err, ErrLeaseLost):
+				log.Error("lease lost; stopping without writing", slog.String("error", err.Error()))
+				return err
+			case hard.Err() != nil:
+				_ = releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token)
+				log.Warn("hard stop: chunk rolled back", slog.Any("cursor", cursor))
+				return context.Cause(hard)
+			}
+			// A chunk that failed because another worker took over (its
+			// session was ended while frozen, say) is a lost lease, not a
+			// failure of the run.
+			if why := whyNotOwned(cleanup(), r.pool, job, run, cl.key, cl.token); errors.Is(why, ErrLeaseLost) || errors.Is(why, errPaused) {
+				if errors.Is(why, errPaused) {
+					return errPaused
+				}
+				log.Error("lease lost; stopping without writing", slog.String("error", why.Error()), slog.String("chunk_error", err.Error()))
+				return why
+			}
+			if ferr := failPartition(cleanup(), r.pool, job, run, cl.key, cl.token, err); ferr != nil {
+				log.Error("record failure", slog.String("error", ferr.Error()))
+			}
+			log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor))
+			return fmt.Errorf("job %s run %s partition %q: %w", job, run, cl.key, err)
+		}
+		if res.n > 0 {
+			cursor = res.next
+			n := r.chunks.Add(1)
+			if r.cfg.MaxChunks > 0 && n >= int64(r.cfg.MaxChunks) {
+				r.maxReached.Store(true)
+			}
+		}
+		if res.n < res.size {
+			break
+		}
+	}
+	ok, err := finishPartition(cleanup(), r.pool, job, run, cl.key, cl.token)
+	if err != nil {
+		return fmt.Errorf("finish %s/%s/%s: %w", job, run, cl.key, err)
+	}
+	if !ok {
+		return whyNotOwned(cleanup(), r.pool, job, run, cl.key, cl.token)
+	}
+	log.Info("partition succeeded", slog.Any("cursor", cursor))
+	return nil
+}
+
+type chunkResult struct {
+	n, size     int
+	bad         int64
+	changed     int64
+	next        []string
+	fetch, proc time.Duration // SQL path: the whole chunk statement / 0; Go path: the read / the processor
+	write       time.Duration // Go path: the unnest upsert + outbox statement
+	commit      time.Duration // (Go path: write +) checkpoint UPDATE + COMMIT
+}
+
+func (r *Runner) chunkWithRetry(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []string, sizer *Sizer, log *slog.Logger) (chunkResult, error) {
+	expo := backoff.NewExponentialBackOff()
+	expo.InitialInterval = time.Duration(r.spec.Errors.InitialBackoff)
+	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
+	expo.RandomizationFactor = 0.5 // jitter
+	expo.MaxElapsedTime = 0        // bounded by attempts instead
+	bo := backoff.WithContext(backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries)), ctx)
+	var (
+		res     chunkResult
+		retries int64
+	)
+	op := func() error {
+		start := time.Now()
+		var err error
+		res, err = r.chunk(ctx, conn, cl, cursor, sizer.Size(), retries)
+		if err == nil {
+			return nil
+		}
+		if isLockTimeout(err) && r.cfg.Metrics != nil {
+			r.cfg.Metrics.LockWait.WithLabelValues(r.spec.Job).Observe(time.Since(start).Seconds())
+		}
+		if ctx.Err() != nil || !IsRetryable(err) {
+			return backoff.Permanent(err)
+		}
+		return err
+	}
+	notify := func(err error, d time.Duration) {
+		retries++
+		reason := "transient"
+		if isLockTimeout(err) {
+			reason = "lock_timeout"
+		}
+		// A lock wait or an error is a strong signal: cut the size at once.
+		sizer.Backoff()
+		if r.cfg.Metrics != nil {
+			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, reason).Inc()
+		}
+		log.Warn("chunk rolled back; retrying", slog.String("reason", reason), slog.String("error", err.Error()),
+			slog.Int64("attempt", retries), slog.Duration("backoff", d), slog.Int("chunk_size", sizer.Size()))
+	}
+	if err := backoff.RetryNotify(op, bo, notify); err != nil {
+		return res, err
+	}
+	if res.n > 0 {
+		sizer.Observe(res.n, res.fetch+res.proc+res.commit)
+		r.observe(cl, res, log, sizer.Size())
+	}
+	return res, nil
+}
+
+func (r *Runner) observe(cl *claim, res chunkResult, log *slog.Logger, nextSize int) {
+	r.rows.Add(int64(res.n))
+	r.changed.Add(res.changed)
+	r.bad.Add(res.bad)
+	cl.processed += int64(res.n)
+	if m := r.cfg.Metrics; m != nil {
+		job := r.spec.Job
+		m.ChunkDuration.WithLabelValues(job, "fetch").Observe(res.fetch.Seconds())
+		m.ChunkDuration.WithLabelValues(job, "process").Observe(res.proc.Seconds())
+		m.ChunkDuration.WithLabelValues(job, "commit").Observe(res.commit.Seconds())
+		m.ChunkDuration.WithLabelValues(job, "total").Observe((res.fetch + res.proc + res.commit).Seconds())
+		m.ChunkSize.WithLabelValues(job).Set(float64(nextSize))
+		m.Rows.WithLabelValues(job, "changed").Add(float64(res.changed))
+		m.Rows.WithLabelValues(job, "unchanged").Add(float64(int64(res.n) - res.changed - res.bad))
+		m.Rows.WithLabelValues(job, "quarantined").Add(float64(res.bad))
+		m.checkpointed(job)
+	}
+	level := slog.LevelInfo
+	if r.progress != nil {
+		level = slog.LevelDebug
+		r.progress.add(int64(res.n))
+	}
+	log.Log(context.Background(), level, "chunk committed",
+		slog.Int("rows", res.n), slog.Int64("changed", res.changed), slog.Int64("quarantined", res.bad),
+		slog.Int("chunk_size", res.size), slog.Int("next_chunk_size", nextSize),
+		slog.Any("cursor_to", res.next), slog.Int64("processed", cl.processed),
+		slog.Float64("fetch_ms", ms(res.fetch)), slog.Float64("process_ms", ms(res.proc)), slog.Float64("commit_ms", ms(res.commit)),
+		slog.Int64("rss_bytes", RSS()))
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// chunk is one transaction: results, outbox events and checkpoint commit
+// together or not at all.
+func (r *Runner) chunk(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []string, size int, retries int64) (chunkResult, error) {
+	res := chunkResult{size: size}
+	failpoint.Hit("batch.before_tx")
+	t0 := time.Now()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return res, fmt.Errorf("begin chunk: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	// work_mem: a chunk materializes its rows and documents once; spilling
+	// them to temp files would cost more than the memory.
+	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('work_mem', '64MB', true)`, strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10)); err != nil {
+		return res, fmt.Errorf("begin chunk: %w", err)
+	}
+	vals := map[string]any{
+		"cursor": cursor, "boundary": cl.boundary, "limit": size, "pkey": cl.key, "pkeytext": cl.key,
+		"job": r.spec.Job, "run": r.runID, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion,
+	}
+	if r.cfg.Processor == nil {
+		st := r.c.chunkNext
+		if cursor == nil {
+			st = r.c.chunkFirst
+		}
+		var firstBad *string
+		if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&res.n, &res.bad, &firstBad, &res.changed, &res.next); err != nil {
+			return res, fmt.Errorf("select and upsert chunk after %v: %w", cursor, err)
+		}
+		if res.bad > 0 && r.spec.Errors.Policy != PolicyQuarantine {
+			return res, parseBadRow(*firstBad)
+		}
+		res.fetch = time.Since(t0)
+	} else {
+		if err := r.goChunk(ctx, tx, cursor, vals, &res); err != nil {
+			return res, err
+		}
+	}
+	if res.n == 0 {
+		return res, nil // the range is done; nothing to commit
+	}
+	failpoint.Hit("batch.after_upsert")
+	t1 := time.Now()
+	// The events were inserted by the upsert's statement (a CTE step over
+	// the rows it RETURNed); no document crosses the wire twice.
+	failpoint.Hit("batch.after_outbox")
+	vals["next"], vals["prev"], vals["token"] = res.next, cursor, cl.token
+	vals["n"], vals["changed"], vals["bad"], vals["size"], vals["retries"] = int64(res.n), res.changed, res.bad, size, retries
+	tag, err := tx.Exec(ctx, r.c.checkpoint.sql, r.c.checkpoint.args(vals)...)
+	if err != nil {
+		return res, fmt.Errorf("write checkpoint: %w", err)
+	}
+	if tag.RowsAffected() != 1 {
+		// Zero rows: lost ownership (or paused, or an invariant). Roll back.
+		return res, whyNotOwned(ctx, r.pool, r.spec.Job, r.runID, cl.key, cl.token)
+	}
+	failpoint.Hit("batch.after_checkpoint")
+	if err := tx.Commit(ctx); err != nil {
+		return res, fmt.Errorf("commit chunk: %w", err)
+	}
+	failpoint.Hit("batch.after_commit")
+	res.commit = time.Since(t1) + res.write
+	return res, nil
+}
+
+func parseBadRow(s string) error {
+	id, rest, _ := strings.Cut(s, ": ")
+	code, msg, _ := strings.Cut(rest, ": ")
+	return &BadRowError{ID: id, Code: code, Message: msg}
+}
+
+// goChunk is the custom Processor path: read the range, process in Go,
+// write back with unnest arrays (one statement for all rows).
+func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, cursor []string, vals map[string]any, res *chunkResult) error {
+	st := r.c.fetchNext
+	switch {
+	case vals["ids"] != nil:
+		st = r.c.fetchIDs
+	case cursor == nil:
+		st = r.c.fetchFirst
+	}
+	t0 := time.Now()
+	rows, err := tx.Query(ctx, st.sql, st.args(vals)...)
+	if err != nil {
+		return fmt.Errorf("fetch chunk after %v: %w", cursor, err)
+	}
+	var src []SourceRow
+	for rows.Next() {
+		var sr SourceRow
+		var row []byte
+		if err := rows.Scan(&sr.ID, &sr.Version, &sr.Deleted, &res.next, &row); err != nil {
+			rows.Close()
+			return fmt.Errorf("fetch chunk: %w", err)
+		}
+		sr.Row = row
+		src = append(src, sr)
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("fetch chunk after %v: %w", cursor, err)
+	}
+	res.n = len(src)
+	res.fetch = time.Since(t0)
+	if len(src) == 0 {
+		return nil
+	}
+	// Process in slices and write each slice as soon as it is ready, so the
+	// processor works on slice k+1 while the server writes slice k. All
+	// writes are in the chunk's transaction: a later error rolls back all.
+	pctx, cancel := context.WithCancel(ctx)
+	parts := make(chan goPart, 1)
+	go func() {
+		defer close(parts)
+		for lo := 0; lo < len(src); lo += goWriteSlice {
+			t := time.Now()
+			p := r.goProcess(pctx, src[lo:min(lo+goWriteSlice, len(src))])
+			p.took = time.Since(t)
+			select {
+			case parts <- p:
+			case <-pctx.Done():
+				return
+			}
+			if p.err != nil {
+				return
+			}
+		}
+	}()
+	defer func() {
+		cancel()
+		for range parts { // let the producer finish
+		}
+	}()
+	var good []string
+	for p := range parts {
+		res.proc += p.took
+		if p.err != nil {
+			return p.err
+		}
+		t := time.Now()
+		var changed int64
+		vals["ids"], vals["vers"], vals["dels"], vals["docs"] = p.ids, p.vers, p.dels, p.docs
+		if err := tx.QueryRow(ctx, r.c.write.sql, r.c.write.args(vals)...).Scan(&changed); err != nil {
+			return fmt.Errorf("upsert normalized records and outbox events: %w", err)
+		}
+		res.changed += changed
+		if len(p.badIDs) > 0 {
+			vals["ids"], vals["codes"], vals["msgs"] = p.badIDs, p.codes, p.msgs
+			if _, err := tx.Exec(ctx, r.c.quarantine.sql, r.c.quarantine.args(vals)...); err != nil {
+				return fmt.Errorf("quarantine %d rows: %w", len(p.badIDs), err)
+			}
+			res.bad += int64(len(p.badIDs))
+		}
+		good = append(good, p.ids...)
+		res.write += time.Since(t)
+	}
+	vals["ids"] = good
+	return nil
+}
+
+// goWriteSlice is how many processed rows go into one unnest write. Smaller
+// slices overlap the processor with the server's writes, which pays on
+// machines with spare cores; on two busy cores it measured a wash, so only
+// big chunks are split.
+const goWriteSlice = 10000
+
+// goPart is one processed slice of a chunk, ready to write.
+type goPart struct {
+	ids                 []string
+	vers                []int64
+	dels                []bool
+	docs                []*string
+	badIDs, codes, msgs []string
+	took                time.Duration
+	err                 error
+}
+
+// goProcess runs the Processor over rows and applies the bad-row policy.
+func (r *Runner) goProcess(ctx context.Context, src []SourceRow) goPart {
+	results, err := processConcurrently(ctx, r.cfg.Processor, src, r.spec.Chunk.Concurrency)
+	if err != nil {
+		return goPart{err: fmt.Errorf("process chunk: %w", err)}
+	}
+	n := len(src)
+	p := goPart{ids: make([]string, 0, n), vers: make([]int64, 0, n), dels: make([]bool, 0, n), docs: make([]*string, 0, n)}
+	bad := func(id, code, msg string) {
+		p.badIDs, p.codes, p.msgs = append(p.badIDs, id), append(p.codes, code), append(p.msgs, msg)
+	}
+	for i, sr := range src {
+		res := results[i]
+		if !sr.Deleted && res.Err != nil {
+			code := cmp.Or(res.Code, "processor_error")
+			var te *transientError
+			switch {
+			case r.spec.Errors.Policy == PolicyQuarantine:
+				bad(sr.ID, code, res.Err.Error())
+				continue
+			case r.spec.Errors.Policy == PolicyRetry && errors.As(res.Err, &te):
+				return goPart{err: fmt.Errorf("row id=%s: %w", sr.ID, res.Err)}
+			default:
+				return goPart{err: &BadRowError{ID: sr.ID, Code: code, Message: res.Err.Error()}}
+			}
+		}
+		var doc *string
+		if !sr.Deleted {
+			if !json.Valid(res.Document) {
+				if r.spec.Errors.Policy == PolicyQuarantine {
+					bad(sr.ID, "invalid_document", "processor returned invalid JSON")
+					continue
+				}
+				return goPart{err: &BadRowError{ID: sr.ID, Code: "invalid_document", Message: "processor returned invalid JSON"}}
+			}
+			s := string(res.Document)
+			doc = &s
+		}
+		p.ids, p.vers, p.dels, p.docs = append(p.ids, sr.ID), append(p.vers, sr.Version), append(p.dels, sr.Deleted), append(p.docs, doc)
+	}
+	return p
+}
+
+// RSS returns the resident set size of this process in bytes (0 if
+// unknown), for the per-chunk log line.
+func RSS() int64 { return procStatus("VmRSS:") }
+
+// PeakRSS returns the peak resident set size (VmHWM) in bytes.
+func PeakRSS() int64 { return procStatus("VmHWM:") }
+
+func procStatus(field string) int64 {
+	f, err := os.Open("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), field); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			return kb * 1024
+		}
+	}
+	return 0
+}

@@ -1,0 +1,385 @@
+package batch
+
+import (
+	"cmp"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+)
+
+// Error policies for rows the processor cannot turn into a document.
+const (
+	// PolicyStrict fails the chunk and the run; the error names the row.
+	PolicyStrict = "strict"
+	// PolicyQuarantine records the row id and error in batch_quarantine (no
+	// payload) and goes on.
+	PolicyQuarantine = "quarantine"
+	// PolicyRetry retries transient errors (bounded, exponential backoff with
+	// jitter); a row that is malformed is not transient and fails the run.
+	PolicyRetry = "retry"
+)
+
+// Run modes.
+const (
+	// ModeFull scans every row in scope from the beginning to the boundary.
+	ModeFull = "full"
+	// ModeIncremental orders by a change sequence column and starts where the
+	// previous run of the same job and partition ended.
+	ModeIncremental = "incremental"
+)
+
+// Spec describes a scan job. It is read from YAML or JSON ([LoadSpec]) or
+// built in Go. Zero values take the defaults named on each field.
+type Spec struct {
+	// Job names the job; runs, metrics and quarantine rows carry it. Required.
+	Job string `json:"job" yaml:"job"`
+	// Mode is "full" (default) or "incremental".
+	Mode string `json:"mode,omitempty" yaml:"mode,omitempty"`
+	// Source says which table and columns to scan.
+	Source Source `json:"source" yaml:"source"`
+	// Document says how a row becomes the normalized document (built-in
+	// normalizers, compiled to SQL). Ignored when the runner has a custom
+	// Processor.
+	Document Document `json:"document" yaml:"document"`
+	// ProcessorVersion is stored with every run and normalized row and feeds
+	// the event id. Changing it makes a stored run incompatible. Required.
+	ProcessorVersion string `json:"processor_version" yaml:"processor_version"`
+	// CompatibleVersions lists older processor versions whose runs may be
+	// continued by this one with --resume.
+	CompatibleVersions []string `json:"compatible_versions,omitempty" yaml:"compatible_versions,omitempty"`
+	// Topic of the outbox events. Default "outboxrelay.records".
+	Topic string `json:"topic,omitempty" yaml:"topic,omitempty"`
+	// AggregateType of the outbox events. Default: the table name.
+	AggregateType string `json:"aggregate_type,omitempty" yaml:"aggregate_type,omitempty"`
+	// SourceName is normalized_records.source. Default: the table name.
+	SourceName string `json:"source_name,omitempty" yaml:"source_name,omitempty"`
+	// Chunk tunes the chunk size.
+	Chunk ChunkSettings `json:"chunk,omitempty" yaml:"chunk,omitempty"`
+	// Errors is the bad-row policy.
+	Errors ErrorPolicy `json:"errors,omitempty" yaml:"errors,omitempty"`
+}
+
+// Source names the user's table and the roles of its columns. Identifiers
+// are quoted, never spliced raw.
+type Source struct {
+	// Schema of the table. Default "public".
+	Schema string `json:"schema,omitempty" yaml:"schema,omitempty"`
+	// Table to scan. Required.
+	Table string `json:"table" yaml:"table"`
+	// Cursor lists the immutable order columns, the last one unique (e.g.
+	// created_at, id). Default: [change_seq] in incremental mode, else [id].
+	Cursor []string `json:"cursor,omitempty" yaml:"cursor,omitempty"`
+	// ID is the row's identity (aggregate id, Kafka key). Default "id".
+	ID string `json:"id,omitempty" yaml:"id,omitempty"`
+	// Version is the row's version column (bigint, grows on change).
+	// Required.
+	Version string `json:"version" yaml:"version"`
+	// Deleted is the soft-delete column: a boolean, or any column where
+	// non-NULL means deleted. Optional.
+	Deleted string `json:"deleted,omitempty" yaml:"deleted,omitempty"`
+	// Partition is the column whose values split the job into partitions
+	// that run in parallel, each with its own cursor. Optional.
+	Partition string `json:"partition,omitempty" yaml:"partition,omitempty"`
+	// Partitions lists the partition values. Default: the distinct values
+	// present when the run starts.
+	Partitions []string `json:"partitions,omitempty" yaml:"partitions,omitempty"`
+	// Filter restricts the scope; all conditions must hold.
+	Filter []Condition `json:"filter,omitempty" yaml:"filter,omitempty"`
+}
+
+// Condition is one filter term: Column Op Value(s). Values are passed as
+// parameters and cast to the column's type.
+type Condition struct {
+	Column string `json:"column" yaml:"column"`
+	// Op is one of = != < <= > >= in "is null" "is not null".
+	Op     string   `json:"op" yaml:"op"`
+	Value  string   `json:"value,omitempty" yaml:"value,omitempty"`
+	Values []string `json:"values,omitempty" yaml:"values,omitempty"`
+}
+
+// Document is the built-in normalizer: the fields of the document and how
+// each is cleaned. It compiles to SQL expressions.
+type Document struct {
+	// Fields of the document, in order. Empty means the whole row as JSON.
+	Fields []Field `json:"fields,omitempty" yaml:"fields,omitempty"`
+	// DropNulls removes fields whose value is null.
+	DropNulls bool `json:"drop_nulls,omitempty" yaml:"drop_nulls,omitempty"`
+}
+
+// Field is one document field.
+type Field struct {
+	// Name in the document. Required.
+	Name string `json:"name" yaml:"name"`
+	// From is a column ("title") or a key path inside a jsonb column
+	// ("payload.title", "payload.author.name"). Default: Name.
+	From string `json:"from,omitempty" yaml:"from,omitempty"`
+	// Transforms applied to string values, in order: trim, lower, upper.
+	Transforms []string `json:"transforms,omitempty" yaml:"transforms,omitempty"`
+	// Type, when set, is the JSON type the value must have if present:
+	// string, number, boolean, object or array. A mismatch is a bad row.
+	Type string `json:"type,omitempty" yaml:"type,omitempty"`
+	// Required makes a missing or null value a bad row.
+	Required bool `json:"required,omitempty" yaml:"required,omitempty"`
+}
+
+// ChunkSettings tune the adaptive chunk size.
+type ChunkSettings struct {
+	// Size is the first chunk's size. Default 1000.
+	Size int `json:"size,omitempty" yaml:"size,omitempty"`
+	// Min and Max bound the size. Defaults 100 and 20000.
+	Min int `json:"min,omitempty" yaml:"min,omitempty"`
+	Max int `json:"max,omitempty" yaml:"max,omitempty"`
+	// TargetDuration is the chunk duration the size adapts toward. Default
+	// 1s. A fixed size: set Min = Max.
+	TargetDuration Duration `json:"target_duration,omitempty" yaml:"target_duration,omitempty"`
+	// LockTimeout bounds each lock wait inside a chunk; a timeout rolls the
+	// chunk back, halves the size and retries. Default 5s.
+	LockTimeout Duration `json:"lock_timeout,omitempty" yaml:"lock_timeout,omitempty"`
+	// Concurrency is how many goroutines a custom Processor runs per chunk;
+	// rows of one id stay in one goroutine, in order. Default 1.
+	Concurrency int `json:"concurrency,omitempty" yaml:"concurrency,omitempty"`
+}
+
+// ErrorPolicy says what happens to bad rows and transient errors.
+type ErrorPolicy struct {
+	// Policy is strict (default), quarantine or retry.
+	Policy string `json:"policy,omitempty" yaml:"policy,omitempty"`
+	// MaxRetries bounds the retries of one chunk after transient errors
+	// (lock timeouts, serialization failures, lost connections, and under
+	// the retry policy rows a Processor marks [Transient]). Default 5;
+	// -1 disables retries.
+	MaxRetries int `json:"max_retries,omitempty" yaml:"max_retries,omitempty"`
+	// InitialBackoff and MaxBackoff shape the exponential backoff (with
+	// jitter). Defaults 100ms and 5s.
+	InitialBackoff Duration `json:"initial_backoff,omitempty" yaml:"initial_backoff,omitempty"`
+	MaxBackoff     Duration `json:"max_backoff,omitempty" yaml:"max_backoff,omitempty"`
+}
+
+// Duration is a time.Duration written as "1.5s" in specs.
+type Duration time.Duration
+
+// MarshalJSON writes "1.5s".
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+
+// UnmarshalJSON reads "1.5s" or a number of nanoseconds.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		var n int64
+		if err2 := json.Unmarshal(b, &n); err2 != nil {
+			return fmt.Errorf("duration: want a string such as \"1.5s\": %w", err)
+		}
+		*d = Duration(n)
+		return nil
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// MarshalYAML writes "1.5s".
+func (d Duration) MarshalYAML() (any, error) { return time.Duration(d).String(), nil }
+
+// UnmarshalYAML reads "1.5s".
+func (d *Duration) UnmarshalYAML(n *yaml.Node) error {
+	v, err := time.ParseDuration(n.Value)
+	if err != nil {
+		return fmt.Errorf("line %d: %w", n.Line, err)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// LoadSpec reads a spec from a .json, .yaml or .yml file. Unknown keys are
+// errors, so a typo does not silently fall back to a default.
+func LoadSpec(path string) (Spec, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return Spec{}, fmt.Errorf("read spec: %w", err)
+	}
+	return ParseSpec(b, filepath.Ext(path))
+}
+
+// ParseSpec decodes a spec; ext is ".json", ".yaml" or ".yml" (JSON is
+// also valid YAML, so "" is decoded as YAML).
+func ParseSpec(b []byte, ext string) (Spec, error) {
+	var s Spec
+	if strings.EqualFold(ext, ".json") {
+		dec := json.NewDecoder(strings.NewReader(string(b)))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&s); err != nil {
+			return Spec{}, fmt.Errorf("parse spec: %w", err)
+		}
+	} else {
+		dec := yaml.NewDecoder(strings.NewReader(string(b)))
+		dec.KnownFields(true)
+		if err := dec.Decode(&s); err != nil {
+			return Spec{}, fmt.Errorf("parse spec: %w", err)
+		}
+	}
+	s = s.withDefaults()
+	if err := s.validate(); err != nil {
+		return Spec{}, err
+	}
+	return s, nil
+}
+
+const (
+	defaultTopic          = "outboxrelay.records"
+	defaultChunkSize      = 1000
+	defaultChunkMin       = 100
+	defaultChunkMax       = 20000
+	defaultTargetDuration = Duration(time.Second)
+	defaultLockTimeout    = Duration(5 * time.Second)
+	defaultMaxRetries     = 5
+	defaultInitialBackoff = Duration(100 * time.Millisecond)
+	defaultMaxBackoff     = Duration(5 * time.Second)
+)
+
+// withDefaults fills every default in one place.
+func (s Spec) withDefaults() Spec {
+	s.Mode = cmp.Or(s.Mode, ModeFull)
+	s.Source.Schema = cmp.Or(s.Source.Schema, "public")
+	s.Source.ID = cmp.Or(s.Source.ID, "id")
+	if len(s.Source.Cursor) == 0 {
+		if s.Mode == ModeIncremental {
+			s.Source.Cursor = []string{"change_seq"}
+		} else {
+			s.Source.Cursor = []string{s.Source.ID}
+		}
+	}
+	s.Topic = cmp.Or(s.Topic, defaultTopic)
+	s.AggregateType = cmp.Or(s.AggregateType, s.Source.Table)
+	s.SourceName = cmp.Or(s.SourceName, s.Source.Table)
+	s.Chunk.Size = cmp.Or(s.Chunk.Size, defaultChunkSize)
+	s.Chunk.Min = cmp.Or(s.Chunk.Min, min(defaultChunkMin, s.Chunk.Size))
+	s.Chunk.Max = cmp.Or(s.Chunk.Max, max(defaultChunkMax, s.Chunk.Size))
+	s.Chunk.TargetDuration = cmp.Or(s.Chunk.TargetDuration, defaultTargetDuration)
+	s.Chunk.LockTimeout = cmp.Or(s.Chunk.LockTimeout, defaultLockTimeout)
+	s.Chunk.Concurrency = cmp.Or(s.Chunk.Concurrency, 1)
+	s.Errors.Policy = cmp.Or(s.Errors.Policy, PolicyStrict)
+	s.Errors.MaxRetries = cmp.Or(s.Errors.MaxRetries, defaultMaxRetries)
+	if s.Errors.MaxRetries < 0 {
+		s.Errors.MaxRetries = 0
+	}
+	s.Errors.InitialBackoff = cmp.Or(s.Errors.InitialBackoff, defaultInitialBackoff)
+	s.Errors.MaxBackoff = cmp.Or(s.Errors.MaxBackoff, defaultMaxBackoff)
+	for i := range s.Document.Fields {
+		s.Document.Fields[i].From = cmp.Or(s.Document.Fields[i].From, s.Document.Fields[i].Name)
+	}
+	return s
+}
+
+// validate checks what can be checked without the database; errors name
+// the setting and the bad value. [Compile] checks the table and columns.
+func (s Spec) validate() error {
+	switch {
+	case s.Job == "":
+		return fmt.Errorf("spec: job is required")
+	case s.Source.Table == "":
+		return fmt.Errorf("spec %s: source.table is required", s.Job)
+	case s.Source.Version == "":
+		return fmt.Errorf("spec %s: source.version is required (the column whose value grows on every change)", s.Job)
+	case s.ProcessorVersion == "":
+		return fmt.Errorf("spec %s: processor_version is required", s.Job)
+	case s.Mode != ModeFull && s.Mode != ModeIncremental:
+		return fmt.Errorf("spec %s: mode %q: want full or incremental", s.Job, s.Mode)
+	case s.Chunk.Size <= 0 || s.Chunk.Min <= 0 || s.Chunk.Min > s.Chunk.Max:
+		return fmt.Errorf("spec %s: chunk size %d, min %d, max %d: want 0 < min <= max", s.Job, s.Chunk.Size, s.Chunk.Min, s.Chunk.Max)
+	case s.Chunk.TargetDuration <= 0:
+		return fmt.Errorf("spec %s: chunk.target_duration %s must be > 0", s.Job, time.Duration(s.Chunk.TargetDuration))
+	case s.Chunk.Concurrency < 1 || s.Chunk.Concurrency > 256:
+		return fmt.Errorf("spec %s: chunk.concurrency %d: want 1..256", s.Job, s.Chunk.Concurrency)
+	}
+	switch s.Errors.Policy {
+	case PolicyStrict, PolicyQuarantine, PolicyRetry:
+	default:
+		return fmt.Errorf("spec %s: errors.policy %q: want strict, quarantine or retry", s.Job, s.Errors.Policy)
+	}
+	for i, c := range s.Source.Filter {
+		if _, ok := filterOps[strings.ToLower(c.Op)]; !ok {
+			return fmt.Errorf("spec %s: source.filter[%d].op %q: want one of = != < <= > >= in \"is null\" \"is not null\"", s.Job, i, c.Op)
+		}
+		if c.Column == "" {
+			return fmt.Errorf("spec %s: source.filter[%d].column is required", s.Job, i)
+		}
+	}
+	seen := map[string]bool{}
+	for i, f := range s.Document.Fields {
+		if f.Name == "" {
+			return fmt.Errorf("spec %s: document.fields[%d].name is required", s.Job, i)
+		}
+		if seen[f.Name] {
+			return fmt.Errorf("spec %s: document.fields[%d].name %q appears twice", s.Job, i, f.Name)
+		}
+		seen[f.Name] = true
+		for _, t := range f.Transforms {
+			if !slices.Contains([]string{"trim", "lower", "upper"}, t) {
+				return fmt.Errorf("spec %s: document.fields[%d] (%s): transform %q: want trim, lower or upper", s.Job, i, f.Name, t)
+			}
+		}
+		if f.Type != "" && !slices.Contains([]string{"string", "number", "boolean", "object", "array"}, f.Type) {
+			return fmt.Errorf("spec %s: document.fields[%d] (%s): type %q: want string, number, boolean, object or array", s.Job, i, f.Name, f.Type)
+		}
+	}
+	if len(s.Document.Fields) > 50 {
+		return fmt.Errorf("spec %s: document has %d fields; at most 50", s.Job, len(s.Document.Fields))
+	}
+	return nil
+}
+
+var filterOps = map[string]string{
+	"=": "=", "!=": "<>", "<>": "<>", "<": "<", "<=": "<=", ">": ">", ">=": ">=",
+	"in": "in", "is null": "is null", "is not null": "is not null",
+}
+
+// Scope is what a run covers; it is stored with the run and its hash
+// compared on every resume, so a changed filter cannot reuse a checkpoint.
+type Scope struct {
+	Schema    string      `json:"schema"`
+	Table     string      `json:"table"`
+	Mode      string      `json:"mode"`
+	Cursor    []string    `json:"cursor"`
+	ID        string      `json:"id"`
+	Version   string      `json:"version"`
+	Deleted   string      `json:"deleted,omitempty"`
+	Partition string      `json:"partition,omitempty"`
+	Filter    []Condition `json:"filter,omitempty"`
+}
+
+// Scope returns the normalized scope of the spec.
+func (s Spec) Scope() Scope {
+	f := slices.Clone(s.Source.Filter)
+	for i := range f {
+		f[i].Op = strings.ToLower(f[i].Op)
+	}
+	// Order of filter terms does not change the scope.
+	slices.SortFunc(f, func(a, b Condition) int {
+		return cmp.Or(cmp.Compare(a.Column, b.Column), cmp.Compare(a.Op, b.Op), cmp.Compare(a.Value, b.Value))
+	})
+	return Scope{Schema: s.Source.Schema, Table: s.Source.Table, Mode: s.Mode, Cursor: s.Source.Cursor, ID: s.Source.ID,
+		Version: s.Source.Version, Deleted: s.Source.Deleted, Partition: s.Source.Partition, Filter: f}
+}
+
+// JSON returns the scope as canonical JSON.
+func (sc Scope) JSON() []byte {
+	b, _ := json.Marshal(sc)
+	return b
+}
+
+// Hash is the hex SHA-256 of the canonical JSON.
+func (sc Scope) Hash() string {
+	sum := sha256.Sum256(sc.JSON())
+	return hex.EncodeToString(sum[:])
+}

@@ -1,0 +1,372 @@
+package batch
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// querier is what the package needs from a pool, a conn or a tx.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// StartOptions choose which run a Runner works on.
+type StartOptions struct {
+	// RunID names the logical run. "" = the job's unfinished run if there is
+	// one, else a new run.
+	RunID string
+	// Restart starts a new run from the beginning; the unfinished one is
+	// marked superseded. Needed when the processor version or scope changed.
+	Restart bool
+	// Resume continues a run made by another processor version when the
+	// spec lists that version in compatible_versions.
+	Resume bool
+}
+
+const lockJobSQL = `SELECT pg_advisory_xact_lock(hashtextextended('outboxrelay.batch:' || $1, 0))`
+
+type storedPartition struct {
+	key, state, pv, scopeHash string
+	scope                     json.RawMessage
+}
+
+// prepareRun finds or creates the run, checks it is compatible with the
+// spec, and resets failed partitions to pending (a new `run` is the retry).
+// It returns the run id.
+func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions, now time.Time) (string, error) {
+	s := c.spec
+	scope := s.Scope()
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return "", err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	if _, err := tx.Exec(ctx, lockJobSQL, s.Job); err != nil {
+		return "", fmt.Errorf("lock job %s: %w", s.Job, err)
+	}
+	specJSON, _ := json.Marshal(s)
+	if _, err := tx.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ($1, $2) ON CONFLICT (job) DO UPDATE SET spec = EXCLUDED.spec, updated_at = now()`, s.Job, specJSON); err != nil {
+		return "", fmt.Errorf("save spec of job %s: %w", s.Job, err)
+	}
+	runID := opts.RunID
+	if runID == "" {
+		// The newest run that is not finished.
+		err := tx.QueryRow(ctx, `
+SELECT logical_run_id FROM batch_runs WHERE job = $1
+GROUP BY logical_run_id
+HAVING bool_or(state IN ('pending', 'running', 'paused', 'failed'))
+ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
+		}
+	}
+	var parts []storedPartition
+	if runID != "" {
+		rows, err := tx.Query(ctx, `SELECT partition_key, state, processor_version, scope_hash, scope FROM batch_runs WHERE job = $1 AND logical_run_id = $2 ORDER BY partition_key FOR UPDATE`, s.Job, runID)
+		if err != nil {
+			return "", err
+		}
+		for rows.Next() {
+			var p storedPartition
+			if err := rows.Scan(&p.key, &p.state, &p.pv, &p.scopeHash, &p.scope); err != nil {
+				return "", err
+			}
+			parts = append(parts, p)
+		}
+		if err := rows.Err(); err != nil {
+			return "", fmt.Errorf("load run %s/%s: %w", s.Job, runID, err)
+		}
+	}
+	if len(parts) > 0 && opts.Restart {
+		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, s.Job, runID); err != nil {
+			return "", err
+		}
+		parts, runID = nil, ""
+	}
+	if len(parts) > 0 {
+		p := parts[0]
+		if p.scopeHash != scope.Hash() {
+			return "", fmt.Errorf("%w: run %s of job %s was started with scope %s, the spec now gives %s; "+
+				"a checkpoint cannot be reused for another scope: rerun with --restart to start a new run from the beginning, or restore the spec",
+				ErrCheckpointIncompatible, runID, s.Job, compactJSON(p.scope), scope.JSON())
+		}
+		if p.pv != s.ProcessorVersion {
+			if !opts.Resume || !slices.Contains(s.CompatibleVersions, p.pv) {
+				hint := "rerun with --restart to start a new run from the beginning"
+				if slices.Contains(s.CompatibleVersions, p.pv) {
+					hint += ", or with --resume to continue it (the spec declares " + p.pv + " compatible)"
+				} else {
+					hint += ", or declare " + p.pv + " in compatible_versions and pass --resume if its results stay valid"
+				}
+				return "", fmt.Errorf("%w: run %s of job %s was made with processor version %s, the spec has %s; %s",
+					ErrCheckpointIncompatible, runID, s.Job, p.pv, s.ProcessorVersion, hint)
+			}
+			if _, err := tx.Exec(ctx, `UPDATE batch_runs SET processor_version = $3, updated_at = now() WHERE job = $1 AND logical_run_id = $2`, s.Job, runID, s.ProcessorVersion); err != nil {
+				return "", err
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, $2, '', $3, $4, 'resume-compatible')`,
+				s.Job, runID, actor(), "processor version "+p.pv+" -> "+s.ProcessorVersion+" declared compatible"); err != nil {
+				return "", err
+			}
+		}
+		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
+			return "", err
+		}
+		return runID, tx.Commit(ctx)
+	}
+	if runID == "" {
+		runID = now.UTC().Format("20060102T150405.000Z")
+	}
+	keys := []string{""}
+	if s.Source.Partition != "" {
+		keys = s.Source.Partitions
+		if len(keys) == 0 {
+			keys = nil
+			rows, err := tx.Query(ctx, c.partitions.sql, c.partitions.args(nil)...)
+			if err != nil {
+				return "", fmt.Errorf("list partitions of job %s: %w", s.Job, err)
+			}
+			keys, err = pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				return "", fmt.Errorf("list partitions of job %s: %w", s.Job, err)
+			}
+			if len(keys) == 0 {
+				keys = []string{}
+			}
+		}
+	}
+	boundaries := make([][]string, len(keys))
+	starts := make([][]string, len(keys))
+	for i, key := range keys {
+		var start []string
+		if s.Mode == ModeIncremental {
+			// An incremental run starts where the previous one's boundary was.
+			err := tx.QueryRow(ctx, `SELECT boundary FROM batch_runs WHERE job = $1 AND partition_key = $2 AND state = 'succeeded' AND processor_version = $3 AND scope_hash = $4 AND boundary IS NOT NULL ORDER BY finished_at DESC LIMIT 1`,
+				s.Job, key, s.ProcessorVersion, scope.Hash()).Scan(&start)
+			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+				return "", err
+			}
+		}
+		vals := map[string]any{"start": start, "pkey": key}
+		var boundary []string
+		if err := tx.QueryRow(ctx, c.boundary.sql, c.boundary.args(vals)...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return "", fmt.Errorf("capture boundary of %s/%s/%s: %w", s.Job, runID, key, err)
+		}
+		starts[i], boundaries[i] = start, boundary
+	}
+	// A transaction still open when the boundaries were read may yet commit
+	// rows below them (a sequence value or a created_at taken before the
+	// rows that set the boundary committed). The run's cursor would pass
+	// them before they are visible, and an incremental next run starts at
+	// this boundary: they would never be read. So wait for them now; every
+	// transaction that starts later orders after the boundary.
+	if err := waitForOpenWriters(ctx, tx, s.Job, pgx.Identifier{cmpOr(s.Source.Schema, "public"), s.Source.Table}.Sanitize()); err != nil {
+		return "", err
+	}
+	for i, key := range keys {
+		start, boundary := starts[i], boundaries[i]
+		vals := map[string]any{"start": start, "pkey": key}
+		var estimate *int64
+		state := "pending"
+		if boundary == nil {
+			state = "succeeded" // nothing in scope at start
+		} else {
+			vals["boundary"] = boundary
+			estimate = estimateRows(ctx, tx, c, vals)
+		}
+		_, err := tx.Exec(ctx, `
+INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, finished_at)
+VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 'succeeded' THEN now() END)`,
+			s.Job, runID, key, state, s.Mode, start, boundary, s.ProcessorVersion, scope.Hash(), scope.JSON(), estimate, s.Chunk.Size)
+		if err != nil {
+			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
+		}
+	}
+	return runID, tx.Commit(ctx)
+}
+
+// openWritersWait bounds waitForOpenWriters.
+var openWritersWait = 2 * time.Minute
+
+// waitForOpenWriters waits until every transaction that had written to
+// the source table when it was called has ended: a writer holds a
+// RowExclusiveLock (or stronger) on the table until it commits or rolls
+// back. Transactions that start writing later order after the boundary.
+func waitForOpenWriters(ctx context.Context, tx pgx.Tx, job, table string) error {
+	type writer struct {
+		Pid int32
+		Xid string
+	}
+	rows, err := tx.Query(ctx, `SELECT DISTINCT l.pid, a.backend_xid::text
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'relation' AND l.relation = to_regclass($1) AND l.granted
+  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+  AND l.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL`, table)
+	if err != nil {
+		return fmt.Errorf("list open writers of %s: %w", table, err)
+	}
+	writers, err := pgx.CollectRows(rows, pgx.RowToStructByPos[writer])
+	if err != nil {
+		return fmt.Errorf("list open writers of %s: %w", table, err)
+	}
+	if len(writers) == 0 {
+		return nil
+	}
+	pids, xids := make([]int32, len(writers)), make([]string, len(writers))
+	for i, w := range writers {
+		pids[i], xids[i] = w.Pid, w.Xid
+	}
+	deadline := time.Now().Add(openWritersWait)
+	for wait := 5 * time.Millisecond; ; wait = min(wait*2, 500*time.Millisecond) {
+		var open int
+		err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity a
+JOIN unnest($1::int[], $2::text[]) AS w(pid, xid) ON a.pid = w.pid AND a.backend_xid::text = w.xid`, pids, xids).Scan(&open)
+		if err != nil {
+			return fmt.Errorf("watch open writers of %s: %w", table, err)
+		}
+		if open == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("start a run of job %s: transactions of backends %v that wrote %s have been open for over %s; "+
+				"they may still commit rows below the new run's boundary, so the run does not start before they end", job, pids, table, openWritersWait)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(wait):
+		}
+	}
+}
+
+type beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+func compactJSON(b []byte) string { return strings.Join(strings.Fields(string(b)), "") }
+
+// estimateRows counts the rows in range for the progress line and status:
+// exactly when that takes under two seconds, else the planner's estimate.
+func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, vals map[string]any) *int64 {
+	if sp, err := tx.Begin(ctx); err == nil {
+		var n int64
+		_, err := sp.Exec(ctx, `SELECT set_config('statement_timeout', '2s', true)`)
+		if err == nil {
+			err = sp.QueryRow(ctx, c.count.sql, c.count.args(vals)...).Scan(&n)
+		}
+		// Rolling the savepoint back also undoes the local timeout; the count
+		// wrote nothing.
+		if rerr := sp.Rollback(ctx); err == nil && rerr == nil {
+			return &n
+		}
+	}
+	st := c.estimate
+	var plan []struct {
+		Plan struct {
+			Rows float64 `json:"Plan Rows"`
+		} `json:"Plan"`
+	}
+	var raw []byte
+	if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&raw); err != nil {
+		return nil
+	}
+	if json.Unmarshal(raw, &plan) != nil || len(plan) == 0 {
+		return nil
+	}
+	n := int64(plan[0].Plan.Rows)
+	return &n
+}
+
+// claim is a partition this worker leased.
+type claim struct {
+	key       string
+	token     string
+	cursor    []string
+	boundary  []string
+	chunkSize int
+	processed int64
+	estimate  *int64
+	attempt   int
+}
+
+const claimSQL = `
+UPDATE batch_runs r SET state = 'running', lease_owner = $4, lease_token = gen_random_uuid(), heartbeat_at = now(), lease_expires_at = now() + $5::interval,
+  attempt = r.attempt + 1, started_at = COALESCE(r.started_at, now()), updated_at = now(), error = NULL
+FROM (
+  SELECT job, logical_run_id, partition_key FROM batch_runs
+  WHERE job = $1 AND logical_run_id = $2 AND ($3::text IS NULL OR partition_key = $3)
+    AND (state = 'pending' OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
+  ORDER BY partition_key
+  FOR UPDATE SKIP LOCKED
+  LIMIT 1
+) c
+WHERE r.job = c.job AND r.logical_run_id = c.logical_run_id AND r.partition_key = c.partition_key
+RETURNING r.partition_key, r.lease_token::text, r.cursor, r.boundary, COALESCE(r.chunk_size, 0), r.processed_count, r.estimated_total, r.attempt`
+
+func claimPartition(ctx context.Context, db querier, job, run string, partition *string, owner string, ttl time.Duration) (*claim, error) {
+	var c claim
+	err := db.QueryRow(ctx, claimSQL, job, run, partition, owner, ttl.String()).Scan(&c.key, &c.token, &c.cursor, &c.boundary, &c.chunkSize, &c.processed, &c.estimate, &c.attempt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("claim a partition of %s/%s: %w", job, run, err)
+	}
+	return &c, nil
+}
+
+// unfinished counts partitions some worker may still work on.
+func unfinished(ctx context.Context, db querier, job, run string, partition *string) (int, error) {
+	var n int
+	err := db.QueryRow(ctx, `SELECT count(*) FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND ($3::text IS NULL OR partition_key = $3) AND state IN ('pending', 'running')`, job, run, partition).Scan(&n)
+	return n, err
+}
+
+const fence = ` WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 AND lease_token = $4::uuid AND state = 'running'`
+
+func heartbeat(ctx context.Context, db querier, job, run, key, token string, ttl time.Duration) (bool, error) {
+	tag, err := db.Exec(ctx, `UPDATE batch_runs SET heartbeat_at = now(), lease_expires_at = now() + $5::interval`+fence, job, run, key, token, ttl.String())
+	return tag.RowsAffected() == 1, err
+}
+
+func finishPartition(ctx context.Context, db querier, job, run, key, token string) (bool, error) {
+	tag, err := db.Exec(ctx, `UPDATE batch_runs SET state = 'succeeded', finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL`+fence, job, run, key, token)
+	return tag.RowsAffected() == 1, err
+}
+
+func releasePartition(ctx context.Context, db querier, job, run, key, token string) error {
+	_, err := db.Exec(ctx, `UPDATE batch_runs SET state = 'pending', updated_at = now(), lease_token = NULL, lease_owner = NULL`+fence, job, run, key, token)
+	return err
+}
+
+func failPartition(ctx context.Context, db querier, job, run, key, token string, cause error) error {
+	_, err := db.Exec(ctx, `UPDATE batch_runs SET state = 'failed', error = $5, finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL`+fence, job, run, key, token, cause.Error())
+	return err
+}
+
+// whyNotOwned explains a fenced write that touched no row.
+func whyNotOwned(ctx context.Context, db querier, job, run, key, token string) error {
+	var state string
+	var tok *string
+	err := db.QueryRow(ctx, `SELECT state, lease_token::text FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3`, job, run, key).Scan(&state, &tok)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: %s/%s/%s: %v", ErrLeaseLost, job, run, key, err)
+	case state == "paused":
+		return errPaused
+	case tok == nil || *tok != token || state != "running":
+		return fmt.Errorf("%w: %s/%s/%s is %s now", ErrLeaseLost, job, run, key, state)
+	default:
+		return fmt.Errorf("%w: %s/%s/%s: the cursor moved under this worker, or the new cursor is not after the stored one and within the boundary", ErrCheckpointInvariant, job, run, key)
+	}
+}

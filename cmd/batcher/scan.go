@@ -1,0 +1,351 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/logging"
+	"github.com/outboxrelay/outboxrelay/internal/metrics"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
+	"github.com/outboxrelay/outboxrelay/internal/shutdown"
+)
+
+// scanCommands are the scan-job sub-commands (issue 3).
+func scanCommands(stdout io.Writer) []cli.Command {
+	return []cli.Command{
+		{Name: "run", Summary: "run a scan job (resumes its unfinished run, or starts a new one)", Run: func(ctx context.Context, args []string) error { return runCmd(ctx, args, stdout) }},
+		{Name: "status", Summary: "show runs: state, cursor, processed, rate, checkpoint age, quarantined", Run: func(ctx context.Context, args []string) error { return statusCmd(ctx, args, stdout) }},
+		{Name: "pause", Summary: "pause a run (workers roll back the chunk in flight and let go)", Run: func(ctx context.Context, args []string) error { return stateCmd(ctx, args, stdout, "paused") }},
+		{Name: "resume", Summary: "make a paused run claimable again", Run: func(ctx context.Context, args []string) error { return stateCmd(ctx, args, stdout, "pending") }},
+		{Name: "checkpoint set", Summary: "move a checkpoint by hand (audited; backwards = a new run)", Run: func(ctx context.Context, args []string) error { return checkpointSetCmd(ctx, args, stdout) }},
+		{Name: "quarantine list", Summary: "list rows set aside by the quarantine policy", Run: func(ctx context.Context, args []string) error { return quarantineListCmd(ctx, args, stdout) }},
+		{Name: "quarantine retry", Summary: "reprocess quarantined rows with the job's stored spec", Run: func(ctx context.Context, args []string) error { return quarantineRetryCmd(ctx, args, stdout) }},
+	}
+}
+
+type runConfig struct {
+	cli.Common
+	Spec        string
+	Job         string
+	RunID       string
+	Partition   string
+	Restart     bool
+	Resume      bool
+	MaxChunks   int
+	Workers     int
+	WorkerID    string
+	LeaseTTL    time.Duration
+	Grace       time.Duration
+	MetricsAddr string
+	Progress    string
+}
+
+func (c runConfig) validate() error {
+	switch {
+	case c.Spec == "" && c.Job == "":
+		return cli.UsageError("set --spec FILE (or BATCH_SPEC) or --job NAME (a job that ran before)")
+	case c.Restart && c.Resume:
+		return cli.UsageError("--restart and --resume exclude each other")
+	case c.Workers < 1:
+		return cli.UsageError("WORKERS=%d: want >= 1", c.Workers)
+	case c.MaxChunks < 0:
+		return cli.UsageError("MAX_CHUNKS=%d: want >= 0", c.MaxChunks)
+	case c.LeaseTTL < 100*time.Millisecond:
+		return cli.UsageError("LEASE_TTL=%s: want >= 100ms", c.LeaseTTL)
+	case c.Progress != "auto" && c.Progress != "on" && c.Progress != "off":
+		return cli.UsageError("PROGRESS=%q: want auto, on or off", c.Progress)
+	}
+	return nil
+}
+
+func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
+	var c runConfig
+	fs := cli.NewFlagSet("batcher run", "Runs a scan job: every chunk commits normalized rows, outbox events and the checkpoint in\none transaction. SIGTERM/SIGINT stops at the next chunk boundary (exit 0); a second signal\nor the grace period cancels the chunk in flight (it rolls back).")
+	c.RegisterDatabase(fs)
+	c.RegisterLogging(fs)
+	fs.String(&c.Spec, "spec", "BATCH_SPEC", "", "job spec file (.yaml, .yml or .json)")
+	fs.String(&c.Job, "job", "BATCH_JOB", "", "run a job with the spec it last ran with (instead of --spec)")
+	fs.String(&c.RunID, "run-id", "BATCH_RUN_ID", "", "logical run id (default: the job's unfinished run, else a new one)")
+	fs.String(&c.Partition, "partition", "BATCH_PARTITION", "", "work on this partition only (default: all)")
+	fs.Bool(&c.Restart, "restart", "", false, "start a new run from the beginning (supersedes the unfinished one)")
+	fs.Bool(&c.Resume, "resume", "", false, "continue a run made by a processor version the spec declares compatible")
+	fs.Int(&c.MaxChunks, "max-chunks", "MAX_CHUNKS", 0, "stop softly after this many chunks (0 = no limit)")
+	fs.Int(&c.Workers, "workers", "WORKERS", 1, "partitions worked on at once by this process")
+	fs.String(&c.WorkerID, "worker-id", "WORKER_ID", "", "name of this worker in leases (default host-pid)")
+	fs.Duration(&c.LeaseTTL, "lease-ttl", "LEASE_TTL", 30*time.Second, "a lease without heartbeat for this long may be taken by another worker")
+	fs.Duration(&c.Grace, "grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first signal, wait this long for the chunk in flight before cancelling it")
+	fs.String(&c.MetricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9101", "serve /metrics, /healthz, /readyz here (\"\" disables)")
+	fs.String(&c.Progress, "progress", "PROGRESS", "auto", "progress line on stderr: auto (on a terminal), on or off")
+	if _, err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := c.validate(); err != nil {
+		return err
+	}
+	logger, err := c.Logger()
+	if err != nil {
+		return err
+	}
+	soft, hard, stop := shutdown.Contexts(ctx, c.Grace, logger)
+	defer stop()
+	pool, err := pgconn.Open(hard, c.DatabaseURL, 2*c.Workers+2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	spec, err := loadSpec(hard, pool, c.Spec, c.Job)
+	if err != nil {
+		return err
+	}
+	reg := metrics.NewRegistry()
+	health := metrics.NewHealth()
+	health.AddCheck("postgres", pool.Ping)
+	if err := metrics.Serve(hard, c.MetricsAddr, reg, health, logger); err != nil {
+		return cli.UsageError("%v", err)
+	}
+	cfg := batch.Config{
+		StartOptions: batch.StartOptions{RunID: c.RunID, Restart: c.Restart, Resume: c.Resume},
+		WorkerID:     c.WorkerID, Workers: c.Workers, LeaseTTL: c.LeaseTTL, MaxChunks: c.MaxChunks, Partition: c.Partition,
+		Logger: logger, Metrics: batch.NewMetrics(reg),
+	}
+	if c.Progress == "on" || (c.Progress == "auto" && logging.IsTerminal(os.Stderr)) {
+		cfg.Progress = os.Stderr
+	}
+	r, err := batch.NewRunner(pool, spec, cfg)
+	if err != nil {
+		return cli.UsageError("%v", err)
+	}
+	runID, err := r.Prepare(hard)
+	if err != nil {
+		return classify(err)
+	}
+	logger.Info("run prepared", slog.String("job", spec.Job), slog.String("run", runID), slog.String("processor_version", spec.ProcessorVersion))
+	sum, err := r.Run(soft, hard)
+	if err != nil {
+		return classify(err)
+	}
+	if sum != nil {
+		state := "stopped at the last committed checkpoint"
+		if sum.Done {
+			state = "succeeded"
+		}
+		fmt.Fprintf(stdout, "job %s run %s: %s (%d chunks, %d rows, %d changed, %d quarantined by this process)\n",
+			spec.Job, sum.RunID, state, sum.Chunks, sum.Rows, sum.Changed, sum.Quarantined)
+	}
+	return nil
+}
+
+func classify(err error) error {
+	if errors.Is(err, batch.ErrCheckpointIncompatible) {
+		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
+	}
+	if errors.Is(err, batch.ErrSpec) {
+		return &cli.ExitError{Code: cli.ExitUsage, Err: err}
+	}
+	return err
+}
+
+func loadSpec(ctx context.Context, pool *pgxpool.Pool, file, job string) (batch.Spec, error) {
+	if file != "" {
+		s, err := batch.LoadSpec(file)
+		if err != nil {
+			return s, cli.UsageError("BATCH_SPEC=%s: %v", file, err)
+		}
+		if job != "" && s.Job != job {
+			return s, cli.UsageError("--job %s does not match the spec's job %s", job, s.Job)
+		}
+		return s, nil
+	}
+	return batch.LoadJobSpec(ctx, pool, job)
+}
+
+func openDB(ctx context.Context, args []string, name, synopsis string, bind func(*cli.FlagSet)) (*pgxpool.Pool, error) {
+	var c cli.Common
+	fs := cli.NewFlagSet("batcher "+name, synopsis)
+	c.RegisterDatabase(fs)
+	bind(fs)
+	if _, err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	return pgconn.Open(ctx, c.DatabaseURL, 2)
+}
+
+func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
+	var job string
+	var runs int
+	var asJSON bool
+	pool, err := openDB(ctx, args, "status", "Shows the newest runs of each job, one line per partition, read from batch_runs.", func(fs *cli.FlagSet) {
+		fs.String(&job, "job", "BATCH_JOB", "", "only this job")
+		fs.Int(&runs, "runs", "", 3, "runs per job to show")
+		fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
+	})
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	st, err := batch.Status(ctx, pool, job, runs)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(st)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSTATE\tCURSOR\tPROCESSED\tRATE\tCKPT AGE\tQUARANTINED\tRETRIES\tOWNER\tERROR")
+	for _, s := range st {
+		processed := fmt.Sprint(s.Processed)
+		if s.Estimated != nil {
+			processed += fmt.Sprintf("/~%d", *s.Estimated)
+		}
+		age := "-"
+		if s.CheckpointAt != nil {
+			age = s.CheckpointAge.Round(time.Second).String()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.0f/s\t%s\t%d\t%d\t%s\t%s\n", s.Job, s.RunID, orDash(s.Partition), s.State,
+			orDash(strings.Join(s.Cursor, ",")), processed, s.Rate, age, s.Quarantined, s.Retries, deref(s.LeaseOwner), deref(s.Error))
+	}
+	if len(st) == 0 {
+		fmt.Fprintln(tw, "(no runs)")
+	}
+	return tw.Flush()
+}
+
+func stateCmd(ctx context.Context, args []string, stdout io.Writer, to string) error {
+	var job, run, partition string
+	verb := map[string]string{"paused": "pause", "pending": "resume"}[to]
+	pool, err := openDB(ctx, args, verb, "Sets the partitions of a run to "+to+".", func(fs *cli.FlagSet) {
+		fs.String(&job, "job", "BATCH_JOB", "", "job name (required)")
+		fs.String(&run, "run-id", "BATCH_RUN_ID", "", "run (default: the job's newest)")
+		fs.String(&partition, "partition", "BATCH_PARTITION", "", "only this partition")
+	})
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if job == "" {
+		return cli.UsageError("--job is required")
+	}
+	n, err := batch.SetState(ctx, pool, job, run, partition, to)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "%d partition(s) of job %s set to %s\n", n, job, to)
+	return nil
+}
+
+func checkpointSetCmd(ctx context.Context, args []string, stdout io.Writer) error {
+	var m batch.CheckpointMove
+	var cursor string
+	pool, err := openDB(ctx, args, "checkpoint set", "Moves a checkpoint by hand and writes checkpoint_audit. Forward skips rows (they will not be\nprocessed by this run); backwards starts a new run at that position.", func(fs *cli.FlagSet) {
+		fs.String(&m.Job, "job", "BATCH_JOB", "", "job name (required)")
+		fs.String(&m.RunID, "run-id", "BATCH_RUN_ID", "", "run (required)")
+		fs.String(&m.Partition, "partition", "BATCH_PARTITION", "", "partition (\"\" for a job without partitions)")
+		fs.String(&cursor, "cursor", "", "", `new cursor: the cursor columns' values, comma-separated or a JSON array, e.g. '["2024-01-01 00:00:00+00","42"]' (required)`)
+		fs.String(&m.Reason, "reason", "", "", "why (required; stored in the audit)")
+		fs.String(&m.Actor, "actor", "USER", "", "who (stored in the audit)")
+	})
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if m.Job == "" || m.RunID == "" || cursor == "" || m.Reason == "" {
+		return cli.UsageError("--job, --run-id, --cursor and --reason are required")
+	}
+	if strings.HasPrefix(strings.TrimSpace(cursor), "[") {
+		if err := json.Unmarshal([]byte(cursor), &m.Cursor); err != nil {
+			return cli.UsageError("--cursor %s: %v", cursor, err)
+		}
+	} else {
+		m.Cursor = strings.Split(cursor, ",")
+	}
+	res, err := batch.SetCheckpoint(ctx, pool, m)
+	if err != nil {
+		return err
+	}
+	if res.NewRunID != "" {
+		fmt.Fprintf(stdout, "moved back from %v to %v: new run %s (run %s superseded)\n", res.Before, res.After, res.NewRunID, m.RunID)
+	} else {
+		fmt.Fprintf(stdout, "moved forward from %v to %v\n", res.Before, res.After)
+	}
+	return nil
+}
+
+func quarantineListCmd(ctx context.Context, args []string, stdout io.Writer) error {
+	var job string
+	var all bool
+	pool, err := openDB(ctx, args, "quarantine list", "Lists quarantined rows: id and error, never the payload.", func(fs *cli.FlagSet) {
+		fs.String(&job, "job", "BATCH_JOB", "", "only this job")
+		fs.Bool(&all, "all", "", false, "include resolved rows")
+	})
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	rows, err := batch.ListQuarantine(ctx, pool, job, all)
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSOURCE ID\tCODE\tMESSAGE\tATTEMPTS\tLAST SEEN\tRESOLVED")
+	for _, q := range rows {
+		resolved := "-"
+		if q.ResolvedAt != nil {
+			resolved = q.ResolvedAt.Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", q.Job, q.RunID, orDash(q.Partition), q.SourceID, q.Code, q.Message, q.Attempts, q.LastSeen.Format(time.RFC3339), resolved)
+	}
+	return tw.Flush()
+}
+
+func quarantineRetryCmd(ctx context.Context, args []string, stdout io.Writer) error {
+	var job, specFile string
+	pool, err := openDB(ctx, args, "quarantine retry", "Reprocesses the job's open quarantined rows from the source table; rows that now normalize\nare upserted, enqueued and marked resolved in one transaction per 1000 ids.", func(fs *cli.FlagSet) {
+		fs.String(&job, "job", "BATCH_JOB", "", "job name (required unless --spec)")
+		fs.String(&specFile, "spec", "BATCH_SPEC", "", "use this spec instead of the stored one (e.g. a fixed normalizer)")
+	})
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if job == "" && specFile == "" {
+		return cli.UsageError("--job or --spec is required")
+	}
+	spec, err := loadSpec(ctx, pool, specFile, job)
+	if err != nil {
+		return err
+	}
+	res, err := batch.RetryQuarantine(ctx, pool, spec, nil)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "retried %d quarantined row(s) of job %s: %d resolved, %d still bad\n", res.Retried, spec.Job, res.Resolved, res.StillBad)
+	return nil
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func deref(s *string) string {
+	if s == nil || *s == "" {
+		return "-"
+	}
+	return *s
+}
