@@ -12,7 +12,7 @@ BENCH_FLAGS ?= -run '^$$' -bench . -benchtime 1x -timeout 60m -v
 
 .PHONY: help
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
 
 .PHONY: build
 build: ## build the three binaries into bin/
@@ -53,6 +53,10 @@ bench-publisher: ## publisher throughput vs raw kafka-go produce, and latency
 .PHONY: bench-indexer
 bench-indexer: ## indexer throughput vs a raw bulk baseline
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/indexer/
+
+.PHONY: bench-e2e
+bench-e2e: build ## 1,000,000 rows from the source table to searchable documents
+	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/e2e/
 
 .PHONY: demo
 demo: build ## the whole pipeline on the local stack: seed, batch, publish, index, change, follow (ROWS=200000)

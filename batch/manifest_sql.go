@@ -98,10 +98,6 @@ UPDATE manifest_jobs
 SET state = 'conflicted', conflict = $2, updated_at = now(), finished_at = now()
 WHERE job_id = $1`
 
-	manifestMarkSucceededSQL = `
-UPDATE manifest_jobs SET state = 'succeeded', updated_at = now(), finished_at = coalesce(finished_at, now())
-WHERE job_id = $1 AND next_index = item_count AND state <> 'succeeded'`
-
 	// manifestColumnsSQL resolves the target's columns and their types;
 	// $1 is the quoted table name, so to_regclass resolves it exactly as
 	// the statements will.
