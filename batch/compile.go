@@ -252,6 +252,11 @@ func (c *compiled) fieldValue(b *builder, f Field) string {
 	if c.types[root] == "json" {
 		col += "::jsonb"
 	}
+	if !strings.Contains(path, ".") {
+		// One key: -> skips the per-row path array of #>. (They differ only
+		// on a root that is not an object, and such a row is bad anyway.)
+		return col + " -> " + b.c(path, "text")
+	}
 	return col + " #> " + b.c(strings.Split(path, "."), "text[]")
 }
 
@@ -294,8 +299,21 @@ func (c *compiled) normalize(b *builder) (fieldCols, doc, errCode, errMsg string
 	}
 	for i, f := range fs {
 		fc := "x.f" + strconv.Itoa(i+1)
-		cols = append(cols, c.fieldValue(b, f)+" AS f"+strconv.Itoa(i+1))
-		pairs = append(pairs, b.c(f.Name, "text"), transform(fc, f.Transforms))
+		if _, _, hasPath := strings.Cut(f.From, "."); !hasPath && len(f.Transforms) == 0 {
+			// A plain column goes into the document as its own value:
+			// jsonb_build_object converts it exactly as to_jsonb would, without
+			// building a jsonb datum first and taking it apart again (about a
+			// tenth of the chunk's normalization time). The jsonb form is kept
+			// only for the checks that need it.
+			cols = append(cols, "s."+q(f.From)+" AS c"+strconv.Itoa(i+1))
+			pairs = append(pairs, b.c(f.Name, "text"), "x.c"+strconv.Itoa(i+1))
+			if f.Required || f.Type != "" {
+				cols = append(cols, c.fieldValue(b, f)+" AS f"+strconv.Itoa(i+1))
+			}
+		} else {
+			cols = append(cols, c.fieldValue(b, f)+" AS f"+strconv.Itoa(i+1))
+			pairs = append(pairs, b.c(f.Name, "text"), transform(fc, f.Transforms))
+		}
 		if f.Required {
 			codes = append(codes, "WHEN "+fc+" IS NULL OR "+fc+" = 'null'::jsonb THEN 'missing_field'")
 			msgs = append(msgs, "WHEN "+fc+" IS NULL OR "+fc+" = 'null'::jsonb THEN "+b.c(fmt.Sprintf("field %s (%s) is missing", f.Name, f.From), "text"))
