@@ -96,7 +96,6 @@ type series []float64
 
 func (s series) sorted() []float64 { x := slices.Clone(s); slices.Sort(x); return x }
 func (s series) median() float64   { x := s.sorted(); return x[len(x)/2] }
-func (s series) best() float64     { return slices.Max(s) }
 func (s series) spread() string {
 	x := s.sorted()
 	return fmt.Sprintf("%.0f–%.0f", x[0], x[len(x)-1])
