@@ -89,11 +89,24 @@ func (ix *Indexer) Ping(ctx context.Context) error { return ping(ctx, ix.client)
 // missing. When ctx ends, the batch in flight is abandoned uncommitted (its
 // messages are replayed harmlessly by whoever owns the partition next).
 func (ix *Indexer) Run(ctx context.Context) error {
-	index, err := EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
+	// The engine or the broker may still be starting (or restarting) when
+	// the indexer does: wait for them within the retry budget instead of
+	// exiting at once; a refusal that will not heal (a bad mapping) stops.
+	var index string
+	err := backoff.RetryNotify(func() error {
+		var err error
+		if index, err = EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping); err != nil {
+			if !IsRetryable(err) {
+				return backoff.Permanent(err)
+			}
+			return err
+		}
+		return ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1)
+	}, ix.newBackOff(ctx), func(err error, next time.Duration) {
+		ix.log.Warn("indexer not ready: search engine or broker unavailable; retrying",
+			slog.String("error", err.Error()), slog.Duration("next", next))
+	})
 	if err != nil {
-		return err
-	}
-	if err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1); err != nil {
 		return err
 	}
 	ix.log.Info("indexer starting",

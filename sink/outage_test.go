@@ -1,7 +1,10 @@
 package sink
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
+	"sync"
 	"testing"
 	"time"
 
@@ -104,4 +107,49 @@ func committedSum(po []PartitionOffsets) int64 {
 		n += max(p.Committed, 0)
 	}
 	return n
+}
+
+// signalHandler is a slog.Handler that closes seen when a record with msg
+// is logged.
+type signalHandler struct {
+	msg  string
+	once *sync.Once
+	seen chan struct{}
+}
+
+func (h signalHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h signalHandler) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		h.once.Do(func() { close(h.seen) })
+	}
+	return nil
+}
+func (h signalHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h signalHandler) WithGroup(string) slog.Handler      { return h }
+
+// An indexer started while the engine is down waits for it (within its
+// retry budget) instead of exiting, then indexes everything.
+func TestIndexerWaitsForTheEngineAtStart(t *testing.T) {
+	t.Parallel()
+	node := stack.Private(t, "opensearch")
+	f := newFixture(t, node.Env, node.Env, 2)
+	require.NoError(t, node.Stop())
+	var recs []rec
+	for i := range 200 {
+		recs = append(recs, upsert(fmt.Sprintf("s-%03d", i), 1, docN(i)))
+	}
+	f.produce(recs...)
+
+	cfg := f.cfg
+	notReady := signalHandler{msg: "indexer not ready: search engine or broker unavailable; retrying", once: new(sync.Once), seen: make(chan struct{})}
+	cfg.Logger = slog.New(notReady)
+	f.start(cfg)
+	select {
+	case <-notReady.seen:
+	case <-time.After(time.Minute):
+		t.Fatal("the indexer never reported waiting for the engine")
+	}
+	require.NoError(t, node.Start())
+	f.waitCaughtUp(cfg.Group, 2*time.Minute)
+	require.Len(t, f.search(cfg.Alias), 200)
 }
