@@ -283,7 +283,10 @@ func (d *run) startProc(ctx context.Context, name string, env []string, args ...
 	cmd := exec.Command(filepath.Join(d.binDir, name), args...) // outlives ctx: stopped by stopAll
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// Its own process group keeps a Ctrl-C on the terminal from reaching it
+	// before the demo asks it to stop; Pdeathsig stops it if the demo dies
+	// without asking (killed, or its `go run` parent interrupted).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start %s: %w", name, err)
 	}
@@ -330,6 +333,7 @@ func (d *run) pipelineRun(ctx context.Context, n int) (string, error) {
 	defer logf.Close()
 	b := d.binary(ctx, "batcher", []string{"DATABASE_URL=" + d.dbURL, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json"}, "run", "--spec", d.specFile)
 	b.Stdout, b.Stderr = logf, logf
+	b.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := b.Start(); err != nil {
 		return "", fmt.Errorf("start batcher: %w", err)
 	}
