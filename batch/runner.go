@@ -156,7 +156,12 @@ var errSoftStop = errors.New("soft stop")
 // or be cancelled no later. A partition whose lease was lost returns
 // [ErrLeaseLost]; a failed chunk fails the partition and is returned.
 func (r *Runner) Run(soft, hard context.Context) (*Summary, error) {
-	if _, err := r.Prepare(hard); err != nil {
+	// Preparing may wait (for the job lock, for open writers of the source
+	// table); a soft stop then ends the wait and nothing was started.
+	if _, err := r.Prepare(soft); err != nil {
+		if soft.Err() != nil && hard.Err() == nil {
+			return &Summary{}, nil
+		}
 		return nil, err
 	}
 	r.started = time.Now()

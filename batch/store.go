@@ -209,7 +209,8 @@ func waitForOpenWriters(ctx context.Context, tx pgx.Tx, job, table string) error
 	}
 	rows, err := tx.Query(ctx, `SELECT DISTINCT l.pid, a.backend_xid::text
 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'relation' AND l.relation = to_regclass($1) AND l.granted
+WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.relation = to_regclass($1) AND l.granted
   AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
   AND l.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL`, table)
 	if err != nil {

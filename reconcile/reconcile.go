@@ -14,6 +14,11 @@
 //   - stale: in both, but the index holds another version or deleted-ness;
 //   - extra: in the index, not in normalized_records.
 //
+// The summaries trust the _idv field stored with each document; a partial
+// update made by hand keeps it while bumping the engine's _version, so
+// Config.Full compares every document's real _version (a full read of both
+// sides) for when the index may have been edited behind the pipeline's back.
+//
 // [Repair] re-enqueues an outbox event for every missing or stale id, built
 // from normalized_records at its current version, so the ordinary pipeline
 // (publisher, indexer with external versions) fixes the index; extras are
@@ -108,6 +113,11 @@ type Config struct {
 	DeleteGC time.Duration
 	// Logger, if set, tells what Repair waits for.
 	Logger *slog.Logger
+	// Full reads every bucket id by id and compares the engine's real
+	// _version, instead of trusting the summaries. The summaries hash the
+	// _idv field the indexer stored, so a partial update made by hand
+	// (which bumps _version but keeps _idv) only shows up in a full pass.
+	Full bool
 }
 
 func (c *Config) validate() error {
@@ -184,7 +194,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	for b := range Buckets {
 		rep.SourceRows += dbSide[b].count
 		rep.IndexDocs += ixSide[b].count
-		if dbSide[b] != ixSide[b] {
+		if cfg.Full || dbSide[b] != ixSide[b] {
 			rep.DifferingBuckets = append(rep.DifferingBuckets, b)
 		}
 	}

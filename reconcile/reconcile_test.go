@@ -125,4 +125,17 @@ FROM generate_series(1, $1) g`, n)
 	rep, err = reconcile.Run(ctx, cfg)
 	require.NoError(t, err)
 	require.True(t, rep.Clean(), "%+v", rep)
+
+	// A partial update by hand keeps the stored _idv but bumps _version:
+	// only a full pass, which compares the real versions, sees it.
+	_, err = client.Update().Index(index).Id("50").Doc(map[string]any{"title": "patched"}).Refresh("true").Do(ctx)
+	require.NoError(t, err)
+	full := cfg
+	full.Full = true
+	rep, err = reconcile.Run(ctx, full)
+	require.NoError(t, err)
+	require.Len(t, rep.DifferingBuckets, reconcile.Buckets)
+	require.EqualValues(t, n, rep.DocsRead)
+	require.Equal(t, []string{"50"}, ids(rep.Stale))
+	require.True(t, rep.Stale[0].IndexAhead())
 }

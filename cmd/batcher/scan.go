@@ -127,8 +127,14 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	if err != nil {
 		return cli.UsageError("%v", err)
 	}
-	runID, err := r.Prepare(hard)
+	// Preparing may wait for the job lock or for open writers of the
+	// source table; a first signal ends that wait and nothing starts.
+	runID, err := r.Prepare(soft)
 	if err != nil {
+		if soft.Err() != nil && hard.Err() == nil {
+			fmt.Fprintf(stdout, "job %s: stopped before a run was prepared; nothing changed\n", spec.Job)
+			return nil
+		}
 		return classify(err)
 	}
 	logger.Info("run prepared", slog.String("job", spec.Job), slog.String("run", runID), slog.String("processor_version", spec.ProcessorVersion))

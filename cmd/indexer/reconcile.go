@@ -26,6 +26,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				source      string
 				topic       string
 				repair      bool
+				full        bool
 				asJSON      bool
 				limit, show int
 			)
@@ -38,6 +39,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare (the job's source name)")
 			fs.String(&topic, "topic", "TOPIC", sink.DefaultTopic, "topic of the repair events")
 			fs.Bool(&repair, "repair", "", false, "re-enqueue outbox events for missing and stale ids and delete extra documents")
+			fs.Bool(&full, "full", "", false, "compare every document's real _version (reads both sides whole; finds partial updates made by hand)")
 			fs.Bool(&asJSON, "json", "", false, "print the report as JSON")
 			fs.Int(&limit, "limit", "", 10_000, "most drifted ids listed (and repaired) per kind in one pass")
 			fs.Int(&show, "show", "", 20, "drifted ids printed per kind in the table")
@@ -58,7 +60,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			}
 			cfg := reconcile.Config{
 				DB: pool, Search: client, Index: cmp.Or(writeAlias, alias+"-write"),
-				Source: source, Topic: topic, Limit: limit,
+				Source: source, Topic: topic, Limit: limit, Full: full,
 			}
 			rep, err := reconcile.Run(ctx, cfg)
 			if err != nil {

@@ -45,8 +45,17 @@ func Seed(ctx context.Context, pool *pgxpool.Pool, opts SeedOptions) error {
 	if opts.Rows <= 0 {
 		return fmt.Errorf("rows must be > 0, got %d", opts.Rows)
 	}
-	if _, err := pool.Exec(ctx, batch.DemoSchemaSQL); err != nil {
-		return fmt.Errorf("create source_records: %w", err)
+	// The schema script replaces the trigger, which locks the table against
+	// writers: run it only when the table is missing, so seeding more rows
+	// into a live table does not stall the batchers reading it.
+	var exists bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass('source_records') IS NOT NULL`).Scan(&exists); err != nil {
+		return fmt.Errorf("look for source_records: %w", err)
+	}
+	if !exists {
+		if _, err := pool.Exec(ctx, batch.DemoSchemaSQL); err != nil {
+			return fmt.Errorf("create source_records: %w", err)
+		}
 	}
 	var start int64
 	if err := pool.QueryRow(ctx, `SELECT coalesce(max(id) / 3, 0) FROM source_records`).Scan(&start); err != nil {
