@@ -83,6 +83,8 @@ type compiled struct {
 	chunkFirst stmt // SQL path; args: boundary, limit, pkey, job, run
 	chunkNext  stmt // + cursor
 	chunkIDs   stmt // SQL path by ids (quarantine retry); args: ids, pkey, job, run
+	keysFirst  stmt // pipelined chunks: how many rows the next chunk has and its last key
+	keysNext   stmt
 	fetchFirst stmt // Go path
 	fetchNext  stmt
 	fetchIDs   stmt
@@ -440,6 +442,22 @@ func (c *compiled) fetchSQL(sel string) stmt {
 	return b.stmt(`SELECT x.id, x.ver, x.del, ` + c.cursorText("x.") + `, x.row FROM (SELECT ` + c.rowColumns() + `, row_to_json(s) AS row FROM ` + c.table + ` s WHERE ` + where + tail + `) x`)
 }
 
+// keysSQL finds where the next chunk ends before it runs, so the chunk
+// after it can start at once: the same keyset range and LIMIT as the chunk,
+// reading only the cursor columns (an index-only scan on the cursor index),
+// returning the row count and the last key. Never OFFSET.
+func (c *compiled) keysSQL(sel string) stmt {
+	b := newBuilder()
+	where, tail := c.selection(b, sel)
+	kcols := make([]string, len(c.cur))
+	for i := range c.cur {
+		kcols[i] = "k" + strconv.Itoa(i+1)
+	}
+	return b.stmt(`
+WITH k AS MATERIALIZED (SELECT ` + c.rowColumnsKeysOnly() + ` FROM ` + c.table + ` s WHERE ` + where + tail + `)
+SELECT (SELECT count(*) FROM k), (SELECT ` + c.cursorText("") + ` FROM k ORDER BY ` + strings.Join(kcols, " DESC, ") + ` DESC LIMIT 1)`)
+}
+
 func (c *compiled) build() {
 	b := newBuilder()
 	where := c.scopeWhere(b)
@@ -463,6 +481,8 @@ func (c *compiled) build() {
 	c.chunkFirst = c.chunkSQL("keyset-first")
 	c.chunkNext = c.chunkSQL("keyset-next")
 	c.chunkIDs = c.chunkSQL("ids")
+	c.keysFirst = c.keysSQL("keyset-first")
+	c.keysNext = c.keysSQL("keyset-next")
 	c.fetchFirst = c.fetchSQL("keyset-first")
 	c.fetchNext = c.fetchSQL("keyset-next")
 	c.fetchIDs = c.fetchSQL("ids")

@@ -3,6 +3,7 @@ package batch_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -71,37 +72,49 @@ func TestFailpointsCrashAndResume(t *testing.T) {
 	bin := testproc.Build(t, "batcher")
 	tests := []struct {
 		point     string
-		committed int64 // rows committed when the process dies at the 3rd chunk
+		committed int64 // rows committed when the process dies at the 3rd chunk, one chunk at a time
+		// With two chunks in flight the 3rd hit may be either chunk's, and
+		// the chunk after a committed one may commit before the kill: the
+		// committed rows are whole chunks in [lo, hi].
+		lo, hi int64
 	}{
-		{point: "batch.before_tx", committed: 1000},
-		{point: "batch.after_upsert", committed: 1000},
-		{point: "batch.after_outbox", committed: 1000},
-		{point: "batch.after_checkpoint", committed: 1000},
-		{point: "batch.after_commit", committed: 1500},
+		{point: "batch.before_tx", committed: 1000, lo: 500, hi: 1000},
+		{point: "batch.after_upsert", committed: 1000, lo: 500, hi: 1000},
+		{point: "batch.after_outbox", committed: 1000, lo: 500, hi: 1000},
+		{point: "batch.after_checkpoint", committed: 1000, lo: 500, hi: 1000},
+		{point: "batch.after_commit", committed: 1500, lo: 1500, hi: 2000},
 	}
 	for _, tt := range tests {
-		t.Run(tt.point, func(t *testing.T) {
-			t.Parallel()
-			url, pool := newDB(t)
-			seed(t, pool, 0, 3000, 700, 1)
-			specFile := writeSpec(t, spec())
-			p := testproc.Run(t, 2*time.Minute, bin, env(url, failpoint.EnvVar+"="+tt.point+"@3", "LEASE_TTL=500ms"), "run", "--spec", specFile)
-			require.True(t, p.Killed(), "killed at %s; stderr:\n%s", tt.point, p.Stderr())
-			require.Contains(t, p.Stderr(), "failpoint "+tt.point)
-			if tt.point == "batch.after_commit" {
-				require.NotContains(t, p.Stderr(), `"processed":1500`, "killed before the log line of the committed chunk")
-			}
+		for _, pipeline := range []int{1, 2} {
+			t.Run(fmt.Sprintf("%s/pipeline=%d", tt.point, pipeline), func(t *testing.T) {
+				t.Parallel()
+				url, pool := newDB(t)
+				seed(t, pool, 0, 3000, 700, 1)
+				specFile := writeSpec(t, spec(func(s *batch.Spec) { s.Chunk.Pipeline = pipeline }))
+				p := testproc.Run(t, 2*time.Minute, bin, env(url, failpoint.EnvVar+"="+tt.point+"@3", "LEASE_TTL=500ms"), "run", "--spec", specFile)
+				require.True(t, p.Killed(), "killed at %s; stderr:\n%s", tt.point, p.Stderr())
+				require.Contains(t, p.Stderr(), "failpoint "+tt.point)
+				if tt.point == "batch.after_commit" && pipeline == 1 {
+					require.NotContains(t, p.Stderr(), `"processed":1500`, "killed before the log line of the committed chunk")
+				}
 
-			check, err := pgxpool.New(context.Background(), url)
-			require.NoError(t, err)
-			defer check.Close()
-			c := count(t, check, "records")
-			require.Equal(t, counts{Normalized: tt.committed, Events: tt.committed, DistinctEvents: tt.committed, Processed: tt.committed, States: "running"}, c)
+				check, err := pgxpool.New(context.Background(), url)
+				require.NoError(t, err)
+				defer check.Close()
+				c := count(t, check, "records")
+				if pipeline == 1 {
+					require.Equal(t, counts{Normalized: tt.committed, Events: tt.committed, DistinctEvents: tt.committed, Processed: tt.committed, States: "running"}, c)
+				} else {
+					require.Equal(t, counts{Normalized: c.Processed, Events: c.Processed, DistinctEvents: c.Processed, Processed: c.Processed, States: "running"}, c, "rows, events and checkpoint agree")
+					require.Zero(t, c.Processed%500, "whole chunks only")
+					require.True(t, c.Processed >= tt.lo && c.Processed <= tt.hi, "committed %d, want %d..%d", c.Processed, tt.lo, tt.hi)
+				}
 
-			p = testproc.Run(t, 2*time.Minute, bin, env(url, "LEASE_TTL=500ms"), "run", "--spec", specFile)
-			require.Equal(t, 0, p.ExitCode(), p.Stderr())
-			exact(t, url, "records", 3000)
-		})
+				p = testproc.Run(t, 2*time.Minute, bin, env(url, "LEASE_TTL=500ms"), "run", "--spec", specFile)
+				require.Equal(t, 0, p.ExitCode(), p.Stderr())
+				exact(t, url, "records", 3000)
+			})
+		}
 	}
 
 	t.Run("seed: a 500-row chunk killed mid-way leaves nothing", func(t *testing.T) {

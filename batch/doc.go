@@ -18,6 +18,15 @@
 // fenced by the lease token and the previous cursor; a custom [Processor] reads the chunk into Go and writes it back
 // with unnest arrays, in the same transaction.
 //
+// A partition worker keeps chunk.pipeline chunks in flight (default 2), each
+// in its own transaction on its own connection: it first reads where chunk N
+// ends (a keyset LIMIT query over the cursor columns only, never OFFSET),
+// so chunk N+1 runs while chunk N commits. They commit strictly in cursor
+// order: chunk N+1 locks the checkpoint row after chunk N holds it, so it
+// waits for N's COMMIT or ROLLBACK, and its UPDATE matches only if the
+// stored cursor is N's end. If N fails, N+1 rolls back and the worker goes
+// on (or stops) from the last committed checkpoint.
+//
 // A run is (job, logical run id, partition). Partitions run in parallel,
 // claimed by workers with FOR UPDATE SKIP LOCKED leases and heartbeats;
 // every checkpoint write is conditioned on the lease token and the previous

@@ -10,6 +10,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -101,6 +102,7 @@ type Runner struct {
 	started    time.Time
 	progress   *progress
 	maxReached atomic.Bool
+	reserved   atomic.Int64 // chunks committed or in flight, against MaxChunks
 }
 
 // Summary says what a [Runner.Run] did.
@@ -205,18 +207,22 @@ func (r *Runner) partitionFilter() *string {
 	return &r.cfg.Partition
 }
 
-// worker holds one connection (its session settings live there) and claims
-// partitions until none is left.
+// worker holds one connection per chunk in flight (its session settings
+// live there) and claims partitions until none is left.
 func (r *Runner) worker(soft, hard context.Context, id string) error {
-	conn, err := r.pool.Acquire(hard)
-	if err != nil {
-		return fmt.Errorf("acquire a connection: %w", err)
-	}
-	defer conn.Release()
-	// A worker frozen inside a transaction (SIGSTOP, a GC pause of the VM)
-	// must not keep its locks past its lease: the server ends the session.
-	if _, err := conn.Exec(hard, `SELECT set_config('idle_in_transaction_session_timeout', $1, false)`, strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
-		return fmt.Errorf("set up session: %w", err)
+	conns := make([]*pgx.Conn, r.inFlight())
+	for i := range conns {
+		conn, err := r.pool.Acquire(hard)
+		if err != nil {
+			return fmt.Errorf("acquire a connection: %w", err)
+		}
+		defer conn.Release()
+		// A worker frozen inside a transaction (SIGSTOP, a GC pause of the VM)
+		// must not keep its locks past its lease: the server ends the session.
+		if _, err := conn.Exec(hard, `SELECT set_config('idle_in_transaction_session_timeout', $1, false)`, strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
+			return fmt.Errorf("set up session: %w", err)
+		}
+		conns[i] = conn.Conn()
 	}
 	for {
 		if soft.Err() != nil || r.maxReached.Load() {
@@ -242,7 +248,7 @@ func (r *Runner) worker(soft, hard context.Context, id string) error {
 			}
 			continue
 		}
-		err = r.partition(soft, hard, conn.Conn(), cl, id)
+		err = r.partition(soft, hard, conns, cl, id)
 		switch {
 		case err == nil, errors.Is(err, errPaused):
 			continue
@@ -254,12 +260,23 @@ func (r *Runner) worker(soft, hard context.Context, id string) error {
 	}
 }
 
+// inFlight is how many chunks of a partition a worker keeps in flight: the
+// spec's chunk.pipeline, lowered until every worker's connections plus two
+// for heartbeats and lease checks fit in the pool.
+func (r *Runner) inFlight() int {
+	n := r.spec.Chunk.Pipeline
+	for n > 1 && r.cfg.Workers*n+2 > int(r.pool.Config().MaxConns) {
+		n--
+	}
+	return n
+}
+
 func (r *Runner) logAttrs(key string) []any {
 	return []any{slog.String("job", r.spec.Job), slog.String("run", r.runID), slog.String("partition", key)}
 }
 
 // partition processes chunks of one claimed partition.
-func (r *Runner) partition(soft, hard context.Context, conn *pgx.Conn, cl *claim, worker string) error {
+func (r *Runner) partition(soft, hard context.Context, conns []*pgx.Conn, cl *claim, worker string) error {
 	job, run := r.spec.Job, r.runID
 	log := r.cfg.Logger.With(r.logAttrs(cl.key)...)
 	log.Info("partition claimed", slog.String("worker", worker), slog.Int("attempt", cl.attempt), slog.Any("cursor", cl.cursor), slog.Any("boundary", cl.boundary))
@@ -294,66 +311,140 @@ func (r *Runner) partition(soft, hard context.Context, conn *pgx.Conn, cl *claim
 
 	size := cmp.Or(cl.chunkSize, r.spec.Chunk.Size)
 	sizer := NewSizer(size, r.spec.Chunk.Min, r.spec.Chunk.Max, time.Duration(r.spec.Chunk.TargetDuration))
-	cursor := cl.cursor
+	cursor := cl.cursor // the last committed checkpoint
 	// Lease bookkeeping after a stop must happen even though hard may be
 	// cancelled: bounded, detached contexts.
 	cctx, ccancel := context.WithTimeout(context.WithoutCancel(hard), time.Hour)
 	defer ccancel()
 	cleanup := func() context.Context { return cctx }
+
+	// Chunks in flight, oldest first, each on its own connection. With more
+	// than one connection the next chunk's range is fixed before it starts
+	// (keysFirst/keysNext), so it runs while the previous one commits; its
+	// checkpoint UPDATE waits on the previous chunk's row lock and matches
+	// only if that chunk committed its end as the cursor.
+	pipelined := len(conns) > 1
+	free := slices.Clone(conns)
+	var (
+		queue   []*flight
+		next    = cursor             // where the next chunk to launch starts
+		more    = cl.boundary != nil // the range may have rows after next
+		failure error                // the first failed chunk in cursor order
+		replan  bool                 // relaunch from cursor once the queue drains
+		retried bool                 // the last committed chunk needed a retry
+	)
 	for {
-		if soft.Err() != nil || r.maxReached.Load() {
-			if err := releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token); err != nil {
-				log.Warn("release lease", slog.String("error", err.Error()))
+		stopping := soft.Err() != nil || r.maxReached.Load()
+		for more && !stopping && failure == nil && !replan && len(free) > 0 && (pipelined || len(queue) == 0) {
+			if !r.reserveChunk() {
+				stopping = true
+				break
 			}
-			log.Info("stopped at the last committed checkpoint", slog.Any("cursor", cursor))
-			return errSoftStop
+			conn := free[len(free)-1]
+			f := &flight{conn: conn, prev: next, size: sizer.Size(), locked: make(chan struct{}), done: make(chan struct{})}
+			if len(queue) > 0 {
+				f.pred = queue[len(queue)-1]
+			}
+			if pipelined {
+				n, end, err := r.planChunk(ctx, conn, cl, next, f.size)
+				if err != nil || n == 0 {
+					r.unreserveChunk()
+					failure, more = err, false
+					break
+				}
+				f.upto = end
+				next = end
+				more = n == f.size
+			}
+			free = free[:len(free)-1]
+			go func() {
+				defer close(f.done)
+				f.res, f.err = r.chunkWithRetry(ctx, f, cl, sizer, log)
+				f.pred = nil // let finished chunks go
+			}()
+			queue = append(queue, f)
 		}
-		if cl.boundary == nil {
+		if len(queue) == 0 {
+			if replan && failure == nil {
+				replan, next, more = false, cursor, true
+				continue
+			}
+			if failure == nil && more && stopping {
+				if err := releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token); err != nil {
+					log.Warn("release lease", slog.String("error", err.Error()))
+				}
+				log.Info("stopped at the last committed checkpoint", slog.Any("cursor", cursor))
+				return errSoftStop
+			}
 			break
 		}
-		res, err := r.chunkWithRetry(ctx, conn, cl, cursor, sizer, log)
-		if err != nil {
-			if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
-				err = cause
-			}
+		f := queue[0]
+		<-f.done
+		queue, free = queue[1:], append(free, f.conn)
+		if f.err != nil {
+			r.unreserveChunk()
 			switch {
-			case errors.Is(err, errPaused):
-				log.Info("partition paused by an operator; chunk rolled back", slog.Any("cursor", cursor))
-				return errPaused
-			case errors.Is(err, ErrLeaseLost):
-				log.Error("lease lost; stopping without writing", slog.String("error", err.Error()))
-				return err
-			case hard.Err() != nil:
-				_ = releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token)
-				log.Warn("hard stop: chunk rolled back", slog.Any("cursor", cursor))
-				return context.Cause(hard)
+			case failure != nil || replan:
+				// A chunk after a failed one: it rolled back, as it must.
+			case errors.Is(f.err, errPredecessor) && retried:
+				// Its checkpoint saw the previous chunk's first attempt roll
+				// back; that chunk then committed on a retry. Start again
+				// from there.
+				replan = true
+			default:
+				failure = f.err
 			}
-			// A chunk that failed because another worker took over (its
-			// session was ended while frozen, say) is a lost lease, not a
-			// failure of the run.
-			if why := whyNotOwned(cleanup(), r.pool, job, run, cl.key, cl.token); errors.Is(why, ErrLeaseLost) || errors.Is(why, errPaused) {
-				if errors.Is(why, errPaused) {
-					return errPaused
-				}
-				log.Error("lease lost; stopping without writing", slog.String("error", why.Error()), slog.String("chunk_error", err.Error()))
-				return why
-			}
-			if ferr := failPartition(cleanup(), r.pool, job, run, cl.key, cl.token, err); ferr != nil {
-				log.Error("record failure", slog.String("error", ferr.Error()))
-			}
-			log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor))
-			return fmt.Errorf("job %s run %s partition %q: %w", job, run, cl.key, err)
+			continue
 		}
-		if res.n > 0 {
+		res := f.res
+		retried = res.retries > 0
+		if res.n > 0 || f.upto != nil {
+			sizer.Observe(res.n, res.fetch+res.proc+res.commit)
+			r.observe(cl, res, log, sizer.Size())
 			cursor = res.next
 			n := r.chunks.Add(1)
 			if r.cfg.MaxChunks > 0 && n >= int64(r.cfg.MaxChunks) {
 				r.maxReached.Store(true)
 			}
+		} else {
+			r.unreserveChunk()
 		}
-		if res.n < res.size {
-			break
+		if !pipelined {
+			next = cursor
+			more = res.n == res.size
 		}
+	}
+	if err := failure; err != nil {
+		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+			err = cause
+		}
+		switch {
+		case errors.Is(err, errPaused):
+			log.Info("partition paused by an operator; chunk rolled back", slog.Any("cursor", cursor))
+			return errPaused
+		case errors.Is(err, ErrLeaseLost):
+			log.Error("lease lost; stopping without writing", slog.String("error", err.Error()))
+			return err
+		case hard.Err() != nil:
+			_ = releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token)
+			log.Warn("hard stop: chunk rolled back", slog.Any("cursor", cursor))
+			return context.Cause(hard)
+		}
+		// A chunk that failed because another worker took over (its
+		// session was ended while frozen, say) is a lost lease, not a
+		// failure of the run.
+		if why := whyNotOwned(cleanup(), r.pool, job, run, cl.key, cl.token); errors.Is(why, ErrLeaseLost) || errors.Is(why, errPaused) {
+			if errors.Is(why, errPaused) {
+				return errPaused
+			}
+			log.Error("lease lost; stopping without writing", slog.String("error", why.Error()), slog.String("chunk_error", err.Error()))
+			return why
+		}
+		if ferr := failPartition(cleanup(), r.pool, job, run, cl.key, cl.token, err); ferr != nil {
+			log.Error("record failure", slog.String("error", ferr.Error()))
+		}
+		log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor))
+		return fmt.Errorf("job %s run %s partition %q: %w", job, run, cl.key, err)
 	}
 	ok, err := finishPartition(cleanup(), r.pool, job, run, cl.key, cl.token)
 	if err != nil {
@@ -366,7 +457,67 @@ func (r *Runner) partition(soft, hard context.Context, conn *pgx.Conn, cl *claim
 	return nil
 }
 
+// flight is one chunk in flight on its own connection.
+type flight struct {
+	conn *pgx.Conn
+	prev []string // the cursor the chunk starts after (its checkpoint's condition)
+	upto []string // pipelined: the chunk's last key, found before it ran; nil: LIMIT size
+	size int
+	// pred is the chunk before this one when it was in flight at launch:
+	// this one's checkpoint waits for it and matches only if it committed.
+	pred   *flight
+	locked chan struct{} // closed once an attempt's checkpoint UPDATE returned (holding the row lock)
+	lockMu sync.Once
+	done   chan struct{}
+	res    chunkResult
+	err    error
+}
+
+func (f *flight) checkpointed() { f.lockMu.Do(func() { close(f.locked) }) }
+
+// errPredecessor: the chunk before this one did not commit (it failed or
+// rolled back for a retry), so this chunk's checkpoint matched no row.
+var errPredecessor = errors.New("the previous chunk did not commit")
+
+// planChunk reads where the chunk after cursor ends: its row count (at most
+// size) and its last key.
+func (r *Runner) planChunk(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []string, size int) (int, []string, error) {
+	st := r.c.keysNext
+	if cursor == nil {
+		st = r.c.keysFirst
+	}
+	vals := map[string]any{"cursor": cursor, "boundary": cl.boundary, "limit": size, "pkey": cl.key}
+	var (
+		n   int
+		end []string
+	)
+	if err := conn.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &end); err != nil {
+		return 0, nil, fmt.Errorf("find the end of the chunk after %v: %w", cursor, err)
+	}
+	return n, end, nil
+}
+
+// reserveChunk takes one of MaxChunks for a chunk about to start, so chunks
+// in flight never commit more than MaxChunks in all.
+func (r *Runner) reserveChunk() bool {
+	if r.cfg.MaxChunks == 0 {
+		return true
+	}
+	if r.reserved.Add(1) > int64(r.cfg.MaxChunks) {
+		r.reserved.Add(-1)
+		return false
+	}
+	return true
+}
+
+func (r *Runner) unreserveChunk() {
+	if r.cfg.MaxChunks > 0 {
+		r.reserved.Add(-1)
+	}
+}
+
 type chunkResult struct {
+	retries     int64
 	n, size     int
 	bad         int64
 	changed     int64
@@ -376,7 +527,10 @@ type chunkResult struct {
 	commit      time.Duration // (Go path: write +) checkpoint UPDATE + COMMIT
 }
 
-func (r *Runner) chunkWithRetry(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []string, sizer *Sizer, log *slog.Logger) (chunkResult, error) {
+// chunkWithRetry runs a chunk, retrying transient errors. It does not
+// touch the partition's bookkeeping: chunks in flight finish in any order,
+// the caller takes their results in cursor order.
+func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer *Sizer, log *slog.Logger) (chunkResult, error) {
 	expo := backoff.NewExponentialBackOff()
 	expo.InitialInterval = time.Duration(r.spec.Errors.InitialBackoff)
 	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
@@ -390,7 +544,11 @@ func (r *Runner) chunkWithRetry(ctx context.Context, conn *pgx.Conn, cl *claim, 
 	op := func() error {
 		start := time.Now()
 		var err error
-		res, err = r.chunk(ctx, conn, cl, cursor, sizer.Size(), retries)
+		size := f.size
+		if f.upto == nil {
+			size = sizer.Size() // cut by a retry; a planned range keeps its size
+		}
+		res, err = r.chunk(ctx, f, cl, size, retries)
 		if err == nil {
 			return nil
 		}
@@ -419,10 +577,7 @@ func (r *Runner) chunkWithRetry(ctx context.Context, conn *pgx.Conn, cl *claim, 
 	if err := backoff.RetryNotify(op, bo, notify); err != nil {
 		return res, err
 	}
-	if res.n > 0 {
-		sizer.Observe(res.n, res.fetch+res.proc+res.commit)
-		r.observe(cl, res, log, sizer.Size())
-	}
+	res.retries = retries
 	return res, nil
 }
 
@@ -460,7 +615,8 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // chunk is one transaction: results, outbox events and checkpoint commit
 // together or not at all.
-func (r *Runner) chunk(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []string, size int, retries int64) (chunkResult, error) {
+func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retries int64) (chunkResult, error) {
+	conn, cursor := f.conn, f.prev
 	res := chunkResult{size: size}
 	failpoint.Hit("batch.before_tx")
 	t0 := time.Now()
@@ -477,6 +633,9 @@ func (r *Runner) chunk(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []
 	vals := map[string]any{
 		"cursor": cursor, "boundary": cl.boundary, "limit": size, "pkey": cl.key, "pkeytext": cl.key,
 		"job": r.spec.Job, "run": r.runID, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion,
+	}
+	if f.upto != nil {
+		vals["boundary"] = f.upto // the planned range: (cursor, upto]
 	}
 	if r.cfg.Processor == nil {
 		st := r.c.chunkNext
@@ -496,7 +655,11 @@ func (r *Runner) chunk(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []
 			return res, err
 		}
 	}
-	if res.n == 0 {
+	if f.upto != nil {
+		// The cursor is the planned last key: a real row when it was read,
+		// and where the next chunk in flight starts.
+		res.next = f.upto
+	} else if res.n == 0 {
 		return res, nil // the range is done; nothing to commit
 	}
 	failpoint.Hit("batch.after_upsert")
@@ -506,13 +669,40 @@ func (r *Runner) chunk(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []
 	failpoint.Hit("batch.after_outbox")
 	vals["next"], vals["prev"], vals["token"] = res.next, cursor, cl.token
 	vals["n"], vals["changed"], vals["bad"], vals["size"], vals["retries"] = int64(res.n), res.changed, res.bad, size, retries
+	if f.pred != nil {
+		// Wait until the previous chunk holds the checkpoint row (or is
+		// over), then lock the row: that waits until the previous chunk
+		// commits or rolls back, and the UPDATE below (a new snapshot) sees
+		// its cursor. Without the lock the UPDATE would test its condition
+		// on the old row version, find no match and never wait. The wait
+		// is ordering, not contention, and the previous chunk's own lock
+		// timeout bounds it.
+		select {
+		case <-f.pred.locked:
+		case <-f.pred.done:
+		case <-ctx.Done():
+			return res, fmt.Errorf("write checkpoint: %w", context.Cause(ctx))
+		}
+		b := &pgx.Batch{}
+		b.Queue(`SELECT set_config('lock_timeout', '0', true)`)
+		b.Queue(`SELECT 1 FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FOR UPDATE`, r.spec.Job, r.runID, cl.key)
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return res, fmt.Errorf("wait for the previous chunk: %w", err)
+		}
+	}
 	tag, err := tx.Exec(ctx, r.c.checkpoint.sql, r.c.checkpoint.args(vals)...)
+	f.checkpointed()
 	if err != nil {
 		return res, fmt.Errorf("write checkpoint: %w", err)
 	}
 	if tag.RowsAffected() != 1 {
-		// Zero rows: lost ownership (or paused, or an invariant). Roll back.
-		return res, whyNotOwned(ctx, r.pool, r.spec.Job, r.runID, cl.key, cl.token)
+		// Zero rows: lost ownership (or paused, or an invariant, or the
+		// previous chunk in flight did not commit). Roll back.
+		why := whyNotOwned(ctx, r.pool, r.spec.Job, r.runID, cl.key, cl.token)
+		if f.pred != nil && errors.Is(why, ErrCheckpointInvariant) {
+			return res, errPredecessor
+		}
+		return res, why
 	}
 	failpoint.Hit("batch.after_checkpoint")
 	if err := tx.Commit(ctx); err != nil {

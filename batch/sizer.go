@@ -2,6 +2,7 @@ package batch
 
 import (
 	"math"
+	"sync"
 	"time"
 )
 
@@ -12,7 +13,9 @@ import (
 type Sizer struct {
 	Min, Max int
 	Target   time.Duration
-	size     int
+
+	mu   sync.Mutex // chunks in flight back off from their own goroutines
+	size int
 }
 
 // NewSizer starts at size, clamped to [min, max].
@@ -23,11 +26,17 @@ func NewSizer(size, min, max int, target time.Duration) *Sizer {
 }
 
 // Size is the size of the next chunk.
-func (s *Sizer) Size() int { return s.size }
+func (s *Sizer) Size() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.size
+}
 
 // Observe feeds the duration of a chunk of n rows. A chunk smaller than the
 // size asked for (the end of the range) says nothing about speed.
 func (s *Sizer) Observe(n int, d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	if n < s.size || d <= 0 {
 		return
 	}
@@ -37,7 +46,11 @@ func (s *Sizer) Observe(n int, d time.Duration) {
 }
 
 // Backoff halves the size after a lock wait or an error.
-func (s *Sizer) Backoff() { s.size = s.clamp(float64(s.size) * 0.5) }
+func (s *Sizer) Backoff() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.size = s.clamp(float64(s.size) * 0.5)
+}
 
 func (s *Sizer) clamp(v float64) int {
 	return int(math.Round(math.Min(float64(s.Max), math.Max(float64(s.Min), v))))

@@ -146,6 +146,14 @@ type ChunkSettings struct {
 	// Concurrency is how many goroutines a custom Processor runs per chunk;
 	// rows of one id stay in one goroutine, in order. Default 1.
 	Concurrency int `json:"concurrency,omitempty" yaml:"concurrency,omitempty"`
+	// Pipeline is how many chunks of one partition are in flight at once,
+	// each in its own transaction on its own connection: chunk N+1 reads
+	// and writes while chunk N commits. They still commit strictly in cursor
+	// order (each checkpoint is conditioned on the previous chunk's end), so
+	// a failure in chunk N rolls back N+1 too. 1 turns it off. Default 2;
+	// lowered when the pool has too few connections for the workers
+	// (each worker needs Pipeline, plus one for heartbeats).
+	Pipeline int `json:"pipeline,omitempty" yaml:"pipeline,omitempty"`
 }
 
 // ErrorPolicy says what happens to bad rows and transient errors.
@@ -242,6 +250,7 @@ const (
 	defaultChunkMax       = 20000
 	defaultTargetDuration = Duration(time.Second)
 	defaultLockTimeout    = Duration(5 * time.Second)
+	defaultPipeline       = 2
 	defaultMaxRetries     = 5
 	defaultInitialBackoff = Duration(100 * time.Millisecond)
 	defaultMaxBackoff     = Duration(5 * time.Second)
@@ -268,6 +277,7 @@ func (s Spec) withDefaults() Spec {
 	s.Chunk.TargetDuration = cmp.Or(s.Chunk.TargetDuration, defaultTargetDuration)
 	s.Chunk.LockTimeout = cmp.Or(s.Chunk.LockTimeout, defaultLockTimeout)
 	s.Chunk.Concurrency = cmp.Or(s.Chunk.Concurrency, 1)
+	s.Chunk.Pipeline = cmp.Or(s.Chunk.Pipeline, defaultPipeline)
 	s.Errors.Policy = cmp.Or(s.Errors.Policy, PolicyStrict)
 	s.Errors.MaxRetries = cmp.Or(s.Errors.MaxRetries, defaultMaxRetries)
 	if s.Errors.MaxRetries < 0 {
@@ -299,6 +309,8 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: chunk size %d, min %d, max %d: want 0 < min <= max", s.Job, s.Chunk.Size, s.Chunk.Min, s.Chunk.Max)
 	case s.Chunk.TargetDuration <= 0:
 		return fmt.Errorf("spec %s: chunk.target_duration %s must be > 0", s.Job, time.Duration(s.Chunk.TargetDuration))
+	case s.Chunk.Pipeline < 1 || s.Chunk.Pipeline > 4:
+		return fmt.Errorf("spec %s: chunk.pipeline %d: want 1..4", s.Job, s.Chunk.Pipeline)
 	case s.Chunk.Concurrency < 1 || s.Chunk.Concurrency > 256:
 		return fmt.Errorf("spec %s: chunk.concurrency %d: want 1..256", s.Job, s.Chunk.Concurrency)
 	}

@@ -100,7 +100,9 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	soft, hard, stop := shutdown.Contexts(ctx, c.Grace, logger)
 	defer stop()
-	pool, err := pgconn.Open(hard, c.DatabaseURL, 2*c.Workers+2)
+	// Each worker holds a connection per chunk in flight (chunk.pipeline,
+	// at most 2 by default) plus the heartbeats and lease checks.
+	pool, err := pgconn.Open(hard, c.DatabaseURL, 3*c.Workers+2)
 	if err != nil {
 		return err
 	}
