@@ -35,8 +35,10 @@ type Result struct {
 // Processor turns a chunk of source rows into documents: the Go path for
 // normalization that SQL cannot express. It returns one Result per row, in
 // order. An error fails the whole chunk (retried if [IsRetryable]).
-// Process may be called from several goroutines at once when
-// chunk.concurrency > 1; each call gets rows of distinct ids.
+// Process may be called from several goroutines at once: when
+// chunk.concurrency > 1 (each call gets rows of distinct ids) and when
+// chunk.pipeline > 1 (the next chunk is processed while the previous one
+// is written; its rows come later in cursor order).
 type Processor interface {
 	Process(ctx context.Context, rows []SourceRow) ([]Result, error)
 }
