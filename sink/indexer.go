@@ -172,36 +172,65 @@ func (ix *Indexer) Run(ctx context.Context) error {
 }
 
 // runLane batches the documents of its partitions by count, bytes and
-// time, resolves each batch completely, then commits its offsets.
+// time, and hands each batch to the lane's flusher, which resolves it
+// completely and then commits its offsets, one batch after the other. The
+// lane collects the next batch while the previous one is in the engine, so
+// the fetch loop (shared by all lanes) is not held up by a bulk request; a
+// lane still has at most one bulk request in flight, and its batches are
+// resolved and committed in offset order.
 func (ix *Indexer) runLane(ctx context.Context, reader *kafka.Reader, lane int, in <-chan *doc) error {
+	work := make(chan []*doc, 1)
+	failed := make(chan struct{})
+	flusherDone := make(chan struct{})
+	var flushErr error // written by the flusher before it closes failed
+	go func() {
+		defer close(flusherDone)
+		for b := range work {
+			if flushErr != nil {
+				continue // after a failure nothing more is committed
+			}
+			if err := ix.flush(ctx, reader, lane, b); err != nil {
+				flushErr = err
+				close(failed)
+			}
+		}
+	}()
+	// finish stops the flusher after the batch it is on; a batch still
+	// being collected is abandoned, uncommitted, and replayed by whoever
+	// owns the partition next.
+	finish := func() error {
+		close(work)
+		<-flusherDone
+		if ctx.Err() != nil {
+			return nil
+		}
+		return flushErr
+	}
+
 	batch := make([]*doc, 0, ix.cfg.BatchSize)
 	size := 0
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
-	flush := func() error {
+	handOff := func() bool {
 		if len(batch) == 0 {
-			return nil
+			return true
 		}
-		res, err := ix.resolve(ctx, batch)
-		if err != nil {
-			return err
+		select {
+		case work <- batch:
+		case <-failed:
+			return false
+		case <-ctx.Done():
+			return false
 		}
-		res.Lane = lane
-		failpoint.Hit(FailpointAfterBulk)
-		if err := ix.commit(ctx, reader, batch); err != nil {
-			return err
-		}
-		failpoint.Hit(FailpointAfterCommit)
-		if ix.onBatch != nil {
-			ix.onBatch(res)
-		}
-		batch, size = batch[:0], 0
-		return nil
+		batch, size = make([]*doc, 0, ix.cfg.BatchSize), 0
+		return true
 	}
 	for {
 		select {
 		case <-ctx.Done():
-			return nil
+			return finish()
+		case <-failed:
+			return finish()
 		case d := <-in:
 			if len(batch) == 0 {
 				timer.Reset(ix.cfg.FlushInterval)
@@ -210,16 +239,34 @@ func (ix *Indexer) runLane(ctx context.Context, reader *kafka.Reader, lane int, 
 			size += len(d.body) + len(d.id) + 80
 			if len(batch) >= ix.cfg.BatchSize || size >= ix.cfg.BatchBytes {
 				timer.Stop()
-				if err := flush(); err != nil {
-					return err
+				if !handOff() {
+					return finish()
 				}
 			}
 		case <-timer.C:
-			if err := flush(); err != nil {
-				return err
+			if !handOff() {
+				return finish()
 			}
 		}
 	}
+}
+
+// flush resolves every document of a batch, then commits its offsets.
+func (ix *Indexer) flush(ctx context.Context, reader *kafka.Reader, lane int, batch []*doc) error {
+	res, err := ix.resolve(ctx, batch)
+	if err != nil {
+		return err
+	}
+	res.Lane = lane
+	failpoint.Hit(FailpointAfterBulk)
+	if err := ix.commit(ctx, reader, batch); err != nil {
+		return err
+	}
+	failpoint.Hit(FailpointAfterCommit)
+	if ix.onBatch != nil {
+		ix.onBatch(res)
+	}
+	return nil
 }
 
 // commit commits the batch's offsets. The batch is fully resolved, so the
