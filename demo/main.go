@@ -396,7 +396,7 @@ func (d *run) count(ctx context.Context) int64 {
 
 func (d *run) sampleSearch(ctx context.Context) error {
 	fmt.Printf("\n  sample search through the read alias %s: title:kafka\n", d.alias)
-	res, err := d.es.Search(d.alias).Query(elastic.NewMatchQuery("title", "kafka")).Size(3).Version(true).Do(ctx)
+	res, err := d.es.Search(d.alias).Query(elastic.NewMatchQuery("title", "kafka")).Size(3).Version(true).TrackTotalHits(true).Do(ctx)
 	if err != nil {
 		return fmt.Errorf("sample search: %w", err)
 	}
