@@ -209,7 +209,8 @@ new_state() {
 	rm -rf "$STATE"
 	mkdir -p "$STATE/data"
 	local ports cid
-	ports=$("$STACKWAIT" freeport 2) || die "cannot pick free ports"
+	# Below the ephemeral range, so a restart finds its port free (see freeport.py).
+	ports=$(python3 "$SCRIPT_DIR/freeport.py" 2) || die "cannot pick free ports"
 	# A Kafka cluster id is 16 random bytes, base64url without padding (22 chars).
 	cid=$(head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
 	{

@@ -196,15 +196,8 @@ lock_state() {
 }
 
 pick_ports() {
-  python3 - <<'EOF'
-import socket
-socks = []
-for _ in range(2):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
+  # Below the ephemeral range, so a restart finds its port free (see freeport.py).
+  python3 "$SCRIPT_DIR/freeport.py" 2 | paste -sd ' ' -
 }
 
 # -------------------------------------------------------------------------------- start

@@ -47,8 +47,9 @@ as_owner() {
   fi
 }
 
+# Below the ephemeral range, so a restart finds its port free (see freeport.py).
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+  python3 "$REPO/scripts/stack/freeport.py" 1
 }
 
 url() { echo "DATABASE_URL=postgres://postgres@127.0.0.1:$(cat "$STATE/port")/postgres?sslmode=disable"; }
