@@ -4,7 +4,6 @@
 // Usage:
 //
 //	stackwait kafka <host:port> [timeout]   wait until a Kafka broker answers
-//	stackwait freeport [n]                  print n free 127.0.0.1 TCP ports
 //
 // timeout is a Go duration ("90s") or a number of seconds ("90"); default 60s.
 // Exit status 0 means ready; 1 means not ready before the timeout (the last
@@ -20,10 +19,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/segmentio/kafka-go"
@@ -36,8 +33,7 @@ var debug = os.Getenv("STACKWAIT_DEBUG") != ""
 
 func usage() {
 	fmt.Fprintln(os.Stderr, `usage:
-  stackwait kafka <host:port> [timeout]
-  stackwait freeport [n]`)
+  stackwait kafka <host:port> [timeout]`)
 	os.Exit(2)
 }
 
@@ -58,17 +54,6 @@ func main() {
 		err = waitLoop("kafka", timeout, func(ctx context.Context) error {
 			return probeKafka(ctx, os.Args[2])
 		})
-	case "freeport":
-		n := 1
-		if len(os.Args) == 3 {
-			var perr error
-			if n, perr = strconv.Atoi(os.Args[2]); perr != nil || n < 1 {
-				usage()
-			}
-		} else if len(os.Args) > 3 {
-			usage()
-		}
-		err = freePorts(n)
 	default:
 		usage()
 	}
@@ -200,26 +185,4 @@ func randHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
-}
-
-// freePorts prints n distinct free loopback ports, one per line. All
-// listeners are held open until every port is chosen so they are distinct.
-func freePorts(n int) error {
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	ports := make([]string, 0, n)
-	for i := 0; i < n; i++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return err
-		}
-		ls = append(ls, l)
-		ports = append(ports, strconv.Itoa(l.Addr().(*net.TCPAddr).Port))
-	}
-	fmt.Println(strings.Join(ports, "\n"))
-	return nil
 }
