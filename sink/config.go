@@ -61,8 +61,9 @@ type Config struct {
 	BatchBytes int
 	// FlushInterval bounds how long a partial batch waits. Default 200ms.
 	FlushInterval time.Duration
-	// Lanes is the number of bulk pipelines; partition p always goes to lane
-	// p mod Lanes, so per-partition order holds. Default 2.
+	// Lanes is the number of bulk requests in flight at once. A partition is
+	// in at most one of them at a time, so per-partition order holds.
+	// Default 2.
 	Lanes int
 	// MaxRate caps documents per second over the whole process (all lanes).
 	// 0 (default) means no cap; the indexer still slows down on its own when

@@ -60,6 +60,7 @@ func runSuite(t *testing.T, e engineUnderTest) {
 	}{
 		{name: "ReplayTwiceIdentical", run: testReplayTwiceIdentical},
 		{name: "OutOfOrderVersions", run: testOutOfOrderVersions},
+		{name: "PartitionOrderAcrossLanes", run: testPartitionOrderAcrossLanes},
 		{name: "DeleteSurvivesGCDeletes", run: testDeleteSurvivesGCDeletes},
 		{name: "MappingErrorDeadLettered", run: testMappingErrorDeadLettered},
 		{name: "PoisonDeadLettered", run: testPoisonDeadLettered},
@@ -133,6 +134,32 @@ func testOutOfOrderVersions(t *testing.T, f *fixture, _ *faultInjector) {
 	require.Equal(t, int64(5), d.Version)
 	require.JSONEq(t, docN(5), string(d.Source))
 	require.Equal(t, 2.0, counterValue(t, ix.m.docs.WithLabelValues("conflict")))
+}
+
+// Every key gets versions 1 to 6 in order, in small batches over more
+// lanes than partitions: a partition's batches must still reach the engine
+// one after the other, so no version ever arrives after a newer one (which
+// would be a version conflict).
+func testPartitionOrderAcrossLanes(t *testing.T, f *fixture, _ *faultInjector) {
+	cfg := f.cfg
+	cfg.BatchSize = 3
+	cfg.Lanes = 4
+	var recs []rec
+	for v := int64(1); v <= 6; v++ {
+		for k := range 20 {
+			recs = append(recs, upsert(fmt.Sprintf("k-%02d", k), v, docN(k*10+int(v))))
+		}
+	}
+	f.produce(recs...)
+	ix := f.start(cfg)
+	f.waitCaughtUp(cfg.Group, time.Minute)
+	require.Zero(t, counterValue(t, ix.m.docs.WithLabelValues("conflict")), "a version arrived after a newer one")
+	require.Equal(t, 120.0, counterValue(t, ix.m.docs.WithLabelValues("indexed")))
+	got := f.search(cfg.Alias)
+	require.Len(t, got, 20)
+	for k := range 20 {
+		require.Equal(t, "v6 "+docN(k*10+6), got[fmt.Sprintf("k-%02d", k)])
+	}
 }
 
 // A delete at version 7 stays effective against a replayed upsert at

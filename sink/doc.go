@@ -14,19 +14,26 @@
 // # Consuming and committing
 //
 // One kafka-go group [github.com/segmentio/kafka-go.Reader] fetches (never
-// ReadMessage: no auto-commit). Messages are routed to Config.Lanes lanes by
-// partition (partition p goes to lane p mod Lanes), so a partition is only
-// ever in one lane and its messages are applied in offset order, while
-// different partitions are indexed in parallel. A lane collects a batch
-// bounded by count, bytes and time, resolves every item of it, and only
-// then commits the batch's offsets (synchronously). A committed offset
+// ReadMessage: no auto-commit) into a backlog kept per partition, and
+// Config.Lanes lanes take batches from it, bounded by count, bytes and
+// time, so at most Lanes bulk requests are in flight. A partition is in at
+// most one batch at a time: its next batch is taken only once the previous
+// one is resolved, so its messages are applied in offset order, while a
+// free lane serves any other partition (the longest-waiting first). A lane
+// resolves every item of its batch and hands it to the committer, which
+// commits the offsets of resolved batches in the order they were resolved
+// while the lane's next bulk is already in the engine. A committed offset
 // therefore always means "everything before it is indexed or
 // dead-lettered"; that stays true across rebalances, so a commit that
 // reaches the group after its partition moved elsewhere is harmless too.
-// We chose lanes over a goroutine per assigned partition
-// (kafka.ConsumerGroup) because it bounds the number of concurrent bulk
-// requests independently of the partition count and keeps kafka-go's
-// rebalance handling; the cost is that one slow partition holds its lane.
+// Lanes bound the number of concurrent bulk requests independently of the
+// partition count and keep kafka-go's rebalance handling (rather than a
+// goroutine per assigned partition with kafka.ConsumerGroup). They are not
+// tied to partitions: when partition p always went to lane p mod Lanes, a
+// bulk the engine held up stopped its lane's partitions, the one fetch loop
+// stopped behind them and the other lanes ran dry, which left the engine
+// idle for a good part of the time (issue 6). The backlog holds up to
+// Lanes × 4 batches; beyond that the fetch loop waits.
 //
 // # Resolving a batch
 //

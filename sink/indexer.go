@@ -141,12 +141,9 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	defer reader.Close()
 	defer ix.dlq.Close()
 
+	bl := newBacklog(ix.cfg)
+	resolved := make(chan resolvedBatch, ix.cfg.Lanes)
 	g, gctx := errgroup.WithContext(ctx)
-	lanes := make([]chan *doc, ix.cfg.Lanes)
-	for i := range lanes {
-		lanes[i] = make(chan *doc, ix.cfg.BatchSize)
-		g.Go(func() error { return ix.runLane(gctx, reader, i, lanes[i]) })
-	}
 	g.Go(func() error {
 		for {
 			m, err := reader.FetchMessage(gctx)
@@ -156,141 +153,114 @@ func (ix *Indexer) Run(ctx context.Context) error {
 				}
 				return fmt.Errorf("fetch from %s: %w", ix.cfg.Topic, err)
 			}
-			d := parse(m, ix.cfg.MaxDocumentBytes)
-			select {
-			case lanes[m.Partition%len(lanes)] <- d:
-			case <-gctx.Done():
+			if bl.put(gctx, parse(m, ix.cfg.MaxDocumentBytes)) != nil {
 				return nil
 			}
 		}
 	})
+	for lane := range ix.cfg.Lanes {
+		g.Go(func() error { return ix.runLane(gctx, bl, lane, resolved) })
+	}
+	// The committer outlives the lanes: whatever they resolved before
+	// stopping is still committed.
+	committerDone := make(chan struct{})
+	go func() {
+		defer close(committerDone)
+		ix.runCommitter(gctx, reader, resolved)
+	}()
 	err = g.Wait()
+	close(resolved)
+	<-committerDone
 	if err == nil && ctx.Err() != nil {
 		ix.log.Info("indexer stopped")
 	}
 	return err
 }
 
-// runLane batches the documents of its partitions by count, bytes and
-// time, and hands each batch to the lane's flusher, which resolves it
-// completely and then commits its offsets, one batch after the other. The
-// lane collects the next batch while the previous one is in the engine, so
-// the fetch loop (shared by all lanes) is not held up by a bulk request; a
-// lane still has at most one bulk request in flight, and its batches are
-// resolved and committed in offset order.
-func (ix *Indexer) runLane(ctx context.Context, reader *kafka.Reader, lane int, in <-chan *doc) error {
-	work := make(chan []*doc, 1)
-	failed := make(chan struct{})
-	flusherDone := make(chan struct{})
-	var flushErr error // written by the flusher before it closes failed
-	go func() {
-		defer close(flusherDone)
-		for b := range work {
-			if flushErr != nil {
-				continue // after a failure nothing more is committed
-			}
-			if err := ix.flush(ctx, reader, lane, b); err != nil {
-				flushErr = err
-				close(failed)
-			}
-		}
-	}()
-	// finish stops the flusher after the batch it is on; a batch still
-	// being collected is abandoned, uncommitted, and replayed by whoever
-	// owns the partition next.
-	finish := func() error {
-		close(work)
-		<-flusherDone
-		if ctx.Err() != nil {
-			return nil
-		}
-		return flushErr
-	}
+// resolvedBatch is a batch whose every document is final, on its way to the
+// committer.
+type resolvedBatch struct {
+	docs []*doc
+	res  Batch
+}
 
-	batch := make([]*doc, 0, ix.cfg.BatchSize)
-	size := 0
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
-	handOff := func() bool {
-		if len(batch) == 0 {
-			return true
-		}
-		select {
-		case work <- batch:
-		case <-failed:
-			return false
-		case <-ctx.Done():
-			return false
-		}
-		batch, size = make([]*doc, 0, ix.cfg.BatchSize), 0
-		return true
-	}
+// runLane takes batches from the backlog and resolves them, one at a time.
+// A resolved batch goes to the committer before its partitions are
+// released, so a partition's next batch is always resolved, and committed,
+// after its previous one. The lane does not wait for the commit: its next
+// bulk overlaps it.
+func (ix *Indexer) runLane(ctx context.Context, bl *backlog, lane int, resolved chan<- resolvedBatch) error {
 	for {
-		select {
-		case <-ctx.Done():
-			return finish()
-		case <-failed:
-			return finish()
-		case d := <-in:
-			if len(batch) == 0 {
-				timer.Reset(ix.cfg.FlushInterval)
+		bt, err := bl.take(ctx)
+		if err != nil {
+			return nil // ctx ended
+		}
+		res, err := ix.resolve(ctx, bt.docs)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil // abandoned uncommitted: replayed by whoever owns the partitions next
 			}
-			batch = append(batch, d)
-			size += len(d.body) + len(d.id) + 80
-			if len(batch) >= ix.cfg.BatchSize || size >= ix.cfg.BatchBytes {
-				timer.Stop()
-				if !handOff() {
-					return finish()
+			return err
+		}
+		res.Lane = lane
+		failpoint.Hit(FailpointAfterBulk)
+		resolved <- resolvedBatch{docs: bt.docs, res: res}
+		bl.release(bt)
+	}
+}
+
+// runCommitter commits resolved batches in the order the lanes resolved
+// them, until resolved is closed. Batches that queued up while a commit
+// was in flight go into one commit.
+func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, resolved <-chan resolvedBatch) {
+	var pending []resolvedBatch
+	for rb := range resolved {
+		pending = append(pending[:0], rb)
+	more:
+		for {
+			select {
+			case rb, ok := <-resolved:
+				if !ok {
+					break more
 				}
+				pending = append(pending, rb)
+			default:
+				break more
 			}
-		case <-timer.C:
-			if !handOff() {
-				return finish()
+		}
+		ix.commit(ctx, reader, pending)
+		failpoint.Hit(FailpointAfterCommit)
+		if ix.onBatch != nil {
+			for _, rb := range pending {
+				ix.onBatch(rb.res)
 			}
 		}
 	}
 }
 
-// flush resolves every document of a batch, then commits its offsets.
-func (ix *Indexer) flush(ctx context.Context, reader *kafka.Reader, lane int, batch []*doc) error {
-	res, err := ix.resolve(ctx, batch)
-	if err != nil {
-		return err
-	}
-	res.Lane = lane
-	failpoint.Hit(FailpointAfterBulk)
-	if err := ix.commit(ctx, reader, batch); err != nil {
-		return err
-	}
-	failpoint.Hit(FailpointAfterCommit)
-	if ix.onBatch != nil {
-		ix.onBatch(res)
-	}
-	return nil
-}
-
-// commit commits the batch's offsets. The batch is fully resolved, so the
-// commit goes through even when ctx has just ended: that is the point where
-// the work is known to be done. A failed commit is not fatal: the messages
-// are replayed and the replay is harmless.
-func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, batch []*doc) error {
-	msgs := make([]kafka.Message, len(batch))
+// commit commits the offsets of resolved batches. They are fully
+// resolved, so the commit goes through even when ctx has just ended: that
+// is the point where the work is known to be done. A failed commit is not
+// fatal: the messages are replayed and the replay is harmless.
+func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, batches []resolvedBatch) {
+	var msgs []kafka.Message
 	lag := map[int]int64{}
-	for i, d := range batch {
-		msgs[i] = d.msg
-		lag[d.msg.Partition] = d.msg.HighWaterMark - d.msg.Offset - 1
+	for _, rb := range batches {
+		for _, d := range rb.docs {
+			msgs = append(msgs, d.msg)
+			lag[d.msg.Partition] = d.msg.HighWaterMark - d.msg.Offset - 1
+		}
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ix.cfg.SessionTimeout)
 	defer cancel()
 	if err := reader.CommitMessages(cctx, msgs...); err != nil {
 		ix.m.commitErrs.Inc()
-		ix.log.Warn("offset commit failed; the batch will be replayed", slog.Int("docs", len(batch)), slog.String("error", err.Error()))
-		return nil
+		ix.log.Warn("offset commit failed; the batch will be replayed", slog.Int("docs", len(msgs)), slog.String("error", err.Error()))
+		return
 	}
 	for p, l := range lag {
 		ix.m.setLag(p, max(l, 0))
 	}
-	return nil
 }
 
 func (ix *Indexer) newBackOff(ctx context.Context) backoff.BackOff {

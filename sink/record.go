@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/segmentio/kafka-go"
 
@@ -44,7 +45,12 @@ type doc struct {
 	id      string
 	version int64
 	op      op
-	body    []byte // document or tombstone
+	body    []byte // document or tombstone, without the reconcile fields
+	// bucket and idv are the reconcile fields, computed by the fetch loop,
+	// which runs ahead of the lanes, rather than while a lane builds its bulk.
+	bucket  int
+	idv     int64
+	fetched time.Time // when it entered the backlog
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.
 	poison *itemError
@@ -58,12 +64,18 @@ type itemError struct {
 }
 
 func header(m kafka.Message, key string) (string, bool) {
+	v, ok := headerBytes(m, key)
+	return string(v), ok
+}
+
+// headerBytes is header without the copy: every message is looked at.
+func headerBytes(m kafka.Message, key string) ([]byte, bool) {
 	// The last value wins, as in most Kafka clients' lastHeader.
-	var v string
+	var v []byte
 	var ok bool
 	for _, h := range m.Headers {
 		if h.Key == key {
-			v, ok = string(h.Value), true
+			v, ok = h.Value, true
 		}
 	}
 	return v, ok
@@ -80,17 +92,17 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 	if d.id == "" {
 		return poison(CodeMissingKey, "message has no key (the aggregate id)")
 	}
-	v, ok := header(m, outbox.HeaderAggregateVersion)
+	v, ok := headerBytes(m, outbox.HeaderAggregateVersion)
 	if !ok {
 		return poison(CodeBadVersion, "header %s is missing", outbox.HeaderAggregateVersion)
 	}
-	ver, err := strconv.ParseInt(v, 10, 64)
+	ver, err := strconv.ParseInt(string(v), 10, 64)
 	if err != nil || ver < 0 {
 		return poison(CodeBadVersion, "header %s=%q is not a non-negative decimal", outbox.HeaderAggregateVersion, v)
 	}
 	d.version = ver
-	typ, _ := header(m, outbox.HeaderType)
-	switch typ {
+	typ, _ := headerBytes(m, outbox.HeaderType)
+	switch string(typ) {
 	case outbox.TypePrefix + "upsert":
 		d.op = opUpsert
 		if m.Value == nil {
@@ -100,10 +112,10 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 			return poison(CodeDocumentTooLarge, "document of %d bytes exceeds the limit of %d", len(m.Value), maxDocBytes)
 		}
 		trimmed := bytes.TrimSpace(m.Value)
-		if len(trimmed) == 0 || trimmed[0] != '{' || !json.Valid(trimmed) {
+		if len(trimmed) == 0 || trimmed[0] != '{' || !validJSON(trimmed) {
 			return poison(CodeInvalidJSON, "document is not a JSON object")
 		}
-		if bytes.ContainsAny(trimmed, "\r\n") {
+		if bytes.IndexByte(trimmed, '\n') >= 0 || bytes.IndexByte(trimmed, '\r') >= 0 {
 			// A bulk body is newline-delimited: a pretty-printed document
 			// would split into several lines.
 			var buf bytes.Buffer
@@ -112,29 +124,39 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 			}
 			trimmed = buf.Bytes()
 		}
-		d.body = withReconcileFields(trimmed, d.id, d.version, false)
+		d.body = trimmed
 	case outbox.TypePrefix + "delete":
 		d.op = opDelete
-		d.body = withReconcileFields(tombstoneDoc, d.id, d.version, true)
+		d.body = tombstoneDoc
 	default:
 		return poison(CodeUnknownType, "header %s=%q: want %supsert or %sdelete", outbox.HeaderType, typ, outbox.TypePrefix, outbox.TypePrefix)
 	}
+	d.bucket = reconcile.Bucket(d.id)
+	d.idv = reconcile.IDV(d.id, d.version, d.op == opDelete)
 	return d
 }
 
-// withReconcileFields appends the fields package reconcile aggregates on
-// (the id's bucket and a hash of id, version and deleted-ness) to a JSON
-// object, so reconciliation compares summaries instead of scanning
-// documents. _bucket and _idv are reserved names in indexed documents.
-func withReconcileFields(obj []byte, id string, version int64, deleted bool) []byte {
-	out := make([]byte, 0, len(obj)+48)
-	out = append(out, obj[:len(obj)-1]...) // without the closing brace
-	if len(bytes.TrimSpace(out[1:])) > 0 {
-		out = append(out, ',')
+// appendDocument appends the document as indexed: the body plus the fields
+// package reconcile aggregates on (the id's bucket and a hash of id,
+// version and deleted-ness), so reconciliation compares summaries instead
+// of scanning documents. _bucket and _idv are reserved names in indexed
+// documents. They are added while the bulk body is written, which saves
+// copying every document once more.
+func appendDocument(dst []byte, d *doc) []byte {
+	return appendReconcileFields(dst, d.body, d.bucket, d.idv)
+}
+
+// appendReconcileFields appends obj, a JSON object, with the reconcile
+// fields added.
+func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
+	start := len(dst)
+	dst = append(dst, obj[:len(obj)-1]...) // without the closing brace
+	if len(bytes.TrimSpace(dst[start+1:])) > 0 {
+		dst = append(dst, ',')
 	}
-	out = append(out, `"`+reconcile.FieldBucket+`":`...)
-	out = strconv.AppendInt(out, int64(reconcile.Bucket(id)), 10)
-	out = append(out, `,"`+reconcile.FieldIDV+`":`...)
-	out = strconv.AppendInt(out, reconcile.IDV(id, version, deleted), 10)
-	return append(out, '}')
+	dst = append(dst, `"`+reconcile.FieldBucket+`":`...)
+	dst = strconv.AppendInt(dst, int64(bucket), 10)
+	dst = append(dst, `,"`+reconcile.FieldIDV+`":`...)
+	dst = strconv.AppendInt(dst, idv, 10)
+	return append(dst, '}')
 }

@@ -52,22 +52,28 @@ func TestParse(t *testing.T) {
 			}
 			require.Nil(t, d.poison)
 			require.Equal(t, tt.wantOp, d.op)
-			require.Equal(t, string(withReconcileFields([]byte(tt.wantBody), "a", tt.wantVer, tt.wantOp == opDelete)), string(d.body))
+			require.Equal(t, tt.wantBody, string(d.body))
+			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), reconcile.Bucket("a"), reconcile.IDV("a", tt.wantVer, tt.wantOp == opDelete))), string(appendDocument(nil, d)))
 			require.Equal(t, tt.wantVer, d.version)
 		})
 	}
 }
 
-func TestWithReconcileFields(t *testing.T) {
+func TestAppendReconcileFields(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ name, in, want string }{
 		{"empty object", `{}`, `{"_bucket":%d,"_idv":%d}`},
 		{"object", `{"x":1}`, `{"x":1,"_bucket":%d,"_idv":%d}`},
 		{"spaces inside", `{ }`, `{ "_bucket":%d,"_idv":%d}`},
 	} {
-		got := withReconcileFields([]byte(tc.in), "42", 3, false)
-		require.Equal(t, fmt.Sprintf(tc.want, reconcile.Bucket("42"), reconcile.IDV("42", 3, false)), string(got), tc.name)
+		want := fmt.Sprintf(tc.want, reconcile.Bucket("42"), reconcile.IDV("42", 3, false))
+		bucket, idv := reconcile.Bucket("42"), reconcile.IDV("42", 3, false)
+		got := appendReconcileFields(nil, []byte(tc.in), bucket, idv)
+		require.Equal(t, want, string(got), tc.name)
 		require.True(t, json.Valid(got), tc.name)
+		// Appended after other bytes (the bulk body so far).
+		got = appendReconcileFields([]byte("{\"index\":{}}\n"), []byte(tc.in), bucket, idv)
+		require.Equal(t, "{\"index\":{}}\n"+want, string(got), tc.name)
 	}
 }
 

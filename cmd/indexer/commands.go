@@ -43,7 +43,7 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Int(&s.cfg.BatchSize, "batch-size", "BATCH_SIZE", sink.DefaultBatchSize, "documents per bulk request at most")
 	fs.Int(&s.cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", sink.DefaultBatchBytes, "document bytes per bulk request at most")
 	fs.Duration(&s.cfg.FlushInterval, "flush-interval", "FLUSH_INTERVAL", sink.DefaultFlushInterval, "how long a partial batch waits for more messages")
-	fs.Int(&s.cfg.Lanes, "lanes", "LANES", sink.DefaultLanes, "concurrent bulk pipelines (partition p goes to lane p mod lanes)")
+	fs.Int(&s.cfg.Lanes, "lanes", "LANES", sink.DefaultLanes, "concurrent bulk requests (a partition is in one at a time)")
 	fs.Float(&s.cfg.MaxRate, "max-rate", "MAX_RATE", 0, "documents per second for the whole process (0 = no cap; 429s slow down anyway)")
 	fs.Duration(&s.cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", sink.DefaultRetryMaxElapsed, "give up (exit 1, nothing committed) when a batch is refused this long")
 	fs.Duration(&s.cfg.SessionTimeout, "session-timeout", "SESSION_TIMEOUT", sink.DefaultSessionTimeout, "consumer group session timeout (a dead member's partitions move after it)")

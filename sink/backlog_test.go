@@ -1,0 +1,185 @@
+package sink
+
+import (
+	"context"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
+)
+
+// fakeClock is the backlog's clock in tests that call takeLocked
+// directly: it only moves when the test says so.
+type fakeClock struct{ t time.Time }
+
+func (c *fakeClock) now() time.Time { return c.t }
+
+func (c *fakeClock) advance(d time.Duration) time.Time {
+	c.t = c.t.Add(d)
+	return c.t
+}
+
+func newTestBacklog(lanes, batchSize int, flush time.Duration) (*backlog, *fakeClock) {
+	c := &fakeClock{t: time.Unix(1_800_000_000, 0)}
+	b := newBacklog(Config{Lanes: lanes, BatchSize: batchSize, BatchBytes: 1 << 20, FlushInterval: flush})
+	b.now = c.now
+	return b, c
+}
+
+func msgDoc(partition int, offset int64) *doc {
+	return &doc{msg: kafka.Message{Partition: partition, Offset: offset}, id: "id", body: []byte(`{"n":1}`)}
+}
+
+// offsets lists a batch as partition → offsets, in batch order.
+func offsets(bt *batch) map[int][]int64 {
+	out := map[int][]int64{}
+	for _, d := range bt.docs {
+		out[d.msg.Partition] = append(out[d.msg.Partition], d.msg.Offset)
+	}
+	return out
+}
+
+func TestBacklogTakesTheOldestFreePartitionsFirst(t *testing.T) {
+	t.Parallel()
+	b, clock := newTestBacklog(2, 3, time.Second)
+	ctx := context.Background()
+	for o := range int64(4) {
+		require.NoError(t, b.put(ctx, msgDoc(0, o)))
+	}
+	for p := 1; p <= 2; p++ {
+		clock.advance(time.Millisecond)
+		for o := range int64(2) {
+			require.NoError(t, b.put(ctx, msgDoc(p, o)))
+		}
+	}
+
+	first, wait := b.takeLocked(clock.now())
+	require.Zero(t, wait)
+	require.Equal(t, map[int][]int64{0: {0, 1, 2}}, offsets(first))
+	// Partition 0 still holds the oldest message, but it is busy: the next
+	// batch takes partition 1, then fills up from partition 2.
+	second, _ := b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{1: {0, 1}, 2: {0}}, offsets(second))
+	// Every partition is busy now; the rest of 2 is not free either.
+	none, wait := b.takeLocked(clock.advance(time.Hour))
+	require.Nil(t, none)
+	require.Zero(t, wait)
+
+	b.release(first)
+	third, _ := b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{0: {3}}, offsets(third), "a partial batch once it has waited")
+	b.release(second)
+	fourth, _ := b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{2: {1}}, offsets(fourth))
+	docs, bytes := b.stats()
+	require.Zero(t, docs)
+	require.Zero(t, bytes)
+}
+
+func TestBacklogFlushInterval(t *testing.T) {
+	t.Parallel()
+	b, clock := newTestBacklog(1, 100, 200*time.Millisecond)
+	require.NoError(t, b.put(context.Background(), msgDoc(0, 0)))
+	bt, wait := b.takeLocked(clock.advance(150 * time.Millisecond))
+	require.Nil(t, bt, "a partial batch waits for the flush interval")
+	require.Equal(t, 50*time.Millisecond, wait)
+	bt, _ = b.takeLocked(clock.advance(wait))
+	require.Equal(t, map[int][]int64{0: {0}}, offsets(bt))
+}
+
+func TestBacklogBatchBytes(t *testing.T) {
+	t.Parallel()
+	b, clock := newTestBacklog(1, 100, time.Hour)
+	b.batchBytes = 2*docSize(msgDoc(0, 0)) + 1
+	for o := range int64(5) {
+		require.NoError(t, b.put(context.Background(), msgDoc(0, o)))
+	}
+	bt, _ := b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{0: {0, 1, 2}}, offsets(bt), "the document that crosses BatchBytes is the last one")
+}
+
+// The fetch loop waits while the backlog holds Lanes × backlogBatches
+// batches, and goes on once a lane took one.
+func TestBacklogBound(t *testing.T) {
+	t.Parallel()
+	b, _ := newTestBacklog(1, 2, time.Hour)
+	ctx := context.Background()
+	for o := range int64(backlogBatches * 2) {
+		require.NoError(t, b.put(ctx, msgDoc(0, o)))
+	}
+	full, cancel := context.WithCancel(ctx)
+	cancel()
+	require.ErrorIs(t, b.put(full, msgDoc(0, 99)), context.Canceled, "put must wait on a full backlog")
+	bt, err := b.take(ctx)
+	require.NoError(t, err)
+	require.Len(t, bt.docs, 2)
+	require.NoError(t, b.put(full, msgDoc(0, 8)), "room for a batch again")
+}
+
+// Lanes taking and releasing concurrently while messages arrive: no
+// partition is ever in two batches at once, and every partition's
+// messages come out once each, in offset order.
+func TestBacklogConcurrentLanesKeepPartitionOrder(t *testing.T) {
+	t.Parallel()
+	const lanes, partitions, perPartition = 4, 7, 400
+	b := newBacklog(Config{Lanes: lanes, BatchSize: 9, BatchBytes: 1 << 20, FlushInterval: time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+
+	var mu sync.Mutex
+	held := map[int]bool{}
+	next := map[int]int64{}
+	seen := 0
+	var problems []string
+	var wg sync.WaitGroup
+	for range lanes {
+		wg.Go(func() {
+			for {
+				bt, err := b.take(ctx)
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				for p, offs := range offsets(bt) {
+					if held[p] {
+						problems = append(problems, "partition in two batches at once")
+					}
+					held[p] = true
+					for _, o := range offs {
+						if o != next[p] {
+							problems = append(problems, "offset out of order")
+						}
+						next[p] = o + 1
+						seen++
+					}
+				}
+				done := seen == partitions*perPartition
+				mu.Unlock()
+				runtime.Gosched() // as if indexing: let the other lanes run
+				mu.Lock()
+				for p := range offsets(bt) {
+					held[p] = false
+				}
+				mu.Unlock()
+				b.release(bt)
+				if done {
+					cancel()
+				}
+			}
+		})
+	}
+	for o := range int64(perPartition) {
+		for p := range partitions {
+			require.NoError(t, b.put(ctx, msgDoc(p, o)))
+		}
+	}
+	wg.Wait()
+	require.Empty(t, problems)
+	require.Equal(t, partitions*perPartition, seen)
+	for p := range partitions {
+		require.Equal(t, int64(perPartition), next[p])
+	}
+}
