@@ -27,7 +27,15 @@
 // # Shards and leases
 //
 // Every event has a shard, outboxrelay_shard(aggregate_id) in 0..63, so all
-// events of one aggregate are in one shard. A publisher heartbeats into
+// events of one aggregate are in one shard. Each shard is a table of its
+// own: outbox_events is hash-partitioned by aggregate_id into 64 partitions
+// (outbox_events_s00 .. outbox_events_s63, migration 005), and
+// outboxrelay_shard is exactly PostgreSQL's choice of partition, which every
+// partition's CHECK (shard = N) verifies on insert. Writers insert into
+// outbox_events; a shard worker reads and deletes its own partition by name
+// ([ShardTable]), so a batch touches a few hundred consecutive pages of its
+// shard instead of one page per event scattered among all shards' events,
+// which halves the database time per event. A publisher heartbeats into
 // outbox_publishers and holds leases in outbox_shard_leases (owner, epoch,
 // expiry). Every LeaseTTL/3 it renews its leases and, with L live
 // publishers, aims at ceil(64/L) shards: it claims free or expired ones
@@ -47,7 +55,11 @@
 // Each leased shard has one worker: read up to BatchSize unpublished events
 // in id order (and at most BatchBytes), send them in one WriteMessages call
 // with RequiredAcks=all, then delete them in one short statement fenced by
-// the lease (owner and epoch). The delete and the read of the next batch go
+// the lease (owner and epoch). The worker learns how many rows fit in
+// BatchBytes and reads that many, so rows are not read twice. The delete
+// names the batch as an id range plus the snapshot taken just before its
+// read (see "Commit order"), one index range instead of a lookup per id.
+// The delete and the read of the next batch go
 // out as one pipelined round trip (one implicit transaction, committed
 // before the next batch is sent), so a busy shard costs one query per
 // batch. That transaction commits with synchronous_commit off: the broker
@@ -86,7 +98,10 @@
 // transaction that inserts id 10 and commits after id 11 was published
 // leaves a gap that fills later. The publisher keeps no watermark: it
 // deletes what it published, and every read takes the lowest ids still in
-// the shard, so the late id 10 is simply the head of the next read.
+// the shard, so the late id 10 is simply the head of the next read. The
+// delete removes ids lo..hi of the batch only where pg_visible_in_snapshot
+// says the snapshot taken before the read saw the row: a late id 10 inside
+// the range, committed after the read, is not in that snapshot and stays.
 //
 // Per-key order needs no more than that. Events of one aggregate are
 // written by transactions that serialise on the aggregate (the batcher's

@@ -52,12 +52,14 @@ var ErrInvalidEvent = errors.New("invalid outbox event")
 const enqueueSQL = `
 INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::jsonb[], $8::jsonb[])
-ON CONFLICT (event_id) DO NOTHING`
+ON CONFLICT (event_id, aggregate_id) DO NOTHING`
 
 // Enqueue inserts events in the caller's transaction, so they commit or roll
 // back with the caller's own writes. An event whose ID is already in the
-// outbox is skipped. It returns how many events were inserted. One statement
-// whatever the number of events.
+// outbox for the same aggregate is skipped (an ID names one event of one
+// aggregate: the uniqueness is (event_id, aggregate_id), since outbox_events
+// is partitioned by aggregate). It returns how many events were inserted.
+// One statement whatever the number of events.
 func Enqueue(ctx context.Context, tx Querier, events ...Event) (int64, error) {
 	if len(events) == 0 {
 		return 0, nil

@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -12,13 +13,15 @@ import (
 	"github.com/segmentio/kafka-go"
 )
 
-// storedEvent is one outbox_events row as the publisher reads it.
+// storedEvent is one outbox_events row as the publisher reads it. The byte
+// fields share the batch's buffers (see scanEvents) and are never written
+// after the read.
 type storedEvent struct {
 	id               int64
-	eventID          string
+	eventID          []byte // text form
 	topic            string
 	aggregateType    string
-	aggregateID      string
+	aggregateID      []byte
 	aggregateVersion int64
 	eventType        string
 	payload          []byte // nil for deletes
@@ -26,28 +29,76 @@ type storedEvent struct {
 	createdAt        time.Time
 }
 
-// record builds the Kafka record of an event: the contract in record.go.
-func (e *storedEvent) record(source string) (kafka.Message, error) {
+// Header values that are the same for every record. kafka-go only reads
+// header values, so all records share these.
+var (
+	specVersionValue = []byte(SpecVersion)
+	contentTypeValue = []byte("application/json")
+)
+
+// recordBuilder builds the Kafka records of one batch (the contract in
+// record.go). Header values and header slices come from batch-wide buffers,
+// and the key, subject and id are the row's own bytes, so a record costs a
+// few appends instead of a dozen small allocations.
+type recordBuilder struct {
+	source []byte
+	types  map[string][]byte // event type → ce_type value
+	aggs   map[string][]byte // aggregate type → its bytes
+	values arena
+	slab   []kafka.Header
+}
+
+func newRecordBuilder(source string, events int) *recordBuilder {
+	return &recordBuilder{
+		source: []byte(source),
+		types:  map[string][]byte{},
+		aggs:   map[string][]byte{},
+		slab:   make([]kafka.Header, 0, events*standardHeaders),
+	}
+}
+
+// standardHeaders is how many headers every record carries at most before
+// the event's own (ce_* and content-type).
+const standardHeaders = 9
+
+// emptyHeaders is how an event without headers stores them (the column
+// default), recognised without a JSON parse.
+var emptyHeaders = []byte("{}")
+
+// record builds the Kafka record of e.
+func (rb *recordBuilder) record(e *storedEvent) (kafka.Message, error) {
 	var extra map[string]string
-	if len(e.headers) > 0 {
+	if len(e.headers) > 0 && !bytes.Equal(e.headers, emptyHeaders) {
 		if err := json.Unmarshal(e.headers, &extra); err != nil {
 			return kafka.Message{}, fmt.Errorf("event %s: headers are not a JSON object of strings: %w", e.eventID, err)
 		}
 	}
-	hs := make([]kafka.Header, 0, 9+len(extra))
-	add := func(k, v string) { hs = append(hs, kafka.Header{Key: k, Value: []byte(v)}) }
-	add(HeaderSpecVersion, SpecVersion)
-	add(HeaderID, e.eventID)
-	add(HeaderSource, source)
-	add(HeaderType, TypePrefix+e.eventType)
-	add(HeaderSubject, e.aggregateID)
-	add(HeaderTime, e.createdAt.UTC().Format(time.RFC3339Nano))
-	add(HeaderAggregateVersion, strconv.FormatInt(e.aggregateVersion, 10))
+	var hs []kafka.Header
+	if len(extra) == 0 && cap(rb.slab)-len(rb.slab) >= standardHeaders {
+		n := len(rb.slab)
+		hs = rb.slab[n : n : n+standardHeaders]
+		rb.slab = rb.slab[:n+standardHeaders]
+	} else {
+		hs = make([]kafka.Header, 0, standardHeaders+len(extra))
+	}
+	hs = append(hs,
+		kafka.Header{Key: HeaderSpecVersion, Value: specVersionValue},
+		kafka.Header{Key: HeaderID, Value: e.eventID},
+		kafka.Header{Key: HeaderSource, Value: rb.source},
+		kafka.Header{Key: HeaderType, Value: intern(rb.types, TypePrefix, e.eventType)},
+		kafka.Header{Key: HeaderSubject, Value: e.aggregateID},
+		kafka.Header{Key: HeaderTime, Value: rb.values.appendFunc(func(b []byte) []byte {
+			return e.createdAt.UTC().AppendFormat(b, time.RFC3339Nano)
+		})},
+		kafka.Header{Key: HeaderAggregateVersion, Value: rb.values.appendFunc(func(b []byte) []byte {
+			return strconv.AppendInt(b, e.aggregateVersion, 10)
+		})},
+	)
 	if e.aggregateType != "" {
-		add(HeaderAggregateType, e.aggregateType)
+		hs = append(hs, kafka.Header{Key: HeaderAggregateType, Value: intern(rb.aggs, "", e.aggregateType)})
 	}
 	if e.payload != nil {
-		add(HeaderContentType, "application/json")
+		hs = append(hs, kafka.Header{Key: HeaderContentType, Value: contentTypeValue})
 	}
 	// Application headers (traceparent, ...) follow in a stable order; they
 	// never replace the CloudEvents attributes above.
@@ -62,9 +113,57 @@ func (e *storedEvent) record(source string) (kafka.Message, error) {
 	}
 	sort.Strings(keys)
 	for _, k := range keys {
-		add(k, extra[k])
+		hs = append(hs, kafka.Header{Key: k, Value: []byte(extra[k])})
 	}
-	return kafka.Message{Topic: e.topic, Key: []byte(e.aggregateID), Value: e.payload, Headers: hs}, nil
+	return kafka.Message{Topic: e.topic, Key: e.aggregateID, Value: e.payload, Headers: hs}, nil
+}
+
+// intern returns prefix+s as bytes, made once per batch.
+func intern(m map[string][]byte, prefix, s string) []byte {
+	b, ok := m[s]
+	if !ok {
+		b = []byte(prefix + s)
+		m[s] = b
+	}
+	return b
+}
+
+// arena hands out byte slices carved from shared 64 KiB chunks: one
+// allocation per chunk instead of one per value. A slice it returned is
+// never written again (its capacity ends at its length), so it can be kept
+// as long as anything needs it.
+type arena struct{ chunk []byte }
+
+const arenaChunk = 64 << 10
+
+// copy returns a copy of b in the arena (nil for nil).
+func (a *arena) copy(b []byte) []byte {
+	if b == nil {
+		return nil
+	}
+	a.reserve(len(b))
+	return a.take(append(a.chunk, b...))
+}
+
+// appendFunc returns what fn appends to an empty slice, in the arena. fn
+// must append at most 64 bytes.
+func (a *arena) appendFunc(fn func([]byte) []byte) []byte {
+	a.reserve(64)
+	return a.take(fn(a.chunk))
+}
+
+func (a *arena) reserve(n int) {
+	if cap(a.chunk)-len(a.chunk) < n {
+		a.chunk = make([]byte, 0, max(arenaChunk, n))
+	}
+}
+
+// take returns grown[len(a.chunk):] and moves the chunk past it. grown is
+// a.chunk with bytes appended in place (reserve made the room).
+func (a *arena) take(grown []byte) []byte {
+	n := len(a.chunk)
+	a.chunk = grown
+	return grown[n:len(grown):len(grown)]
 }
 
 // messageSize is kafka-go's own size estimate of a message (the unexported

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -45,6 +46,8 @@ type Publisher struct {
 	rebalanceNow chan struct{} // membership changed: rebalance before the next heartbeat
 	joined       bool          // the first heartbeat announced this publisher
 	claiming     bool          // the join window passed: claim shards
+
+	readLimit atomic.Int64 // the last read size a shard fitted to BatchBytes (shardWorker.readLimit)
 
 	failingMu sync.Mutex
 	failing   int // shard workers whose last produce failed

@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -24,8 +25,11 @@ type shardWorker struct {
 	wake     chan struct{}
 	deadline atomic.Int64 // Publisher.now() after which the lease may be gone
 	failing  atomic.Bool
-	writer   *kafka.Writer
-	log      *slog.Logger
+	// readLimit is how many rows a read asks for: BatchSize, or fewer when
+	// that many would not fit in one call (see fit). Shard goroutine only.
+	readLimit int
+	writer    *kafka.Writer
+	log       *slog.Logger
 }
 
 func (w *shardWorker) wakeUp() {
@@ -53,7 +57,9 @@ func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.D
 		cancel: cancel,
 		done:   make(chan struct{}),
 		wake:   make(chan struct{}, 1),
-		log:    p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
+
+		readLimit: cmp.Or(int(p.readLimit.Load()), p.cfg.BatchSize),
+		log:       p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
 		// One writer per shard: its partition batches never mix with another
 		// shard's, so each call's messages for a partition go out in a single
 		// produce request (see doc.go).
@@ -92,7 +98,7 @@ func (p *Publisher) valid(w *shardWorker) bool { return p.now() < time.Duration(
 
 func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 	failures := 0
-	var events []storedEvent
+	var batch shardRead
 	fresh := false // events were read after the last batch was recorded
 	for ctx.Err() == nil {
 		if !p.valid(w) {
@@ -106,15 +112,15 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 		}
 		var err error
 		if !fresh {
-			if events, err = p.read(ctx, w.shard); err != nil {
+			if batch, err = p.read(ctx, w); err != nil {
 				p.m.errors.WithLabelValues(errKindDatabase).Inc()
 				err = fmt.Errorf("read shard %d: %w", w.shard, err)
 			}
 		}
-		if err == nil && len(events) > 0 {
+		if err == nil && len(batch.events) > 0 {
 			// The round trip that records this batch also reads the next
 			// one, so a busy shard costs one query per batch.
-			events, err = p.publishBatch(ctx, w, events)
+			batch, err = p.publishBatch(ctx, w, batch)
 		}
 		fresh = err == nil
 		switch {
@@ -133,7 +139,7 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 			continue
 		}
 		failures = 0
-		if len(events) > 0 {
+		if len(batch.events) > 0 {
 			continue // more is waiting: never wait on a timer while busy
 		}
 		select {
@@ -149,7 +155,7 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 var errLeaseExpired = errors.New("shard lease not renewed in time")
 
 type pendingEvent struct {
-	ev   storedEvent
+	ev   *storedEvent
 	msg  kafka.Message
 	err  error // set when the event is dead
 	code int32
@@ -157,14 +163,16 @@ type pendingEvent struct {
 
 // publishBatch sends and records one batch read from the shard, and returns
 // the shard's next batch, read in the same round trip as the recording.
-func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, events []storedEvent) ([]storedEvent, error) {
+func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, read shardRead) (shardRead, error) {
+	events := read.events
 	// Keep the call under BatchBytes so kafka-go sends each partition's
 	// share as one request; the rest of the rows come with the next read.
-	batch := make([]*pendingEvent, 0, len(events))
+	rb := newRecordBuilder(p.cfg.Source, len(events))
+	all := make([]pendingEvent, 0, len(events))
 	bytes := 0
 	for i := range events {
-		pe := &pendingEvent{ev: events[i]}
-		pe.msg, pe.err = events[i].record(p.cfg.Source)
+		pe := pendingEvent{ev: &events[i]}
+		pe.msg, pe.err = rb.record(pe.ev)
 		if pe.err == nil {
 			size := messageSize(&pe.msg)
 			if size > p.cfg.BatchBytes {
@@ -176,70 +184,179 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, events []s
 				bytes += size
 			}
 		}
-		batch = append(batch, pe)
+		all = append(all, pe)
+	}
+	p.fit(w, len(all), len(events), bytes)
+	batch := make([]*pendingEvent, len(all))
+	for i := range all {
+		batch[i] = &all[i]
 	}
 
 	if err := p.produce(ctx, w, batch); err != nil {
-		return nil, err
+		return shardRead{}, err
 	}
 	acked := time.Now()
 
 	var ids, deadIDs []int64
 	var deadErrs []string
 	var deadCodes []int32
-	published := make([]Published, 0, len(batch))
+	ids = make([]int64, 0, len(batch))
 	for _, pe := range batch {
 		if pe.err != nil {
 			deadIDs = append(deadIDs, pe.ev.id)
 			deadErrs = append(deadErrs, pe.err.Error())
 			deadCodes = append(deadCodes, pe.code)
 			w.log.Error("event rejected permanently; moved to outbox_dead_letters",
-				slog.String("event_id", pe.ev.eventID), slog.String("aggregate_id", pe.ev.aggregateID), slog.String("error", pe.err.Error()))
+				slog.String("event_id", string(pe.ev.eventID)), slog.String("aggregate_id", string(pe.ev.aggregateID)), slog.String("error", pe.err.Error()))
 			continue
 		}
 		ids = append(ids, pe.ev.id)
-		published = append(published, Published{
-			EventID: pe.ev.eventID, AggregateID: pe.ev.aggregateID, AggregateVersion: pe.ev.aggregateVersion,
-			CreatedAt: pe.ev.createdAt, AckedAt: acked,
-		})
 	}
-	next, err := p.record(ctx, w, ids, deadIDs, deadErrs, deadCodes)
+	span := idSpan{lo: batch[0].ev.id, hi: batch[len(batch)-1].ev.id, snapshot: read.snapshot, n: len(ids)}
+	next, err := p.record(ctx, w, span, deadIDs, deadErrs, deadCodes)
 	if err != nil {
-		return nil, err
+		return shardRead{}, err
 	}
 	p.m.published.Add(float64(len(ids)))
 	p.m.deadLetters.Add(float64(len(deadIDs)))
 	p.m.errors.WithLabelValues(errKindRejected).Add(float64(len(deadIDs)))
 	p.m.batchSize.Observe(float64(len(batch)))
-	for _, e := range published {
-		p.m.latency.Observe(acked.Sub(e.CreatedAt).Seconds())
+	for _, pe := range batch {
+		if pe.err == nil {
+			p.m.latency.Observe(acked.Sub(pe.ev.createdAt).Seconds())
+		}
 	}
-	if p.cfg.OnPublished != nil && len(published) > 0 {
+	if p.cfg.OnPublished != nil && len(ids) > 0 {
+		published := make([]Published, 0, len(ids))
+		for _, pe := range batch {
+			if pe.err == nil {
+				published = append(published, Published{
+					EventID: string(pe.ev.eventID), AggregateID: string(pe.ev.aggregateID), AggregateVersion: pe.ev.aggregateVersion,
+					CreatedAt: pe.ev.createdAt, AckedAt: acked,
+				})
+			}
+		}
 		p.cfg.OnPublished(w.shard, published)
 	}
 	return next, nil
 }
 
-func (p *Publisher) read(ctx context.Context, shard int) ([]storedEvent, error) {
-	rows, err := p.pool.Query(ctx, readSQL, shard, p.cfg.BatchSize)
-	if err != nil {
-		return nil, err
+// fit adapts the worker's read size to what one call can carry: a read of
+// BatchSize rows whose records exceed BatchBytes sends only the first ones
+// and reads the rest again with the next batch, which costs PostgreSQL the
+// same rows twice. sent of read events went out with bytes in total. Shards
+// started later begin with the latest limit, since one topic's events tend
+// to be alike in size.
+func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
+	if sent == 0 || bytes == 0 {
+		return
 	}
-	return scanEvents(rows)
+	if sent == read && read < w.readLimit {
+		return // a short shard says nothing about sizes
+	}
+	perEvent := float64(bytes) / float64(sent)
+	w.readLimit = max(1, min(p.cfg.BatchSize, int(float64(p.cfg.BatchBytes)*0.97/perEvent)))
+	p.readLimit.Store(int64(w.readLimit))
 }
 
-func scanEvents(rows pgx.Rows) ([]storedEvent, error) {
+// shardRead is one read of a shard: its oldest events, and a snapshot taken
+// just before the read.
+type shardRead struct {
+	events   []storedEvent
+	snapshot string // pg_current_snapshot() text
+}
+
+// idSpan names the published events of a batch for the fenced delete:
+// the rows of the shard with ids lo..hi that the read's snapshot saw. That
+// is every row the read returned in that range, and nothing else: an event
+// whose transaction commits later (a lower id made visible late) is not in
+// the snapshot and stays for the next read. See doc.go, "Commit order".
+type idSpan struct {
+	lo, hi   int64
+	snapshot string
+	n        int // published events in the span (dead ones move first)
+}
+
+func (p *Publisher) read(ctx context.Context, w *shardWorker) (shardRead, error) {
+	batch := &pgx.Batch{}
+	p.queueRead(batch, w)
+	br := p.pool.SendBatch(ctx, batch)
+	defer br.Close()
+	r, err := p.readResults(br, w)
+	if err != nil {
+		return shardRead{}, err
+	}
+	return r, br.Close()
+}
+
+// queueRead adds a shard read to batch: the snapshot first, then the rows.
+// In read committed the snapshot is at least as old as the read's own, so a
+// row it sees is one the read returned (if within the read's ids); a row
+// the read returned but the snapshot missed is kept and sent again later,
+// a duplicate and never a loss.
+func (p *Publisher) queueRead(batch *pgx.Batch, w *shardWorker) {
+	batch.Queue(snapshotSQL)
+	batch.Queue(shardSQL[w.shard].read, w.readLimit)
+}
+
+func (p *Publisher) readResults(br pgx.BatchResults, w *shardWorker) (shardRead, error) {
+	var r shardRead
+	if err := br.QueryRow().Scan(&r.snapshot); err != nil {
+		return shardRead{}, err
+	}
+	rows, err := br.Query()
+	if err != nil {
+		return shardRead{}, err
+	}
+	r.events, err = scanEvents(rows, w.readLimit)
+	return r, err
+}
+
+// scanEvents reads a batch of events with a handful of allocations: the
+// variable-length columns are copied from pgx's row buffer into shared
+// chunks (arena), and the columns that repeat from row to row (topic,
+// types) are made into strings once.
+func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
 	defer rows.Close()
-	out := make([]storedEvent, 0, 64)
+	var out []storedEvent
+	var buf arena
+	var topic, aggregateType, eventType string
 	for rows.Next() {
+		if out == nil {
+			out = make([]storedEvent, 0, limit)
+		}
 		var e storedEvent
-		if err := rows.Scan(&e.id, &e.eventID, &e.topic, &e.aggregateType, &e.aggregateID, &e.aggregateVersion,
-			&e.eventType, &e.payload, &e.headers, &e.createdAt); err != nil {
+		// Columns: id, event_id, topic, aggregate_type, aggregate_id,
+		// aggregate_version, event_type, payload, headers, created_at (readSQL).
+		if err := rows.Scan(&e.id, nil, nil, nil, nil, &e.aggregateVersion, nil, nil, nil, &e.createdAt); err != nil {
 			return nil, err
 		}
+		raw, fields := rows.RawValues(), rows.FieldDescriptions()
+		e.eventID = buf.copy(raw[1])
+		topic, aggregateType, eventType = same(topic, raw[2]), same(aggregateType, raw[3]), same(eventType, raw[6])
+		e.topic, e.aggregateType, e.eventType = topic, aggregateType, eventType
+		e.aggregateID = buf.copy(raw[4])
+		e.payload = buf.copy(jsonbText(raw[7], fields[7].Format))
+		e.headers = buf.copy(jsonbText(raw[8], fields[8].Format))
 		out = append(out, e)
 	}
 	return out, rows.Err()
+}
+
+// same returns v as a string: prev itself when equal, without allocating.
+func same(prev string, v []byte) string {
+	if prev == string(v) {
+		return prev
+	}
+	return string(v)
+}
+
+// jsonbText strips the version byte of jsonb's binary format.
+func jsonbText(v []byte, format int16) []byte {
+	if format == pgx.BinaryFormatCode && len(v) > 0 {
+		return v[1:]
+	}
+	return v
 }
 
 // produce sends every live event of the batch and returns once each one is
@@ -375,28 +492,30 @@ func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.C
 // before the next batch goes to Kafka (no transaction is open while Kafka is
 // waited on). It runs to completion after a soft stop: the broker already
 // has the events.
-func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) ([]storedEvent, error) {
+func (p *Publisher) record(ctx context.Context, w *shardWorker, span idSpan, deadIDs []int64, deadErrs []string, deadCodes []int32) (shardRead, error) {
 	rctx := context.WithoutCancel(ctx)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval = 100 * time.Millisecond
 	b.MaxElapsedTime = p.cfg.RetryMaxElapsed
-	del := deletePublishedSQL
+	sql := &shardSQL[w.shard]
+	del := sql.delete
 	if p.cfg.Retention > 0 {
-		del = retainPublishedSQL
+		del = sql.retain
 	}
-	var next []storedEvent
+	var next shardRead
 	err := backoff.RetryNotify(func() error {
 		actx, cancel := context.WithTimeout(rctx, 30*time.Second)
 		defer cancel()
 		batch := &pgx.Batch{}
 		batch.Queue(asyncCommitSQL)
 		if len(deadIDs) > 0 {
-			batch.Queue(deadLetterSQL, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
+			batch.Queue(sql.deadLetter, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
 		}
-		if len(ids) > 0 {
-			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch)
+		if span.n > 0 {
+			batch.Queue(del, span.lo, w.shard, p.cfg.ID, w.epoch, span.hi, span.snapshot)
 		}
-		batch.Queue(readSQL, w.shard, p.cfg.BatchSize)
+		fenced := len(batch.QueuedQueries) - 1
+		p.queueRead(batch, w)
 		err := func() error {
 			br := p.pool.SendBatch(actx, batch)
 			defer br.Close()
@@ -405,7 +524,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 			}
 			// A lost lease makes the fenced statements no-ops; the read that
 			// follows is then thrown away.
-			for range len(batch.QueuedQueries) - 2 {
+			for range fenced {
 				var held bool
 				var n int64
 				if err := br.QueryRow().Scan(&held, &n); err != nil {
@@ -415,11 +534,8 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 					return ErrLeaseLost
 				}
 			}
-			rows, err := br.Query()
-			if err != nil {
-				return err
-			}
-			if next, err = scanEvents(rows); err != nil {
+			var err error
+			if next, err = p.readResults(br, w); err != nil {
 				return err
 			}
 			// Close reads the end of the implicit transaction: only then is
@@ -435,7 +551,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 		w.log.Warn("recording published events failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
 	})
 	if err != nil {
-		return nil, err
+		return shardRead{}, err
 	}
 	return next, nil
 }

@@ -1,0 +1,80 @@
+package outbox
+
+import (
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// Values handed out by the arena stay intact while more are added, across
+// chunk boundaries, and appending to one never writes into the next.
+func TestArenaKeepsValues(t *testing.T) {
+	var a arena
+	var got [][]byte
+	var want []string
+	for i := range 5000 {
+		v := strings.Repeat(strconv.Itoa(i), i%40+1)
+		got = append(got, a.copy([]byte(v)))
+		want = append(want, v)
+		if i%7 == 0 {
+			got = append(got, a.appendFunc(func(b []byte) []byte { return strconv.AppendInt(b, int64(i), 10) }))
+			want = append(want, strconv.Itoa(i))
+		}
+	}
+	_ = append(got[0], "overwrite?"...) // capacity ends at the length: a copy, not a write into got[1]
+	for i := range got {
+		require.Equal(t, want[i], string(got[i]), "value %d", i)
+	}
+	require.Nil(t, a.copy(nil), "nil stays nil (a delete's payload)")
+	require.NotNil(t, a.copy([]byte{}), "empty stays empty, not nil")
+}
+
+// The builder's records carry the CloudEvents contract of record.go, and
+// records built from one batch do not share header slices.
+func TestRecordBuilder(t *testing.T) {
+	created := time.Date(2026, 11, 30, 7, 0, 0, 123456000, time.UTC)
+	rb := newRecordBuilder("outboxrelay", 2)
+	upsert := storedEvent{id: 1, eventID: []byte("e-1"), topic: "t", aggregateType: "order", aggregateID: []byte("42"),
+		aggregateVersion: 7, eventType: "upsert", payload: []byte(`{"a":1}`), headers: []byte(`{}`), createdAt: created}
+	del := storedEvent{id: 2, eventID: []byte("e-2"), topic: "t", aggregateID: []byte("43"),
+		aggregateVersion: 8, eventType: "delete", headers: []byte(`{"traceparent":"00-abc-def-01","ce_id":"spoof"}`), createdAt: created}
+	m1, err := rb.record(&upsert)
+	require.NoError(t, err)
+	m2, err := rb.record(&del)
+	require.NoError(t, err)
+
+	got1 := map[string]string{}
+	for _, h := range m1.Headers {
+		got1[h.Key] = string(h.Value)
+	}
+	require.Equal(t, map[string]string{
+		HeaderSpecVersion: "1.0", HeaderID: "e-1", HeaderSource: "outboxrelay", HeaderType: "outboxrelay.upsert",
+		HeaderSubject: "42", HeaderTime: "2026-11-30T07:00:00.123456Z", HeaderAggregateVersion: "7",
+		HeaderAggregateType: "order", HeaderContentType: "application/json",
+	}, got1)
+	require.Equal(t, "42", string(m1.Key))
+	require.Equal(t, `{"a":1}`, string(m1.Value))
+
+	var keys []string
+	got2 := map[string]string{}
+	for _, h := range m2.Headers {
+		keys = append(keys, h.Key)
+		got2[h.Key] = string(h.Value)
+	}
+	require.Nil(t, m2.Value, "a delete is a tombstone")
+	require.Equal(t, "e-2", got2[HeaderID], "an event's own headers never replace the CloudEvents ones")
+	require.Equal(t, "00-abc-def-01", got2[HeaderTraceParent])
+	require.NotContains(t, got2, HeaderContentType)
+	require.NotContains(t, got2, HeaderAggregateType)
+	require.Equal(t, HeaderTraceParent, keys[len(keys)-1])
+
+	m1.Headers = append(m1.Headers, m1.Headers[0]) // must not run into m2's headers
+	require.Equal(t, HeaderSpecVersion, m2.Headers[0].Key)
+	require.Equal(t, "e-2", string(m2.Headers[1].Value))
+
+	_, err = rb.record(&storedEvent{eventID: []byte("e-3"), headers: []byte(`[1]`)})
+	require.ErrorContains(t, err, "headers are not a JSON object of strings")
+}
