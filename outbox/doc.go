@@ -48,7 +48,10 @@
 // than at their next heartbeat. A starting publisher registers, waits a
 // 100 ms join window, and only then claims, so publishers started together
 // split the shards fairly at once instead of handing them around. Heartbeats use their own two
-// connections so they never queue behind the shard work.
+// connections so they never queue behind the shard work. Shard work goes
+// through lanes of one connection each (as many as the pool's MaxConns),
+// shard s always through lane s mod lanes, so each connection prepares and
+// plans the statements of a few partitions rather than all 64.
 //
 // # One shard, one batch at a time
 //

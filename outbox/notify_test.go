@@ -91,3 +91,30 @@ func TestWakeFromNotificationWithoutPolling(t *testing.T) {
 	require.Len(t, msgs, 1)
 	waitFor(t, 30*time.Second, "outbox to drain", func() bool { return outboxCount(t, pool) == 0 })
 }
+
+// Without notifications (the trigger is off, as if every one were lost),
+// polling alone finds the events: each PollInterval the publisher probes its
+// idle shards' partitions and wakes the ones that hold events.
+func TestPollingFindsEventsWithoutNotifications(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	brokers := stack.KafkaBrokers(t)
+	pool := stack.Pool(t, stack.Database(t))
+	topic := createTopic(t, brokers, 3)
+	_, err := pool.Exec(ctx, `ALTER TABLE outbox_events DISABLE TRIGGER outbox_events_notify`)
+	require.NoError(t, err)
+	pub := startPublisher(t, pool, outbox.Config{Brokers: brokers, PollInterval: 100 * time.Millisecond})
+	waitFor(t, 30*time.Second, "publisher to hold every shard and find it empty", func() bool {
+		var held int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_shard_leases WHERE owner = $1`, pub.ID()).Scan(&held))
+		return held == outbox.NumShards
+	})
+	// Two rounds: the second one lands on shards whose workers went idle
+	// after the first.
+	for round := range 2 {
+		insertEvents(t, pool, topic, 50, round*50, round*50+50, 10)
+		msgs := consumeAll(t, brokers, topic, wantIDs(topic, 50, round*50, round*50+50), time.Minute)
+		require.GreaterOrEqual(t, len(msgs), 50)
+		waitFor(t, 30*time.Second, "outbox to drain", func() bool { return outboxCount(t, pool) == 0 })
+	}
+}

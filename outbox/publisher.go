@@ -31,7 +31,8 @@ var ErrLeaseLost = errors.New("shard lease lost")
 type Publisher struct {
 	cfg       Config
 	pool      *pgxpool.Pool
-	leasePool *pgxpool.Pool // heartbeats: never wait behind shard work
+	leasePool *pgxpool.Pool   // heartbeats: never wait behind shard work
+	lanes     []*pgxpool.Pool // one connection each; shard s uses lanes[s % len(lanes)]
 	log       *slog.Logger
 	m         *publisherMetrics
 	transport *kafka.Transport
@@ -53,8 +54,10 @@ type Publisher struct {
 	failing   int // shard workers whose last produce failed
 }
 
-// NewPublisher checks cfg and returns a publisher on pool. pool needs about
-// as many connections as shards are written at once; 8 is plenty.
+// NewPublisher checks cfg and returns a publisher on pool. Run opens, from
+// pool's configuration, pool.Config().MaxConns connections for the shard
+// work (one per lane, shards spread over them) and two for heartbeats; pool
+// itself serves the occasional queries (polling, backlog). 8 is plenty.
 func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
@@ -100,6 +103,19 @@ func (p *Publisher) Run(ctx context.Context) error {
 	}
 	p.leasePool = leasePool
 	defer leasePool.Close()
+	// Shard work goes through lanes of one connection each, shard s always
+	// through lane s mod lanes: a connection then prepares and plans the
+	// statements of 64/lanes partitions instead of all 64 (each shard's
+	// statements name its partition), and keeps their plans.
+	p.lanes = make([]*pgxpool.Pool, max(1, p.pool.Config().MaxConns))
+	for i := range p.lanes {
+		cfg := p.pool.Config().Copy()
+		cfg.MaxConns, cfg.MinConns = 1, 0
+		if p.lanes[i], err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+			return fmt.Errorf("publisher %s: shard connection: %w", p.cfg.ID, err)
+		}
+		defer p.lanes[i].Close()
+	}
 	p.log.Info("publisher starting", slog.Int("batch_size", p.cfg.BatchSize), slog.Duration("lease_ttl", p.cfg.LeaseTTL))
 	var bg sync.WaitGroup
 	for _, fn := range []func(context.Context){p.listen, p.dispatch, p.watchBacklog, p.cleanupPublished} {
@@ -415,7 +431,20 @@ func (p *Publisher) dispatch(ctx context.Context) {
 		case <-p.notify:
 		case <-tick.C:
 		}
-		rows, err := p.pool.Query(ctx, pendingShardsSQL, p.cfg.ID)
+		// Busy workers read again on their own; only idle ones can be
+		// waiting for a notification that was lost.
+		var idle []int16
+		p.mu.Lock()
+		for s, w := range p.workers {
+			if w.idle.Load() {
+				idle = append(idle, int16(s))
+			}
+		}
+		p.mu.Unlock()
+		if len(idle) == 0 {
+			continue
+		}
+		rows, err := p.pool.Query(ctx, pendingShardsSQL, idle)
 		if err != nil {
 			if ctx.Err() == nil {
 				p.log.Debug("look for pending shards", slog.String("error", err.Error()))

@@ -85,7 +85,8 @@ const snapshotSQL = `SELECT pg_current_snapshot()::text`
 // publishedRows are the rows a batch published: ids $1..$5 of the shard
 // that the snapshot $6 taken before its read saw (idSpan). One index range
 // instead of one lookup per id.
-const publishedRows = `id BETWEEN $1 AND $5 AND pg_visible_in_snapshot(xact_id, $6::text::pg_snapshot) AND EXISTS (SELECT FROM lease)`
+// The snapshot is parsed once (a subquery), not once per row.
+const publishedRows = `id BETWEEN $1 AND $5 AND pg_visible_in_snapshot(xact_id, (SELECT $6::text::pg_snapshot)) AND EXISTS (SELECT FROM lease)`
 
 // deletePublishedSQL removes published events, fenced by the lease epoch.
 // It returns whether the lease was still held and how many rows went.
@@ -174,18 +175,18 @@ WHERE shard = $1 AND owner = $2 AND epoch = $3`
 // at their next heartbeat instead of waiting for the lease TTL.
 const leaveSQL = `DELETE FROM outbox_publishers WHERE id = $1`
 
-// pendingShardsSQL is the polling fallback: which of my shards have events.
-// One index probe per partition (the first id): the partition key is not the
-// shard, so PostgreSQL cannot prune on it, and an EXISTS would scan past the
-// dead rows at the front of a busy partition.
+// pendingShardsSQL is the polling fallback: which of the shards $1 (this
+// publisher's idle ones) have events. One index probe per partition (the
+// first id), since the partition key is not the shard and PostgreSQL cannot
+// prune on it. The CASE makes each probe run only for a shard asked about
+// (a plain AND may be evaluated in either order).
 var pendingShardsSQL = func() string {
 	probes := make([]string, NumShards)
 	for s := range probes {
-		probes[s] = fmt.Sprintf("\n    SELECT %d::smallint AS shard WHERE (SELECT id FROM %s ORDER BY id LIMIT 1) IS NOT NULL", s, ShardTable(s))
+		probes[s] = fmt.Sprintf("\nSELECT %[1]d::smallint AS shard WHERE CASE WHEN %[1]d = ANY($1::smallint[]) THEN (SELECT id FROM %[2]s ORDER BY id LIMIT 1) IS NOT NULL END",
+			s, ShardTable(s))
 	}
-	return "SELECT shard FROM (" + strings.Join(probes, "\n    UNION ALL") + `
-) pending
-WHERE shard IN (SELECT shard FROM outbox_shard_leases WHERE owner = $1)`
+	return strings.Join(probes, "\nUNION ALL")
 }()
 
 // backlogSQL feeds the backlog gauges, cheaply enough to run every few

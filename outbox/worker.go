@@ -12,6 +12,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
 )
 
@@ -25,6 +26,7 @@ type shardWorker struct {
 	wake     chan struct{}
 	deadline atomic.Int64 // Publisher.now() after which the lease may be gone
 	failing  atomic.Bool
+	idle     atomic.Bool // the shard was empty at the last read: waiting for a wake-up
 	// readLimit is how many rows a read asks for: BatchSize, or fewer when
 	// that many would not fit in one call (see fit). Shard goroutine only.
 	readLimit int
@@ -58,7 +60,7 @@ func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.D
 		done:   make(chan struct{}),
 		wake:   make(chan struct{}, 1),
 
-		readLimit: cmp.Or(int(p.readLimit.Load()), p.cfg.BatchSize),
+		readLimit: cmp.Or(int(p.readLimit.Load()), p.firstReadLimit()),
 		log:       p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
 		// One writer per shard: its partition batches never mix with another
 		// shard's, so each call's messages for a partition go out in a single
@@ -142,10 +144,12 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 		if len(batch.events) > 0 {
 			continue // more is waiting: never wait on a timer while busy
 		}
+		w.idle.Store(true)
 		select {
 		case <-ctx.Done():
 			return
 		case <-w.wake:
+			w.idle.Store(false)
 			fresh = false
 		}
 	}
@@ -241,6 +245,13 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, read shard
 	return next, nil
 }
 
+// firstReadLimit is the read size before any shard has fitted one: events
+// of up to 1 KiB fit in BatchBytes at this size, so the first reads of a
+// start (64 at once) do not read rows only to leave them for the next read.
+func (p *Publisher) firstReadLimit() int {
+	return max(1, min(p.cfg.BatchSize, p.cfg.BatchBytes/1024))
+}
+
 // fit adapts the worker's read size to what one call can carry: a read of
 // BatchSize rows whose records exceed BatchBytes sends only the first ones
 // and reads the rest again with the next batch, which costs PostgreSQL the
@@ -258,6 +269,9 @@ func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
 	w.readLimit = max(1, min(p.cfg.BatchSize, int(float64(p.cfg.BatchBytes)*0.97/perEvent)))
 	p.readLimit.Store(int64(w.readLimit))
 }
+
+// lane is the connection w's shard works through (see Run).
+func (p *Publisher) lane(w *shardWorker) *pgxpool.Pool { return p.lanes[w.shard%len(p.lanes)] }
 
 // shardRead is one read of a shard: its oldest events, and a snapshot taken
 // just before the read.
@@ -280,7 +294,7 @@ type idSpan struct {
 func (p *Publisher) read(ctx context.Context, w *shardWorker) (shardRead, error) {
 	batch := &pgx.Batch{}
 	p.queueRead(batch, w)
-	br := p.pool.SendBatch(ctx, batch)
+	br := p.lane(w).SendBatch(ctx, batch)
 	defer br.Close()
 	r, err := p.readResults(br, w)
 	if err != nil {
@@ -517,7 +531,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, span idSpan, dea
 		fenced := len(batch.QueuedQueries) - 1
 		p.queueRead(batch, w)
 		err := func() error {
-			br := p.pool.SendBatch(actx, batch)
+			br := p.lane(w).SendBatch(actx, batch)
 			defer br.Close()
 			if _, err := br.Exec(); err != nil {
 				return err
