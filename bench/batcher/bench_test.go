@@ -124,7 +124,13 @@ FROM generate_series(1, $1::int) g`, n, body))
 			must(b, exec(ctx, pool, `VACUUM ANALYZE source_records`))
 			// Autovacuum waking up on the target tables in the middle of one
 			// contender's pass and not another's is noise, not work.
-			must(b, exec(ctx, pool, `ALTER TABLE normalized_records SET (autovacuum_enabled = off); ALTER TABLE outbox_events SET (autovacuum_enabled = off)`))
+			// outbox_events is partitioned: the setting belongs to each shard's partition.
+			must(b, exec(ctx, pool, `ALTER TABLE normalized_records SET (autovacuum_enabled = off);
+DO $$ BEGIN
+    FOR s IN 0..63 LOOP
+        EXECUTE format('ALTER TABLE %I SET (autovacuum_enabled = off)', 'outbox_events_s' || lpad(s::text, 2, '0'));
+    END LOOP;
+END $$`))
 			var avg float64
 			must(b, pool.QueryRow(ctx, `SELECT avg(pg_column_size(payload)) FROM source_records`).Scan(&avg))
 			b.Logf("%d source rows, payload ~%.0f bytes, %d rounds", n, avg, repeats)
