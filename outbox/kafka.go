@@ -67,11 +67,9 @@ var emptyHeaders = []byte("{}")
 
 // record builds the Kafka record of e.
 func (rb *recordBuilder) record(e *storedEvent) (kafka.Message, error) {
-	var extra map[string]string
-	if len(e.headers) > 0 && !bytes.Equal(e.headers, emptyHeaders) {
-		if err := json.Unmarshal(e.headers, &extra); err != nil {
-			return kafka.Message{}, fmt.Errorf("event %s: headers are not a JSON object of strings: %w", e.eventID, err)
-		}
+	extra, err := e.extraHeaders()
+	if err != nil {
+		return kafka.Message{}, err
 	}
 	var hs []kafka.Header
 	if len(extra) == 0 && cap(rb.slab)-len(rb.slab) >= standardHeaders {
@@ -116,6 +114,19 @@ func (rb *recordBuilder) record(e *storedEvent) (kafka.Message, error) {
 		hs = append(hs, kafka.Header{Key: k, Value: []byte(extra[k])})
 	}
 	return kafka.Message{Topic: e.topic, Key: e.aggregateID, Value: e.payload, Headers: hs}, nil
+}
+
+// extraHeaders parses the event's own headers; none (nil) for the column
+// default "{}", without a JSON parse.
+func (e *storedEvent) extraHeaders() (map[string]string, error) {
+	if len(e.headers) == 0 || bytes.Equal(e.headers, emptyHeaders) {
+		return nil, nil
+	}
+	var extra map[string]string
+	if err := json.Unmarshal(e.headers, &extra); err != nil {
+		return nil, fmt.Errorf("event %s: headers are not a JSON object of strings: %w", e.eventID, err)
+	}
+	return extra, nil
 }
 
 // intern returns prefix+s as bytes, made once per batch.

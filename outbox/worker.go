@@ -335,16 +335,23 @@ func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
 	var out []storedEvent
 	var buf arena
 	var topic, aggregateType, eventType string
+	// The fixed-size columns are scanned through one argument list for the
+	// whole batch (a list per row would be an allocation per row); the rest
+	// are read raw. Columns: id, event_id, topic, aggregate_type,
+	// aggregate_id, aggregate_version, event_type, payload, headers,
+	// created_at (readSQL).
+	var id, version int64
+	var createdAt time.Time
+	dest := []any{&id, nil, nil, nil, nil, &version, nil, nil, nil, &createdAt}
 	for rows.Next() {
 		if out == nil {
 			out = make([]storedEvent, 0, limit)
 		}
-		var e storedEvent
-		// Columns: id, event_id, topic, aggregate_type, aggregate_id,
-		// aggregate_version, event_type, payload, headers, created_at (readSQL).
-		if err := rows.Scan(&e.id, nil, nil, nil, nil, &e.aggregateVersion, nil, nil, nil, &e.createdAt); err != nil {
+		if err := rows.Scan(dest...); err != nil {
 			return nil, err
 		}
+		out = append(out, storedEvent{id: id, aggregateVersion: version, createdAt: createdAt})
+		e := &out[len(out)-1]
 		raw, fields := rows.RawValues(), rows.FieldDescriptions()
 		e.eventID = buf.copy(raw[1])
 		topic, aggregateType, eventType = same(topic, raw[2]), same(aggregateType, raw[3]), same(eventType, raw[6])
@@ -352,7 +359,6 @@ func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
 		e.aggregateID = buf.copy(raw[4])
 		e.payload = buf.copy(jsonbText(raw[7], fields[7].Format))
 		e.headers = buf.copy(jsonbText(raw[8], fields[8].Format))
-		out = append(out, e)
 	}
 	return out, rows.Err()
 }
