@@ -42,7 +42,7 @@ func newPublisherMetrics(reg prometheus.Registerer) *publisherMetrics {
 			Buckets: prometheus.ExponentialBuckets(1, 4, 8),
 		}),
 		backlog: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "outbox_backlog_events", Help: "Unpublished events in outbox_events (all shards).",
+			Name: "outbox_backlog_events", Help: "Unpublished events in outbox_events (all shards), from PostgreSQL's live-row statistics: about a second behind; publisher status counts exactly.",
 		}),
 		oldestAge: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "outbox_oldest_event_age_seconds", Help: "Age of the oldest unpublished event; 0 when the outbox is empty.",
