@@ -58,11 +58,10 @@
 // Each leased shard has one worker: read up to BatchSize unpublished events
 // in id order (and at most BatchBytes), send them in one WriteMessages call
 // with RequiredAcks=all, then delete them in one short statement fenced by
-// the lease (owner and epoch). The worker learns how many rows fit in
-// BatchBytes and reads that many, so rows are not read twice. The delete
-// names the batch as an id range plus the snapshot taken just before its
-// read (see "Commit order"), one index range instead of a lookup per id.
-// The delete and the read of the next batch go
+// the lease (owner and epoch). The delete names exactly the ids that were
+// sent and acknowledged. The worker learns how many rows fit in BatchBytes
+// and reads that many, so rows are not read twice. The delete and the read
+// of the next batch go
 // out as one pipelined round trip (one implicit transaction, committed
 // before the next batch is sent), so a busy shard costs one query per
 // batch. That transaction commits with synchronous_commit off: the broker
@@ -101,10 +100,7 @@
 // transaction that inserts id 10 and commits after id 11 was published
 // leaves a gap that fills later. The publisher keeps no watermark: it
 // deletes what it published, and every read takes the lowest ids still in
-// the shard, so the late id 10 is simply the head of the next read. The
-// delete removes ids lo..hi of the batch only where pg_visible_in_snapshot
-// says the snapshot taken before the read saw the row: a late id 10 inside
-// the range, committed after the read, is not in that snapshot and stays.
+// the shard, so the late id 10 is simply the head of the next read.
 //
 // Per-key order needs no more than that. Events of one aggregate are
 // written by transactions that serialise on the aggregate (the batcher's
@@ -131,10 +127,11 @@
 // ("3,17,42", from a transition table; delivered at commit). A publisher
 // LISTENs on a connection of its own and wakes those shards' workers
 // directly, with no query in between. Every PollInterval, and for a
-// notification it cannot read, it asks with one query which of its shards
-// hold events (the fallback for lost notifications and while the LISTEN
-// connection is down). A busy worker reads its next batch at once without
-// waiting; an idle publisher costs one small query per PollInterval.
+// notification it cannot read, it asks with one query which of its idle
+// shards hold events (the fallback for lost notifications and while the
+// LISTEN connection is down; a busy worker reads its next batch at once
+// without waiting, so it needs no waking). An idle publisher costs one
+// small query per PollInterval: one index probe per idle shard.
 //
 // # Failures
 //

@@ -56,8 +56,9 @@ type Publisher struct {
 
 // NewPublisher checks cfg and returns a publisher on pool. Run opens, from
 // pool's configuration, pool.Config().MaxConns connections for the shard
-// work (one per lane, shards spread over them) and two for heartbeats; pool
-// itself serves the occasional queries (polling, backlog). 8 is plenty.
+// work (one per lane, shards spread over them), two for heartbeats and one
+// to LISTEN; pool itself serves the occasional queries (polling, backlog).
+// A MaxConns of 8 is plenty.
 func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {

@@ -79,14 +79,11 @@ WITH lease AS (
     SELECT 1 FROM outbox_shard_leases WHERE shard = $2 AND owner = $3 AND epoch = $4
 )`
 
-// snapshotSQL takes the snapshot a read's delete is limited to (idSpan).
-const snapshotSQL = `SELECT pg_current_snapshot()::text`
-
-// publishedRows are the rows a batch published: ids $1..$5 of the shard
-// that the snapshot $6 taken before its read saw (idSpan). One index range
-// instead of one lookup per id.
-// The snapshot is parsed once (a subquery), not once per row.
-const publishedRows = `id BETWEEN $1 AND $5 AND pg_visible_in_snapshot(xact_id, (SELECT $6::text::pg_snapshot)) AND EXISTS (SELECT FROM lease)`
+// publishedRows are the rows a batch published: exactly the ids sent and
+// acknowledged ($1), fenced by the lease. The delete never relies on what
+// a row says about itself (such as xact_id), so no row can go without
+// having been sent.
+const publishedRows = `id = ANY($1::bigint[]) AND EXISTS (SELECT FROM lease)`
 
 // deletePublishedSQL removes published events, fenced by the lease epoch.
 // It returns whether the lease was still held and how many rows went.
@@ -190,21 +187,23 @@ var pendingShardsSQL = func() string {
 }()
 
 // backlogSQL feeds the backlog gauges, cheaply enough to run every few
-// seconds in every publisher whatever the backlog: the count is PostgreSQL's
-// live-row statistics of the 64 partitions (exact counts of committed
-// inserts and deletes, reported by each session within about a second;
-// `publisher status` counts exactly), and the oldest event is the first row
-// of each partition by id, one index probe each. A count(*) would read every
-// waiting event: a quarter of a second of database time per publisher for
-// 200,000 events, minutes for a large backfill.
+// seconds in every publisher whatever the backlog. Each partition gets one
+// index probe for its first row by id: none means the shard is empty and
+// counts 0, exactly; otherwise the count is PostgreSQL's live-row
+// statistics for the partition (committed inserts and deletes as sessions
+// report them, within about a second, and reset to an estimate by VACUUM
+// and ANALYZE, so it may be off by a little until the shard empties;
+// `publisher status` counts exactly). The oldest event is the oldest first
+// row. A count(*) would read every waiting event: a quarter of a second of
+// database time per publisher for 200,000 events, minutes for a large
+// backfill.
 var backlogSQL = `
-SELECT coalesce(sum(greatest(s.n_live_tup, 0)), 0)::bigint,
-       coalesce(extract(epoch FROM now() - (SELECT min(created_at) FROM (` + perShard(`
-    SELECT (SELECT created_at FROM %s ORDER BY id LIMIT 1) AS created_at`, "\n    UNION ALL") + `
-) firsts)), 0)::float8
-FROM pg_stat_all_tables s
-JOIN pg_inherits i ON i.inhrelid = s.relid
-WHERE i.inhparent = 'outbox_events'::regclass`
+SELECT coalesce(sum(CASE WHEN p.first IS NULL THEN 0 ELSE greatest(s.n_live_tup, 1) END), 0)::bigint,
+       coalesce(extract(epoch FROM now() - min(p.first)), 0)::float8
+FROM (VALUES ` + perShard(`
+    ('%[1]s'::regclass, (SELECT created_at FROM %[1]s ORDER BY id LIMIT 1))`, ",") + `
+) AS p(rel, first)
+LEFT JOIN pg_stat_all_tables s ON s.relid = p.rel`
 
 // perShard repeats format, where %s is the shard's partition, for every
 // shard, joined by sep.

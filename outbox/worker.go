@@ -216,8 +216,7 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, read shard
 		}
 		ids = append(ids, pe.ev.id)
 	}
-	span := idSpan{lo: batch[0].ev.id, hi: batch[len(batch)-1].ev.id, snapshot: read.snapshot, n: len(ids)}
-	next, err := p.record(ctx, w, span, deadIDs, deadErrs, deadCodes)
+	next, err := p.record(ctx, w, ids, deadIDs, deadErrs, deadCodes)
 	if err != nil {
 		return shardRead{}, err
 	}
@@ -273,25 +272,19 @@ func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
 // lane is the connection w's shard works through (see Run).
 func (p *Publisher) lane(w *shardWorker) *pgxpool.Pool { return p.lanes[w.shard%len(p.lanes)] }
 
-// shardRead is one read of a shard: its oldest events, and a snapshot taken
-// just before the read.
+// shardRead is one read of a shard: its oldest events.
 type shardRead struct {
-	events   []storedEvent
-	snapshot string // pg_current_snapshot() text
+	events []storedEvent
 }
 
-// idSpan names the published events of a batch for the fenced delete:
-// the rows of the shard with ids lo..hi that the read's snapshot saw. That
-// is every row the read returned in that range, and nothing else: an event
-// whose transaction commits later (a lower id made visible late) is not in
-// the snapshot and stays for the next read. See doc.go, "Commit order".
-type idSpan struct {
-	lo, hi   int64
-	snapshot string
-	n        int // published events in the span (dead ones move first)
-}
+// readTimeout bounds a read outside the recording round trip: a shard's
+// lane is one connection, so a read that hangs would hold up every shard
+// of the lane while heartbeats keep their leases alive.
+const readTimeout = 30 * time.Second
 
 func (p *Publisher) read(ctx context.Context, w *shardWorker) (shardRead, error) {
+	ctx, cancel := context.WithTimeout(ctx, readTimeout)
+	defer cancel()
 	batch := &pgx.Batch{}
 	p.queueRead(batch, w)
 	br := p.lane(w).SendBatch(ctx, batch)
@@ -303,21 +296,13 @@ func (p *Publisher) read(ctx context.Context, w *shardWorker) (shardRead, error)
 	return r, br.Close()
 }
 
-// queueRead adds a shard read to batch: the snapshot first, then the rows.
-// In read committed the snapshot is at least as old as the read's own, so a
-// row it sees is one the read returned (if within the read's ids); a row
-// the read returned but the snapshot missed is kept and sent again later,
-// a duplicate and never a loss.
+// queueRead adds a shard read to batch.
 func (p *Publisher) queueRead(batch *pgx.Batch, w *shardWorker) {
-	batch.Queue(snapshotSQL)
 	batch.Queue(shardSQL[w.shard].read, w.readLimit)
 }
 
 func (p *Publisher) readResults(br pgx.BatchResults, w *shardWorker) (shardRead, error) {
 	var r shardRead
-	if err := br.QueryRow().Scan(&r.snapshot); err != nil {
-		return shardRead{}, err
-	}
 	rows, err := br.Query()
 	if err != nil {
 		return shardRead{}, err
@@ -512,7 +497,7 @@ func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.C
 // before the next batch goes to Kafka (no transaction is open while Kafka is
 // waited on). It runs to completion after a soft stop: the broker already
 // has the events.
-func (p *Publisher) record(ctx context.Context, w *shardWorker, span idSpan, deadIDs []int64, deadErrs []string, deadCodes []int32) (shardRead, error) {
+func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) (shardRead, error) {
 	rctx := context.WithoutCancel(ctx)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval = 100 * time.Millisecond
@@ -531,8 +516,8 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, span idSpan, dea
 		if len(deadIDs) > 0 {
 			batch.Queue(sql.deadLetter, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
 		}
-		if span.n > 0 {
-			batch.Queue(del, span.lo, w.shard, p.cfg.ID, w.epoch, span.hi, span.snapshot)
+		if len(ids) > 0 {
+			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch)
 		}
 		fenced := len(batch.QueuedQueries) - 1
 		p.queueRead(batch, w)
