@@ -429,7 +429,7 @@ func (c *compiled) outboxCTE(b *builder) string {
          ` + b.c(c.spec.Topic, "text") + `, ` + b.c(c.spec.AggregateType, "text") + `, source_id, source_version,
          CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document
   FROM up
-  ON CONFLICT (event_id, aggregate_id) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING 1
 )`
 }

@@ -9,8 +9,16 @@
 -- its shard's partition (outbox_events_s00 .. outbox_events_s63); inserts
 -- still go through outbox_events. See outbox/doc.go, "Shards".
 --
--- Run with the publishers stopped: the table is rebuilt under an exclusive
--- lock and its events move to the shards of the new shard function.
+-- Upgrade the writers first (batcher, and applications calling
+-- outbox.Enqueue from a release with this migration): they insert with a
+-- plain ON CONFLICT DO NOTHING, which works before and after it, while an
+-- older writer's ON CONFLICT (event_id) finds no matching unique index
+-- afterwards. Then run it with the publishers stopped: the table is rebuilt
+-- under an exclusive lock (writers wait for it; the copy takes about as long
+-- as inserting the waiting events again, so drain the outbox first when it
+-- is large), and its events move to the shards of the new shard function.
+-- Privileges on the old table carry over; storage parameters and
+-- publication membership do not.
 
 -- outboxrelay_shard is now exactly the partition PostgreSQL's hash
 -- partitioning picks for aggregate_id among 64 partitions: the text hash
@@ -33,9 +41,10 @@ ALTER TABLE outbox_events_004 DROP CONSTRAINT outbox_events_pkey, DROP CONSTRAIN
 DROP INDEX outbox_events_shard_id;
 
 -- Uniqueness on a partitioned table must include the partition key: ids come
--- from one identity sequence and an event id always belongs to one aggregate
--- (outboxrelay_event_id hashes the source id), so (event_id, aggregate_id)
--- is as strict as event_id was.
+-- from one identity sequence, and the batcher's event ids always belong to
+-- one aggregate (outboxrelay_event_id hashes the source id), so for them
+-- (event_id, aggregate_id) is as strict as event_id was. An application
+-- that reuses one event id for two aggregates now gets two events.
 CREATE TABLE outbox_events (
     id                bigint      GENERATED ALWAYS AS IDENTITY,
     event_id          uuid        NOT NULL,
@@ -66,6 +75,27 @@ INSERT INTO outbox_events (id, event_id, topic, aggregate_type, aggregate_id, ag
 OVERRIDING SYSTEM VALUE
 SELECT id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, xact_id, created_at
 FROM outbox_events_004;
+
+-- The old table's privileges carry over, to the parent (writers insert
+-- there) and to every partition (publishers name partitions directly, and
+-- PostgreSQL checks a partition's own privileges when it is named).
+DO $$
+DECLARE
+    acl record;
+    t text;
+BEGIN
+    FOR acl IN
+        SELECT a.privilege_type, a.grantee, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = 'outbox_events_004'::regclass AND a.grantee <> c.relowner
+    LOOP
+        FOREACH t IN ARRAY ARRAY['outbox_events'] || ARRAY(SELECT 'outbox_events_s' || lpad(s::text, 2, '0') FROM generate_series(0, 63) AS s) LOOP
+            EXECUTE format('GRANT %s ON %I TO %s%s', acl.privilege_type, t,
+                CASE WHEN acl.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(acl.grantee)) END,
+                CASE WHEN acl.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+        END LOOP;
+    END LOOP;
+END $$;
 
 SELECT setval(pg_get_serial_sequence('outbox_events', 'id'),
               greatest((SELECT max(id) FROM outbox_events_004), (SELECT last_value FROM outbox_events_004_id_seq), 1));

@@ -142,7 +142,7 @@ WITH moved AS (
 )
 INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
 SELECT event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers FROM moved ORDER BY id
-ON CONFLICT (event_id, aggregate_id) DO NOTHING`
+ON CONFLICT DO NOTHING`
 
 // RetryDeadLetters moves the given dead letters (all of them when ids is
 // nil) back into outbox_events, in one statement, and returns how many were

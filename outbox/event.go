@@ -52,7 +52,7 @@ var ErrInvalidEvent = errors.New("invalid outbox event")
 const enqueueSQL = `
 INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::jsonb[], $8::jsonb[])
-ON CONFLICT (event_id, aggregate_id) DO NOTHING`
+ON CONFLICT DO NOTHING`
 
 // Enqueue inserts events in the caller's transaction, so they commit or roll
 // back with the caller's own writes. An event whose ID is already in the
