@@ -82,8 +82,11 @@ WITH lease AS (
 // publishedRows are the rows a batch published: exactly the ids sent and
 // acknowledged ($1), fenced by the lease. The delete never relies on what
 // a row says about itself (such as xact_id), so no row can go without
-// having been sent.
-const publishedRows = `id = ANY($1::bigint[]) AND EXISTS (SELECT FROM lease)`
+// having been sent. $5 and $6 are the lowest and highest of the ids: the
+// index serves that range in one pass over the batch's pages and the ids
+// are a hashed filter on it ("id + 0" keeps the planner from turning them
+// into one index descent per id), a third of the time of the lookups.
+const publishedRows = `id BETWEEN $5 AND $6 AND id + 0 = ANY($1::bigint[]) AND EXISTS (SELECT FROM lease)`
 
 // deletePublishedSQL removes published events, fenced by the lease epoch.
 // It returns whether the lease was still held and how many rows went.

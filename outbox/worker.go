@@ -517,7 +517,8 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 			batch.Queue(sql.deadLetter, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
 		}
 		if len(ids) > 0 {
-			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch)
+			// ids ascend: they were read in id order.
+			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch, ids[0], ids[len(ids)-1])
 		}
 		fenced := len(batch.QueuedQueries) - 1
 		p.queueRead(batch, w)
