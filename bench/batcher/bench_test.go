@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/benchround"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
 	"github.com/outboxrelay/outboxrelay/outbox"
@@ -69,8 +70,8 @@ func benchSpec() batch.Spec {
 	return s
 }
 
-// benchRows and benchRepeats: BENCH_ROWS=100000,1000000 (default) and
-// BENCH_REPEATS=3 (default) rounds of baseline, batcher, Go processor.
+// benchRows: BENCH_ROWS=100000,1000000 (default), each run for
+// benchround.Repeats rounds of baseline, batcher, Go processor.
 func benchRows(b *testing.B) []int {
 	var out []int
 	for _, f := range strings.Split(cmp.Or(os.Getenv("BENCH_ROWS"), "100000,1000000"), ",") {
@@ -83,24 +84,6 @@ func benchRows(b *testing.B) []int {
 	return out
 }
 
-func benchRepeats(b *testing.B) int {
-	r, err := strconv.Atoi(cmp.Or(os.Getenv("BENCH_REPEATS"), "3"))
-	if err != nil || r < 1 {
-		b.Fatalf("BENCH_REPEATS %q: want a positive count", os.Getenv("BENCH_REPEATS"))
-	}
-	return r
-}
-
-// series is one contender's rates over the rounds.
-type series []float64
-
-func (s series) sorted() []float64 { x := slices.Clone(s); slices.Sort(x); return x }
-func (s series) median() float64   { x := s.sorted(); return x[len(x)/2] }
-func (s series) spread() string {
-	x := s.sorted()
-	return fmt.Sprintf("%.0f–%.0f", x[0], x[len(x)-1])
-}
-
 // BenchmarkBatcher runs baseline, batcher and Go processor interleaved
 // (baseline, batcher, Go, baseline, batcher, Go, ...) so that a noisy
 // neighbour on the shared machine hits all three alike, and reports the
@@ -109,7 +92,7 @@ func (s series) spread() string {
 func BenchmarkBatcher(b *testing.B) {
 	bin := testproc.Build(b, "batcher")
 	var rss = map[int]int64{}
-	repeats := benchRepeats(b)
+	repeats := benchround.Repeats(b)
 	for _, n := range benchRows(b) {
 		b.Run(fmt.Sprintf("rows=%d", n), func(b *testing.B) {
 			url := stack.Database(b)
@@ -136,7 +119,7 @@ END $$`))
 			b.Logf("%d source rows, payload ~%.0f bytes, %d rounds", n, avg, repeats)
 			reset(b, pool)
 
-			var baseline, sqlRate, goRate, sqlRatio, goRatio series
+			var baseline, sqlRate, goRate, sqlRatio, goRatio benchround.Series
 			var p50, p99 []float64
 			var peak int64
 			var chunks int
@@ -188,18 +171,18 @@ END $$`))
 			slices.Sort(p50)
 			slices.Sort(p99)
 
-			b.ReportMetric(sqlRate.median(), "rows/s")
-			b.ReportMetric(baseline.median(), "baseline_rows/s")
-			b.ReportMetric(sqlRatio.median(), "ratio_sql")
-			b.ReportMetric(goRate.median(), "go_rows/s")
-			b.ReportMetric(goRatio.median(), "ratio_go")
+			b.ReportMetric(sqlRate.Median(), "rows/s")
+			b.ReportMetric(baseline.Median(), "baseline_rows/s")
+			b.ReportMetric(sqlRatio.Median(), "ratio_sql")
+			b.ReportMetric(goRate.Median(), "go_rows/s")
+			b.ReportMetric(goRatio.Median(), "ratio_go")
 			b.ReportMetric(p50[len(p50)/2], "chunk_p50_ms")
 			b.ReportMetric(p99[len(p99)/2], "chunk_p99_ms")
 			b.ReportMetric(float64(peak)/(1<<20), "peak_rss_MiB")
 			b.Logf("rows=%d over %d rounds, median (min–max): baseline COPY %.0f (%s) rows/s | batcher (SQL) %.0f (%s) rows/s, ratio %.2f (%.2f–%.2f), %d chunks p50 %.0f ms p99 %.0f ms, peak RSS %.1f MiB (subprocess VmHWM) | Go processor %.0f (%s) rows/s, ratio %.2f (%.2f–%.2f)",
-				n, repeats, baseline.median(), baseline.spread(), sqlRate.median(), sqlRate.spread(), sqlRatio.median(), slices.Min(sqlRatio), slices.Max(sqlRatio),
+				n, repeats, baseline.Median(), baseline.Spread("%.0f"), sqlRate.Median(), sqlRate.Spread("%.0f"), sqlRatio.Median(), slices.Min(sqlRatio), slices.Max(sqlRatio),
 				chunks, p50[len(p50)/2], p99[len(p99)/2], float64(peak)/(1<<20),
-				goRate.median(), goRate.spread(), goRatio.median(), slices.Min(goRatio), slices.Max(goRatio))
+				goRate.Median(), goRate.Spread("%.0f"), goRatio.Median(), slices.Min(goRatio), slices.Max(goRatio))
 			if small, ok := rss[100_000]; ok && n == 1_000_000 {
 				b.ReportMetric(float64(peak)/float64(small), "rss_1M_over_100k")
 				b.Logf("peak RSS 1M / 100k = %.2f", float64(peak)/float64(small))

@@ -14,16 +14,13 @@ package bench_indexer
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/url"
-	"os"
 	"slices"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -31,6 +28,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outboxrelay/outboxrelay/internal/benchround"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -50,24 +48,6 @@ const (
 func document(i int) []byte {
 	return fmt.Appendf(nil, `{"id":"doc-%07d","tenant":"tenant-%03d","title":"Benchmark document number %d","status":"active","amount":%d,"tags":["alpha","beta","gamma"],"created_at":"2026-01-01T00:00:00Z","body":"%s"}`,
 		i, i%100, i, i*7%100000, bytes.Repeat([]byte("lorem ipsum "), 29))
-}
-
-func benchRepeats(b *testing.B) int {
-	r, err := strconv.Atoi(cmp.Or(os.Getenv("BENCH_REPEATS"), "3"))
-	if err != nil || r < 1 {
-		b.Fatalf("BENCH_REPEATS %q: want a positive count", os.Getenv("BENCH_REPEATS"))
-	}
-	return r
-}
-
-// series is one side's figures over the rounds.
-type series []float64
-
-func (s series) sorted() []float64 { x := slices.Clone(s); slices.Sort(x); return x }
-func (s series) median() float64   { x := s.sorted(); return x[len(x)/2] }
-func (s series) spread() string {
-	x := s.sorted()
-	return fmt.Sprintf("%.2f–%.2f", x[0], x[len(x)-1])
 }
 
 // run is one side of one round.
@@ -91,7 +71,7 @@ func BenchmarkIndexer(b *testing.B) {
 		all[i] = document(i)
 		size += len(all[i])
 	}
-	repeats := benchRepeats(b)
+	repeats := benchround.Repeats(b)
 	b.Logf("%d documents, %d bytes on average, %d rounds", docs, size/docs, repeats)
 
 	// The topic.
@@ -119,7 +99,7 @@ func BenchmarkIndexer(b *testing.B) {
 
 	b.ReportAllocs()
 	for b.Loop() {
-		var rate, joinRate, baseRate, ratio series
+		var rate, joinRate, baseRate, ratio benchround.Series
 		var lat, baseLat []time.Duration
 		for round := range repeats {
 			base := rawBulk(b, client, all)
@@ -129,15 +109,15 @@ func BenchmarkIndexer(b *testing.B) {
 			lat, baseLat = append(lat, ix.lat...), append(baseLat, base.lat...)
 			b.Logf("round %d: raw %.0f docs/s, indexer %.0f docs/s (%.0f with the group join), ratio %.2f", round, base.rate, ix.rate, ix.joinRate, ix.rate/base.rate)
 		}
-		b.ReportMetric(rate.median(), "docs/s")
-		b.ReportMetric(joinRate.median(), "docs/s_incl_group_join")
+		b.ReportMetric(rate.Median(), "docs/s")
+		b.ReportMetric(joinRate.Median(), "docs/s_incl_group_join")
 		b.ReportMetric(quantile(lat, 0.50).Seconds()*1000, "bulk_p50_ms")
 		b.ReportMetric(quantile(lat, 0.99).Seconds()*1000, "bulk_p99_ms")
-		b.ReportMetric(baseRate.median(), "raw_docs/s")
+		b.ReportMetric(baseRate.Median(), "raw_docs/s")
 		b.ReportMetric(quantile(baseLat, 0.50).Seconds()*1000, "raw_bulk_p50_ms")
 		b.ReportMetric(quantile(baseLat, 0.99).Seconds()*1000, "raw_bulk_p99_ms")
-		b.ReportMetric(ratio.median(), "ratio")
-		b.Logf("median over %d rounds: raw %.0f docs/s, indexer %.0f docs/s, ratio %.2f (%s)", repeats, baseRate.median(), rate.median(), ratio.median(), ratio.spread())
+		b.ReportMetric(ratio.Median(), "ratio")
+		b.Logf("median over %d rounds: raw %.0f docs/s, indexer %.0f docs/s, ratio %.2f (%s)", repeats, baseRate.Median(), rate.Median(), ratio.Median(), ratio.Spread("%.2f"))
 	}
 }
 

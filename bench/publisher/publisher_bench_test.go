@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"runtime"
 	"slices"
 	"strconv"
@@ -23,6 +22,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/internal/benchround"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -196,10 +196,7 @@ func BenchmarkPublisher(b *testing.B) {
 	brokers := stack.KafkaBrokers(b)
 	url := stack.Database(b)
 	pool := stack.Pool(b, url)
-	rounds := 3
-	if v, err := strconv.Atoi(os.Getenv("BENCH_REPEATS")); err == nil && v > 0 {
-		rounds = v
-	}
+	rounds := benchround.Repeats(b)
 	type config struct {
 		name string
 		run  func() measured
@@ -211,8 +208,8 @@ func BenchmarkPublisher(b *testing.B) {
 		{"1 publisher running", func() measured { return drain(b, url, brokers, pool, 1, true) }},
 		{"3 publishers running", func() measured { return drain(b, url, brokers, pool, 3, true) }},
 	}
-	rates := map[string][]float64{}
-	var allocs []float64
+	rates := map[string]benchround.Series{}
+	var allocs benchround.Series
 	for r := range rounds {
 		for i := range configs {
 			c := configs[(i+r)%len(configs)]
@@ -230,12 +227,12 @@ func BenchmarkPublisher(b *testing.B) {
 				r+1, c.name, events, m.took.Round(time.Millisecond), m.rate, m.firstAck.Round(time.Millisecond), m.cpu)
 		}
 	}
-	raw := median(rates["raw kafka-go"])
+	raw := rates["raw kafka-go"].Median()
 	b.ReportMetric(raw, "events/s-raw")
-	b.ReportMetric(median(allocs), "B/event")
+	b.ReportMetric(allocs.Median(), "B/event")
 	summary := fmt.Sprintf("medians of %d rounds: raw kafka-go %.0f events/s", rounds, raw)
 	for _, c := range configs[1:] {
-		rate := median(rates[c.name])
+		rate := rates[c.name].Median()
 		unit := strings.ReplaceAll(strings.ReplaceAll(c.name, " publishers", "pub"), " publisher", "pub")
 		unit = strings.ReplaceAll(unit, " ", "-")
 		b.ReportMetric(rate, "events/s-"+unit)
@@ -243,12 +240,6 @@ func BenchmarkPublisher(b *testing.B) {
 		summary += fmt.Sprintf("; %s %.0f events/s, ratio %.2f", c.name, rate, rate/raw)
 	}
 	b.Log(summary)
-}
-
-func median(xs []float64) float64 {
-	xs = slices.Clone(xs)
-	slices.Sort(xs)
-	return xs[len(xs)/2]
 }
 
 // baseline produces the same records from memory with the publisher's writer
