@@ -145,14 +145,34 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	resolved := make(chan resolvedBatch, ix.cfg.Lanes)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
+		var fetchRetry backoff.BackOff // set while fetches fail
 		for {
 			m, err := reader.FetchMessage(gctx)
 			if err != nil {
 				if gctx.Err() != nil {
 					return nil
 				}
-				return fmt.Errorf("fetch from %s: %w", ix.cfg.Topic, err)
+				// The reader reports a group it could not rejoin (a
+				// rebalance in progress, a member id the coordinator
+				// dropped while this process was stalled) and keeps
+				// trying on its own: wait and fetch again, within the
+				// retry budget.
+				if fetchRetry == nil {
+					fetchRetry = ix.newBackOff(gctx)
+				}
+				next := fetchRetry.NextBackOff()
+				if next == backoff.Stop {
+					return fmt.Errorf("fetch from %s: %w", ix.cfg.Topic, err)
+				}
+				ix.log.Warn("fetch failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
+				select {
+				case <-time.After(next):
+				case <-gctx.Done():
+					return nil
+				}
+				continue
 			}
+			fetchRetry = nil
 			if bl.put(gctx, parse(m, ix.cfg.MaxDocumentBytes)) != nil {
 				return nil
 			}
@@ -164,9 +184,11 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
+	guard := &staleCommitGuard{reader: reader, client: &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout},
+		group: ix.cfg.Group, topic: ix.cfg.Topic}
 	go func() {
 		defer close(committerDone)
-		ix.runCommitter(gctx, reader, resolved)
+		ix.runCommitter(gctx, reader, guard, resolved)
 	}()
 	err = g.Wait()
 	close(resolved)
@@ -212,7 +234,7 @@ func (ix *Indexer) runLane(ctx context.Context, bl *backlog, lane int, resolved 
 // runCommitter commits resolved batches in the order the lanes resolved
 // them, until resolved is closed. Batches that queued up while a commit
 // was in flight go into one commit.
-func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, resolved <-chan resolvedBatch) {
+func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, guard *staleCommitGuard, resolved <-chan resolvedBatch) {
 	var pending []resolvedBatch
 	for rb := range resolved {
 		pending = append(pending[:0], rb)
@@ -228,7 +250,7 @@ func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, resol
 				break more
 			}
 		}
-		ix.commit(ctx, reader, pending)
+		ix.commit(ctx, reader, guard, pending)
 		failpoint.Hit(FailpointAfterCommit)
 		if ix.onBatch != nil {
 			for _, rb := range pending {
@@ -241,8 +263,10 @@ func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, resol
 // commit commits the offsets of resolved batches. They are fully
 // resolved, so the commit goes through even when ctx has just ended: that
 // is the point where the work is known to be done. A failed commit is not
-// fatal: the messages are replayed and the replay is harmless.
-func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, batches []resolvedBatch) {
+// fatal: the messages are replayed and the replay is harmless. After a
+// rebalance, the guard keeps a batch fetched before it from moving a
+// partition's offset back.
+func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, guard *staleCommitGuard, batches []resolvedBatch) {
 	var msgs []kafka.Message
 	lag := map[int]int64{}
 	for _, rb := range batches {
@@ -253,6 +277,9 @@ func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, batches []r
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ix.cfg.SessionTimeout)
 	defer cancel()
+	if msgs = guard.filter(cctx, msgs); len(msgs) == 0 {
+		return
+	}
 	if err := reader.CommitMessages(cctx, msgs...); err != nil {
 		ix.m.commitErrs.Inc()
 		ix.log.Warn("offset commit failed; the batch will be replayed", slog.Int("docs", len(msgs)), slog.String("error", err.Error()))
@@ -261,6 +288,68 @@ func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, batches []r
 	for p, l := range lag {
 		ix.m.setLag(p, max(l, 0))
 	}
+}
+
+// staleCommitGuard keeps offsets from moving back after a rebalance.
+// kafka-go's Reader commits every offset with the group generation current
+// at commit time, and the broker does not check that the member still owns
+// the partition: a batch fetched before a rebalance and committed after it
+// moves the partition's offset back behind what its new owner committed,
+// and nothing moves it forward again until new messages arrive (the
+// messages are only replayed, harmlessly, but the lag stays up). For
+// guardWindow after a rebalance (this member's first join excepted), the
+// guard reads the group's committed offsets before each commit and drops
+// the partitions already committed at or past the batch.
+type staleCommitGuard struct {
+	reader       *kafka.Reader
+	client       *kafka.Client
+	group, topic string
+
+	rebalances int64     // seen so far (Stats resets the reader's counters: the committer is its only caller)
+	until      time.Time // the guard is on until then
+}
+
+// guardWindow is how long after a rebalance batches fetched before it may
+// still be committed: the backlog and the lanes drain well within it.
+const guardWindow = time.Minute
+
+func (g *staleCommitGuard) filter(ctx context.Context, msgs []kafka.Message) []kafka.Message {
+	if n := g.reader.Stats().Rebalances; n > 0 {
+		if g.rebalances += n; g.rebalances > 1 {
+			g.until = time.Now().Add(guardWindow)
+		}
+	}
+	if time.Now().After(g.until) {
+		return msgs
+	}
+	last := map[int]int64{}
+	for _, m := range msgs {
+		last[m.Partition] = max(last[m.Partition], m.Offset)
+	}
+	parts := make([]int, 0, len(last))
+	for p := range last {
+		parts = append(parts, p)
+	}
+	resp, err := g.client.OffsetFetch(ctx, &kafka.OffsetFetchRequest{GroupID: g.group, Topics: map[string][]int{g.topic: parts}})
+	if err != nil || resp.Error != nil {
+		return msgs // commit as before; a rollback only replays
+	}
+	ahead := map[int]bool{}
+	for _, p := range resp.Topics[g.topic] {
+		if p.Error == nil && p.CommittedOffset > last[p.Partition] {
+			ahead[p.Partition] = true
+		}
+	}
+	if len(ahead) == 0 {
+		return msgs
+	}
+	kept := msgs[:0:0]
+	for _, m := range msgs {
+		if !ahead[m.Partition] {
+			kept = append(kept, m)
+		}
+	}
+	return kept
 }
 
 func (ix *Indexer) newBackOff(ctx context.Context) backoff.BackOff {
