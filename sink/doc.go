@@ -25,7 +25,13 @@
 // while the lane's next bulk is already in the engine. A committed offset
 // therefore always means "everything before it is indexed or
 // dead-lettered"; that stays true across rebalances, so a commit that
-// reaches the group after its partition moved elsewhere is harmless too.
+// reaches the group after its partition moved elsewhere loses nothing
+// either. It could move the partition's offset back, though (kafka-go
+// commits with the current generation and the broker does not check
+// ownership), leaving the lag up until new messages arrive; for a minute
+// after a rebalance the committer reads the group's committed offsets first
+// and skips partitions already at or past the batch. A group the reader
+// fails to rejoin is retried within RetryMaxElapsed.
 // Lanes bound the number of concurrent bulk requests independently of the
 // partition count and keep kafka-go's rebalance handling (rather than a
 // goroutine per assigned partition with kafka.ConsumerGroup). They are not
