@@ -68,8 +68,10 @@ func newBacklog(cfg Config) *backlog {
 }
 
 // docSize is what a document adds to a bulk request, roughly: the body, the
-// action line and the reconcile fields.
-func docSize(d *doc) int { return len(d.body) + len(d.id) + 120 }
+// action line and the reconcile fields; and what it holds in the backlog. A
+// message that will be dead-lettered has no body but keeps its value, so the
+// larger of the two counts, and the backlog's byte cap holds for it too.
+func docSize(d *doc) int { return max(len(d.body), len(d.msg.Value)) + len(d.id) + 120 }
 
 func signal(c chan struct{}) {
 	select {
