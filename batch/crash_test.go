@@ -67,6 +67,14 @@ func exact(t *testing.T, url string, job string, rows int64) {
 	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE job = $1 AND state = 'succeeded' AND cursor IS DISTINCT FROM boundary`, job))
 }
 
+// crashLease is the lease of the runs in these tests: short, so a rerun
+// takes over a killed worker's partition quickly, yet longer than a chunk
+// takes on a loaded CI machine. The lease also bounds how long a pipelined
+// chunk may wait, idle in its transaction, for the chunk before it
+// (idle_in_transaction_session_timeout); at 500 ms, a chunk that took 700 ms
+// under load ended the next one's session and failed the run.
+const crashLease = "LEASE_TTL=3s"
+
 func TestFailpointsCrashAndResume(t *testing.T) {
 	t.Parallel()
 	bin := testproc.Build(t, "batcher")
@@ -91,7 +99,7 @@ func TestFailpointsCrashAndResume(t *testing.T) {
 				url, pool := newDB(t)
 				seed(t, pool, 0, 3000, 700, 1)
 				specFile := writeSpec(t, spec(func(s *batch.Spec) { s.Chunk.Pipeline = pipeline }))
-				p := testproc.Run(t, 2*time.Minute, bin, env(url, failpoint.EnvVar+"="+tt.point+"@3", "LEASE_TTL=500ms"), "run", "--spec", specFile)
+				p := testproc.Run(t, 2*time.Minute, bin, env(url, failpoint.EnvVar+"="+tt.point+"@3", crashLease), "run", "--spec", specFile)
 				require.True(t, p.Killed(), "killed at %s; stderr:\n%s", tt.point, p.Stderr())
 				require.Contains(t, p.Stderr(), "failpoint "+tt.point)
 				if tt.point == "batch.after_commit" && pipeline == 1 {
@@ -110,7 +118,7 @@ func TestFailpointsCrashAndResume(t *testing.T) {
 					require.True(t, c.Processed >= tt.lo && c.Processed <= tt.hi, "committed %d, want %d..%d", c.Processed, tt.lo, tt.hi)
 				}
 
-				p = testproc.Run(t, 2*time.Minute, bin, env(url, "LEASE_TTL=500ms"), "run", "--spec", specFile)
+				p = testproc.Run(t, 2*time.Minute, bin, env(url, crashLease), "run", "--spec", specFile)
 				require.Equal(t, 0, p.ExitCode(), p.Stderr())
 				exact(t, url, "records", 3000)
 			})
@@ -122,10 +130,10 @@ func TestFailpointsCrashAndResume(t *testing.T) {
 		url, pool := newDB(t)
 		seed(t, pool, 0, 1000, 3, 1)
 		specFile := writeSpec(t, spec())
-		p := testproc.Run(t, 2*time.Minute, bin, env(url, failpoint.EnvVar+"=batch.after_upsert@1", "LEASE_TTL=500ms"), "run", "--spec", specFile)
+		p := testproc.Run(t, 2*time.Minute, bin, env(url, failpoint.EnvVar+"=batch.after_upsert@1", crashLease), "run", "--spec", specFile)
 		require.True(t, p.Killed())
 		require.Equal(t, counts{States: "running"}, count(t, pool, "records"))
-		p = testproc.Run(t, 2*time.Minute, bin, env(url, "LEASE_TTL=500ms"), "run", "--spec", specFile)
+		p = testproc.Run(t, 2*time.Minute, bin, env(url, crashLease), "run", "--spec", specFile)
 		require.Equal(t, 0, p.ExitCode(), p.Stderr())
 		exact(t, url, "records", 1000)
 	})
