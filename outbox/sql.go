@@ -180,14 +180,9 @@ const leaveSQL = `DELETE FROM outbox_publishers WHERE id = $1`
 // first id), since the partition key is not the shard and PostgreSQL cannot
 // prune on it. The CASE makes each probe run only for a shard asked about
 // (a plain AND may be evaluated in either order).
-var pendingShardsSQL = func() string {
-	probes := make([]string, NumShards)
-	for s := range probes {
-		probes[s] = fmt.Sprintf("\nSELECT %[1]d::smallint AS shard WHERE CASE WHEN %[1]d = ANY($1::smallint[]) THEN (SELECT id FROM %[2]s ORDER BY id LIMIT 1) IS NOT NULL END",
-			s, ShardTable(s))
-	}
-	return strings.Join(probes, "\nUNION ALL")
-}()
+var pendingShardsSQL = perShard(`
+SELECT %[2]d::smallint AS shard WHERE CASE WHEN %[2]d = ANY($1::smallint[]) THEN (SELECT id FROM %[1]s ORDER BY id LIMIT 1) IS NOT NULL END`,
+	"\nUNION ALL")
 
 // backlogSQL feeds the backlog gauges, cheaply enough to run every few
 // seconds in every publisher whatever the backlog. Each partition gets one
@@ -208,12 +203,12 @@ FROM (VALUES ` + perShard(`
 ) AS p(rel, first)
 LEFT JOIN pg_stat_all_tables s ON s.relid = p.rel`
 
-// perShard repeats format, where %s is the shard's partition, for every
-// shard, joined by sep.
+// perShard repeats format for every shard, joined by sep: %[1]s in it is
+// the shard's partition, %[2]d the shard.
 func perShard(format, sep string) string {
 	parts := make([]string, NumShards)
 	for s := range parts {
-		parts[s] = fmt.Sprintf(format, ShardTable(s))
+		parts[s] = fmt.Sprintf(format, ShardTable(s), s)
 	}
 	return strings.Join(parts, sep)
 }

@@ -100,7 +100,7 @@ func (p *Publisher) valid(w *shardWorker) bool { return p.now() < time.Duration(
 
 func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 	failures := 0
-	var batch shardRead
+	var events []storedEvent
 	fresh := false // events were read after the last batch was recorded
 	for ctx.Err() == nil {
 		if !p.valid(w) {
@@ -114,15 +114,15 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 		}
 		var err error
 		if !fresh {
-			if batch, err = p.read(ctx, w); err != nil {
+			if events, err = p.read(ctx, w); err != nil {
 				p.m.errors.WithLabelValues(errKindDatabase).Inc()
 				err = fmt.Errorf("read shard %d: %w", w.shard, err)
 			}
 		}
-		if err == nil && len(batch.events) > 0 {
+		if err == nil && len(events) > 0 {
 			// The round trip that records this batch also reads the next
 			// one, so a busy shard costs one query per batch.
-			batch, err = p.publishBatch(ctx, w, batch)
+			events, err = p.publishBatch(ctx, w, events)
 		}
 		fresh = err == nil
 		switch {
@@ -141,7 +141,7 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 			continue
 		}
 		failures = 0
-		if len(batch.events) > 0 {
+		if len(events) > 0 {
 			continue // more is waiting: never wait on a timer while busy
 		}
 		w.idle.Store(true)
@@ -167,8 +167,7 @@ type pendingEvent struct {
 
 // publishBatch sends and records one batch read from the shard, and returns
 // the shard's next batch, read in the same round trip as the recording.
-func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, read shardRead) (shardRead, error) {
-	events := read.events
+func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, events []storedEvent) ([]storedEvent, error) {
 	// Keep the call under BatchBytes so kafka-go sends each partition's
 	// share as one request; the rest of the rows come with the next read.
 	rb := newRecordBuilder(p.cfg.Source, len(events))
@@ -197,7 +196,7 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, read shard
 	}
 
 	if err := p.produce(ctx, w, batch); err != nil {
-		return shardRead{}, err
+		return nil, err
 	}
 	acked := time.Now()
 
@@ -218,7 +217,7 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, read shard
 	}
 	next, err := p.record(ctx, w, ids, deadIDs, deadErrs, deadCodes)
 	if err != nil {
-		return shardRead{}, err
+		return nil, err
 	}
 	p.m.published.Add(float64(len(ids)))
 	p.m.deadLetters.Add(float64(len(deadIDs)))
@@ -272,43 +271,19 @@ func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
 // lane is the connection w's shard works through (see Run).
 func (p *Publisher) lane(w *shardWorker) *pgxpool.Pool { return p.lanes[w.shard%len(p.lanes)] }
 
-// shardRead is one read of a shard: its oldest events.
-type shardRead struct {
-	events []storedEvent
-}
-
 // readTimeout bounds a read outside the recording round trip: a shard's
 // lane is one connection, so a read that hangs would hold up every shard
 // of the lane while heartbeats keep their leases alive.
 const readTimeout = 30 * time.Second
 
-func (p *Publisher) read(ctx context.Context, w *shardWorker) (shardRead, error) {
+func (p *Publisher) read(ctx context.Context, w *shardWorker) ([]storedEvent, error) {
 	ctx, cancel := context.WithTimeout(ctx, readTimeout)
 	defer cancel()
-	batch := &pgx.Batch{}
-	p.queueRead(batch, w)
-	br := p.lane(w).SendBatch(ctx, batch)
-	defer br.Close()
-	r, err := p.readResults(br, w)
+	rows, err := p.lane(w).Query(ctx, shardSQL[w.shard].read, w.readLimit)
 	if err != nil {
-		return shardRead{}, err
+		return nil, err
 	}
-	return r, br.Close()
-}
-
-// queueRead adds a shard read to batch.
-func (p *Publisher) queueRead(batch *pgx.Batch, w *shardWorker) {
-	batch.Queue(shardSQL[w.shard].read, w.readLimit)
-}
-
-func (p *Publisher) readResults(br pgx.BatchResults, w *shardWorker) (shardRead, error) {
-	var r shardRead
-	rows, err := br.Query()
-	if err != nil {
-		return shardRead{}, err
-	}
-	r.events, err = scanEvents(rows, w.readLimit)
-	return r, err
+	return scanEvents(rows, w.readLimit)
 }
 
 // scanEvents reads a batch of events with a handful of allocations: the
@@ -497,7 +472,7 @@ func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.C
 // before the next batch goes to Kafka (no transaction is open while Kafka is
 // waited on). It runs to completion after a soft stop: the broker already
 // has the events.
-func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) (shardRead, error) {
+func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) ([]storedEvent, error) {
 	rctx := context.WithoutCancel(ctx)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval = 100 * time.Millisecond
@@ -507,7 +482,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 	if p.cfg.Retention > 0 {
 		del = sql.retain
 	}
-	var next shardRead
+	var next []storedEvent
 	err := backoff.RetryNotify(func() error {
 		actx, cancel := context.WithTimeout(rctx, 30*time.Second)
 		defer cancel()
@@ -521,7 +496,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch, ids[0], ids[len(ids)-1])
 		}
 		fenced := len(batch.QueuedQueries) - 1
-		p.queueRead(batch, w)
+		batch.Queue(sql.read, w.readLimit)
 		err := func() error {
 			br := p.lane(w).SendBatch(actx, batch)
 			defer br.Close()
@@ -540,8 +515,11 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 					return ErrLeaseLost
 				}
 			}
-			var err error
-			if next, err = p.readResults(br, w); err != nil {
+			rows, err := br.Query()
+			if err != nil {
+				return err
+			}
+			if next, err = scanEvents(rows, w.readLimit); err != nil {
 				return err
 			}
 			// Close reads the end of the implicit transaction: only then is
@@ -557,7 +535,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 		w.log.Warn("recording published events failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
 	})
 	if err != nil {
-		return shardRead{}, err
+		return nil, err
 	}
 	return next, nil
 }
