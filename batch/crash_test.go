@@ -68,12 +68,10 @@ func exact(t *testing.T, url string, job string, rows int64) {
 }
 
 // crashLease is the lease of the runs in these tests: short, so a rerun
-// takes over a killed worker's partition quickly, yet longer than a chunk
-// takes on a loaded CI machine. The lease also bounds how long a pipelined
-// chunk may wait, idle in its transaction, for the chunk before it
-// (idle_in_transaction_session_timeout); at 500 ms, a chunk that took 700 ms
-// under load ended the next one's session and failed the run.
-const crashLease = "LEASE_TTL=3s"
+// takes over a killed worker's partition quickly. A chunk may take longer
+// than the lease (a pipelined chunk waiting for the one before it reads the
+// lease meanwhile, see TestPipelinedChunkOutwaitsTheLease).
+const crashLease = "LEASE_TTL=1s"
 
 func TestFailpointsCrashAndResume(t *testing.T) {
 	t.Parallel()

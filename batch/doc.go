@@ -25,7 +25,12 @@
 // order: chunk N+1 locks the checkpoint row after chunk N holds it, so it
 // waits for N's COMMIT or ROLLBACK, and its UPDATE matches only if the
 // stored cursor is N's end. If N fails, N+1 rolls back and the worker goes
-// on (or stops) from the last committed checkpoint.
+// on (or stops) from the last committed checkpoint. While N+1 waits, its
+// transaction is idle, and the server ends a session idle for the lease TTL
+// (so a frozen worker cannot hold locks past its lease); N+1 therefore reads
+// its lease every third of the TTL, which restarts that timer and rolls N+1
+// back at once if another worker took the partition. A chunk may take
+// longer than the lease.
 //
 // A run is (job, logical run id, partition). Partitions run in parallel,
 // claimed by workers with FOR UPDATE SKIP LOCKED leases and heartbeats;

@@ -28,6 +28,13 @@ var (
 	ErrBadRow = errors.New("bad row")
 	// ErrNotFound means no such job, run or partition.
 	ErrNotFound = errors.New("not found")
+	// ErrIdleTimeout means PostgreSQL ended a chunk's session because its
+	// transaction sat idle for the lease TTL: the worker sent nothing for
+	// that long (it was stopped or starved, or a custom Processor worked
+	// that long on one slice of rows). The chunk rolled back; its
+	// connection is gone, so it is not retried in place: the partition
+	// fails, and the next run resumes it from its checkpoint.
+	ErrIdleTimeout = errors.New("PostgreSQL ended the chunk's transaction: idle for the lease TTL")
 )
 
 // errPaused stops a partition whose run was paused by an operator.
@@ -45,7 +52,8 @@ func Transient(err error) error { return &transientError{err: err} }
 
 // IsRetryable reports whether err is worth retrying the chunk for: a row
 // error marked [Transient], or a PostgreSQL error that heals (serialization
-// failure, deadlock, lock timeout, lost connection). Never a cancellation.
+// failure, deadlock, lock timeout, lost connection). Never a cancellation,
+// nor [ErrIdleTimeout] (the chunk's own connection is gone).
 func IsRetryable(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
@@ -67,6 +75,13 @@ func IsRetryable(err error) bool {
 	}
 	var ce *pgconn.ConnectError
 	return errors.As(err, &ce) || errors.Is(err, pgx.ErrTxClosed)
+}
+
+// isIdleTimeout: the server ended the session for idling in a transaction
+// (idle_in_transaction_session_timeout).
+func isIdleTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "25P03"
 }
 
 func isLockTimeout(err error) bool {

@@ -35,7 +35,11 @@ type Config struct {
 	// LeaseTTL is how long a lease lives without a heartbeat before another
 	// worker may take the partition. It also bounds how long PostgreSQL keeps
 	// a frozen worker's open transaction (idle_in_transaction_session_timeout).
-	// Default 30s.
+	// A chunk may take longer than the lease: a pipelined chunk waiting for
+	// the one before it reads the lease meanwhile, which keeps its
+	// transaction from counting as idle. A custom Processor's work does
+	// count, so with a Processor and an adaptive size the lease must be at
+	// least 3 × chunk.target_duration. Default 30s.
 	LeaseTTL time.Duration
 	// HeartbeatInterval between lease renewals. Default LeaseTTL/3.
 	HeartbeatInterval time.Duration
@@ -85,6 +89,28 @@ func (c Config) validate() error {
 	return nil
 }
 
+// leaseTargets is how many chunk target durations a lease TTL spans at
+// least when a custom Processor runs (see validateFor).
+const leaseTargets = 3
+
+// validateFor checks the config against the spec's chunk settings. A custom
+// Processor works on a chunk's rows while the chunk's transaction sits idle,
+// and the server ends a transaction idle for the lease TTL. The size adapts
+// so a chunk lasts about chunk.target_duration, but a step behind when the
+// data or the load change: a lease of a few targets leaves room. A fixed
+// size (min = max) does not aim at the target, and the built-in SQL
+// normalizer runs inside a statement, never idle: nothing to check then.
+func (c Config) validateFor(s Spec) error {
+	target := time.Duration(s.Chunk.TargetDuration)
+	if c.Processor == nil || s.Chunk.Min == s.Chunk.Max || c.LeaseTTL >= leaseTargets*target {
+		return nil
+	}
+	return fmt.Errorf("lease TTL %s is shorter than %d × chunk.target_duration %s of spec %s: a custom Processor works on a chunk "+
+		"while the chunk's transaction is idle, and PostgreSQL ends a transaction idle for the lease TTL; "+
+		"raise the lease TTL to %s or more, or lower chunk.target_duration to %s or less",
+		c.LeaseTTL, leaseTargets, target, s.Job, leaseTargets*target, (c.LeaseTTL / leaseTargets).Truncate(time.Millisecond))
+}
+
 // Runner runs one scan job: it prepares the run (boundary, scope,
 // compatibility), then its workers claim partitions and process chunks until
 // the run is done or they are told to stop.
@@ -125,6 +151,9 @@ func NewRunner(pool *pgxpool.Pool, spec Spec, cfg Config) (*Runner, error) {
 	}
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if err := cfg.validateFor(spec); err != nil {
 		return nil, err
 	}
 	return &Runner{pool: pool, spec: spec, cfg: cfg}, nil
@@ -219,6 +248,9 @@ func (r *Runner) worker(soft, hard context.Context, id string) error {
 		defer conn.Release()
 		// A worker frozen inside a transaction (SIGSTOP, a GC pause of the VM)
 		// must not keep its locks past its lease: the server ends the session.
+		// A live worker's transaction is idle only between statements, while
+		// a custom Processor works, and while a pipelined chunk waits for
+		// the one before it, which reads the lease meanwhile (awaitPredecessor).
 		if _, err := conn.Exec(hard, `SELECT set_config('idle_in_transaction_session_timeout', $1, false)`, strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 			return fmt.Errorf("set up session: %w", err)
 		}
@@ -552,6 +584,11 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		if err == nil {
 			return nil
 		}
+		if isIdleTimeout(err) {
+			err = fmt.Errorf("%w (%s, idle_in_transaction_session_timeout): this worker sent no statement for that long "+
+				"(it was stopped or starved, or a custom Processor worked that long on one slice of rows); "+
+				"raise the lease TTL or make the processor faster; the chunk rolled back: %w", ErrIdleTimeout, r.cfg.LeaseTTL, err)
+		}
 		if isLockTimeout(err) && r.cfg.Metrics != nil {
 			r.cfg.Metrics.LockWait.WithLabelValues(r.spec.Job).Observe(time.Since(start).Seconds())
 		}
@@ -677,11 +714,8 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		// on the old row version, find no match and never wait. The wait
 		// is ordering, not contention, and the previous chunk's own lock
 		// timeout bounds it.
-		select {
-		case <-f.pred.locked:
-		case <-f.pred.done:
-		case <-ctx.Done():
-			return res, fmt.Errorf("write checkpoint: %w", context.Cause(ctx))
+		if err := r.awaitPredecessor(ctx, tx, f, cl); err != nil {
+			return res, err
 		}
 		b := &pgx.Batch{}
 		b.Queue(`SELECT set_config('lock_timeout', '0', true)`)
@@ -711,6 +745,38 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	failpoint.Hit("batch.after_commit")
 	res.commit = time.Since(t1) + res.write
 	return res, nil
+}
+
+// awaitPredecessor waits until the chunk before f holds the checkpoint row
+// or is over. f's transaction sits idle on the server meanwhile, and the
+// server ends a session idle for the lease TTL (see worker): that is for a
+// frozen worker, not for one whose previous chunk takes longer than the
+// lease. So every third of the lease TTL the wait reads the lease on tx:
+// the statement restarts the server's idle timer, and a lease another
+// worker took ends the wait at once (the chunk rolls back and releases its
+// row locks). A frozen worker sends nothing, and its session still ends a
+// lease TTL after its last statement.
+func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl *claim) error {
+	tick := time.NewTicker(r.cfg.LeaseTTL / 3)
+	defer tick.Stop()
+	for {
+		select {
+		case <-f.pred.locked:
+			return nil
+		case <-f.pred.done:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("wait for the previous chunk: %w", context.Cause(ctx))
+		case <-tick.C:
+		}
+		held, err := leaseHeld(ctx, tx, r.spec.Job, r.runID, cl.key, cl.token)
+		if err != nil {
+			return fmt.Errorf("check the lease while waiting for the previous chunk: %w", err)
+		}
+		if !held {
+			return whyNotOwned(ctx, r.pool, r.spec.Job, r.runID, cl.key, cl.token)
+		}
+	}
 }
 
 func parseBadRow(s string) error {

@@ -340,6 +340,14 @@ func heartbeat(ctx context.Context, db querier, job, run, key, token string, ttl
 	return tag.RowsAffected() == 1, err
 }
 
+// leaseHeld reports whether token still holds the partition, by the fence
+// of every write, without writing.
+func leaseHeld(ctx context.Context, db querier, job, run, key, token string) (bool, error) {
+	var held bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM batch_runs`+fence+`)`, job, run, key, token).Scan(&held)
+	return held, err
+}
+
 func finishPartition(ctx context.Context, db querier, job, run, key, token string) (bool, error) {
 	tag, err := db.Exec(ctx, `UPDATE batch_runs SET state = 'succeeded', finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL`+fence, job, run, key, token)
 	return tag.RowsAffected() == 1, err

@@ -84,7 +84,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	fs.Int(&c.MaxChunks, "max-chunks", "MAX_CHUNKS", 0, "stop softly after this many chunks (0 = no limit)")
 	fs.Int(&c.Workers, "workers", "WORKERS", 1, "partitions worked on at once by this process")
 	fs.String(&c.WorkerID, "worker-id", "WORKER_ID", "", "name of this worker in leases (default host-pid)")
-	fs.Duration(&c.LeaseTTL, "lease-ttl", "LEASE_TTL", 30*time.Second, "a lease without heartbeat for this long may be taken by another worker")
+	fs.Duration(&c.LeaseTTL, "lease-ttl", "LEASE_TTL", 30*time.Second, "a lease without heartbeat for this long may be taken by another worker; a stalled worker's open chunk transaction is ended after as long (a chunk may take longer)")
 	fs.Duration(&c.Grace, "grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first signal, wait this long for the chunk in flight before cancelling it")
 	fs.String(&c.MetricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9101", "serve /metrics, /healthz, /readyz here (\"\" disables)")
 	fs.String(&c.Progress, "progress", "PROGRESS", "auto", "progress line on stderr: auto (on a terminal), on or off")
