@@ -427,7 +427,7 @@ func (c *compiled) outboxCTE(b *builder) string {
   INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload)
   SELECT outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `),
          ` + b.c(c.spec.Topic, "text") + `, ` + b.c(c.spec.AggregateType, "text") + `, source_id, source_version,
-         CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document
+         CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document::json
   FROM up
   ON CONFLICT DO NOTHING
   RETURNING 1

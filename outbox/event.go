@@ -35,7 +35,8 @@ type Event struct {
 	AggregateVersion int64
 	// Type is TypeUpsert, TypeDelete or an application type. "" = upsert.
 	Type string
-	// Payload is the document (JSON). nil for deletes.
+	// Payload is the document (JSON), sent to Kafka byte for byte as given.
+	// nil for deletes.
 	Payload json.RawMessage
 	// Headers are extra headers carried to Kafka, e.g. "traceparent".
 	Headers map[string]string
@@ -51,7 +52,7 @@ var ErrInvalidEvent = errors.New("invalid outbox event")
 
 const enqueueSQL = `
 INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
-SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::jsonb[], $8::jsonb[])
+SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::json[], $8::jsonb[])
 ON CONFLICT DO NOTHING`
 
 // Enqueue inserts events in the caller's transaction, so they commit or roll

@@ -12,6 +12,8 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
 )
@@ -317,8 +319,8 @@ func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
 		topic, aggregateType, eventType = same(topic, raw[2]), same(aggregateType, raw[3]), same(eventType, raw[6])
 		e.topic, e.aggregateType, e.eventType = topic, aggregateType, eventType
 		e.aggregateID = buf.copy(raw[4])
-		e.payload = buf.copy(jsonbText(raw[7], fields[7].Format))
-		e.headers = buf.copy(jsonbText(raw[8], fields[8].Format))
+		e.payload = buf.copy(jsonText(raw[7], &fields[7]))
+		e.headers = buf.copy(jsonText(raw[8], &fields[8]))
 	}
 	return out, rows.Err()
 }
@@ -331,9 +333,11 @@ func same(prev string, v []byte) string {
 	return string(v)
 }
 
-// jsonbText strips the version byte of jsonb's binary format.
-func jsonbText(v []byte, format int16) []byte {
-	if format == pgx.BinaryFormatCode && len(v) > 0 {
+// jsonText is a json or jsonb column's value as JSON text: jsonb's binary
+// format starts with a version byte (pgx asks for text, where json and
+// jsonb are alike, but a connection may be set up otherwise).
+func jsonText(v []byte, f *pgconn.FieldDescription) []byte {
+	if f.DataTypeOID == pgtype.JSONBOID && f.Format == pgx.BinaryFormatCode && len(v) > 0 {
 		return v[1:]
 	}
 	return v
