@@ -45,10 +45,13 @@
 // shards after LeaseTTL; one that stops cleanly releases them at once.
 // Joining, giving shards back and leaving are announced on the
 // outboxrelay_publishers channel, and the others rebalance at once rather
-// than at their next heartbeat. A starting publisher registers, waits a
-// 100 ms join window, and only then claims, so publishers started together
-// split the shards fairly at once instead of handing them around. Heartbeats use their own two
-// connections so they never queue behind the shard work. Shard work goes
+// than at their next heartbeat. A starting publisher registers and claims
+// its share in its first heartbeat: the first of several started together
+// takes all free shards and gives the surplus back, each one after its
+// batch in flight, as soon as the others announce themselves (a join costs
+// the newcomer about one batch time, and nobody waits for a join that may
+// never come). Heartbeats use their own two connections so they never queue
+// behind the shard work. Shard work goes
 // through lanes of one connection each (as many as the pool's MaxConns),
 // shard s always through lane s mod lanes, so each connection prepares and
 // plans the statements of a few partitions rather than all 64.

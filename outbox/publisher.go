@@ -18,10 +18,6 @@ import (
 	"github.com/segmentio/kafka-go"
 )
 
-// joinWindow is how long a starting publisher waits between registering and
-// claiming shards, so that publishers started together see each other.
-const joinWindow = 100 * time.Millisecond
-
 // ErrLeaseLost is returned inside the publisher when a shard's fenced write
 // found another owner or epoch: the shard worker stops at once.
 var ErrLeaseLost = errors.New("shard lease lost")
@@ -45,8 +41,8 @@ type Publisher struct {
 
 	notify       chan struct{} // run the pending-shards query now
 	rebalanceNow chan struct{} // membership changed: rebalance before the next heartbeat
+	announceCh   chan struct{} // a shard was given back: tell the others (announcer)
 	joined       bool          // the first heartbeat announced this publisher
-	claiming     bool          // the join window passed: claim shards
 
 	readLimit atomic.Int64 // the last read size a shard fitted to BatchBytes (shardWorker.readLimit)
 
@@ -74,6 +70,7 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 		releasing:    map[int]bool{},
 		notify:       make(chan struct{}, 1),
 		rebalanceNow: make(chan struct{}, 1),
+		announceCh:   make(chan struct{}, 1),
 		transport: &kafka.Transport{
 			Dial:        (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
 			DialTimeout: 5 * time.Second,
@@ -111,7 +108,9 @@ func (p *Publisher) Run(ctx context.Context) error {
 	p.lanes = make([]*pgxpool.Pool, max(1, p.pool.Config().MaxConns))
 	for i := range p.lanes {
 		cfg := p.pool.Config().Copy()
-		cfg.MaxConns, cfg.MinConns = 1, 0
+		// MinConns 1: the pool connects at once, in the background, while
+		// the first heartbeat claims shards.
+		cfg.MaxConns, cfg.MinConns = 1, 1
 		if p.lanes[i], err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 			return fmt.Errorf("publisher %s: shard connection: %w", p.cfg.ID, err)
 		}
@@ -119,7 +118,7 @@ func (p *Publisher) Run(ctx context.Context) error {
 	}
 	p.log.Info("publisher starting", slog.Int("batch_size", p.cfg.BatchSize), slog.Duration("lease_ttl", p.cfg.LeaseTTL))
 	var bg sync.WaitGroup
-	for _, fn := range []func(context.Context){p.listen, p.dispatch, p.watchBacklog, p.cleanupPublished} {
+	for _, fn := range []func(context.Context){p.listen, p.dispatch, p.watchBacklog, p.cleanupPublished, p.announcer} {
 		bg.Add(1)
 		go func() {
 			defer bg.Done()
@@ -133,16 +132,6 @@ func (p *Publisher) Run(ctx context.Context) error {
 		if err := p.rebalance(ctx); err != nil && ctx.Err() == nil {
 			p.m.errors.WithLabelValues(errKindDatabase).Inc()
 			p.log.Warn("heartbeat failed; shards stop when their lease runs out", slog.String("error", err.Error()))
-		}
-		if p.joined && !p.claiming {
-			// The first heartbeat only registered this publisher. Publishers
-			// started together register within a moment of each other: after
-			// a short join window each one counts all of them and claims its
-			// fair share, instead of the first one claiming all 64 shards and
-			// handing most of them back a batch later.
-			p.claiming = true
-			sleep(ctx, min(p.cfg.LeaseTTL/10, joinWindow))
-			continue
 		}
 		select {
 		case <-ctx.Done():
@@ -215,7 +204,7 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 			}
 		}
 		p.mu.Unlock()
-		if owned < target && p.claiming {
+		if owned < target {
 			if claimed, err = scanLeases(tx.Query(ctx, claimLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL, target-owned)); err != nil {
 				return fmt.Errorf("claim leases: %w", err)
 			}
@@ -269,10 +258,9 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 	}
 	// Give surplus shards back, highest first, once their worker has
 	// finished its batch; the lease is renewed meanwhile so nobody else
-	// sends from the shard before this publisher has stopped. When all of
-	// them are back, one notification lets the others claim them at once.
-	var released sync.WaitGroup
-	releases := 0
+	// sends from the shard before this publisher has stopped. Each shard
+	// given back is announced, so the others claim it at once rather than
+	// when the slowest of the batches in flight is done.
 	for shard := NumShards - 1; shard >= 0 && len(p.workers) > target; shard-- {
 		w := p.workers[shard]
 		if w == nil {
@@ -282,11 +270,8 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 		p.releasing[shard] = true
 		w.cancel()
 		p.wg.Add(1)
-		released.Add(1)
-		releases++
 		go func() {
 			defer p.wg.Done()
-			defer released.Done()
 			<-w.done
 			rctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
@@ -294,20 +279,11 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 				p.log.Warn("release lease", slog.Int("shard", w.shard), slog.String("error", err.Error()))
 			} else {
 				p.log.Debug("shard released for rebalance", slog.Int("shard", w.shard), slog.Int("target", target))
+				p.announceSoon()
 			}
 			p.mu.Lock()
 			delete(p.releasing, w.shard)
 			p.mu.Unlock()
-		}()
-	}
-	if releases > 0 {
-		p.wg.Add(1)
-		go func() {
-			defer p.wg.Done()
-			released.Wait()
-			actx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			p.announce(actx)
 		}()
 	}
 	p.m.shards.Set(float64(len(p.workers)))
@@ -325,6 +301,30 @@ func scanLeases(rows pgx.Rows, err error) ([]lease, error) {
 		l.shard = int(shard)
 		return l, err
 	})
+}
+
+// announceSoon asks the announcer to announce: shards given back one after
+// another within a moment make one announcement, or a few, instead of one
+// rebalance per shard in every other publisher.
+func (p *Publisher) announceSoon() {
+	select {
+	case p.announceCh <- struct{}{}:
+	default: // one is pending already and will cover this one
+	}
+}
+
+// announcer announces what announceSoon asked for, one at a time.
+func (p *Publisher) announcer(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-p.announceCh:
+		}
+		actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		p.announce(actx)
+		cancel()
+	}
 }
 
 // announce tells the other publishers that membership or the free shards

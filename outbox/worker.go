@@ -487,6 +487,11 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 		del = sql.retain
 	}
 	var next []storedEvent
+	// A worker told to stop (a shard given back in a rebalance, or a soft
+	// stop) records its batch but does not read the next one: the rows
+	// would be read only to be thrown away, and the new owner reads them
+	// again.
+	readNext := ctx.Err() == nil
 	err := backoff.RetryNotify(func() error {
 		actx, cancel := context.WithTimeout(rctx, 30*time.Second)
 		defer cancel()
@@ -500,7 +505,9 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch, ids[0], ids[len(ids)-1])
 		}
 		fenced := len(batch.QueuedQueries) - 1
-		batch.Queue(sql.read, w.readLimit)
+		if readNext {
+			batch.Queue(sql.read, w.readLimit)
+		}
 		err := func() error {
 			br := p.lane(w).SendBatch(actx, batch)
 			defer br.Close()
@@ -519,12 +526,14 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 					return ErrLeaseLost
 				}
 			}
-			rows, err := br.Query()
-			if err != nil {
-				return err
-			}
-			if next, err = scanEvents(rows, w.readLimit); err != nil {
-				return err
+			if readNext {
+				rows, err := br.Query()
+				if err != nil {
+					return err
+				}
+				if next, err = scanEvents(rows, w.readLimit); err != nil {
+					return err
+				}
 			}
 			// Close reads the end of the implicit transaction: only then is
 			// the recording committed.
