@@ -28,13 +28,14 @@ type Publisher struct {
 	cfg       Config
 	pool      *pgxpool.Pool
 	leasePool *pgxpool.Pool   // heartbeats: never wait behind shard work
-	lanes     []*pgxpool.Pool // one connection each; shard s uses lanes[s % len(lanes)]
+	lanes     []*pgxpool.Pool // one connection each; a worker keeps the lane it started on (pickLane)
 	log       *slog.Logger
 	m         *publisherMetrics
 	transport *kafka.Transport
 	base      time.Time // monotonic origin of lease deadlines
 
 	mu        sync.Mutex
+	laneLoad  []int // running shard workers per lane
 	workers   map[int]*shardWorker
 	releasing map[int]bool
 	wg        sync.WaitGroup
@@ -101,16 +102,12 @@ func (p *Publisher) Run(ctx context.Context) error {
 	}
 	p.leasePool = leasePool
 	defer leasePool.Close()
-	// Shard work goes through lanes of one connection each, shard s always
-	// through lane s mod lanes: a connection then prepares and plans the
-	// statements of 64/lanes partitions instead of all 64 (each shard's
-	// statements name its partition), and keeps their plans.
+	// Shard work goes through lanes of one connection each (see lane).
 	p.lanes = make([]*pgxpool.Pool, max(1, p.pool.Config().MaxConns))
+	p.laneLoad = make([]int, len(p.lanes))
 	for i := range p.lanes {
 		cfg := p.pool.Config().Copy()
-		// MinConns 1: the pool connects at once, in the background, while
-		// the first heartbeat claims shards.
-		cfg.MaxConns, cfg.MinConns = 1, 1
+		cfg.MaxConns, cfg.MinConns = 1, 0 // connected when first used
 		if p.lanes[i], err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 			return fmt.Errorf("publisher %s: shard connection: %w", p.cfg.ID, err)
 		}

@@ -32,6 +32,7 @@ type shardWorker struct {
 	// readLimit is how many rows a read asks for: BatchSize, or fewer when
 	// that many would not fit in one call (see fit). Shard goroutine only.
 	readLimit int
+	lane      int // index into Publisher.lanes
 	writer    *kafka.Writer
 	log       *slog.Logger
 }
@@ -63,6 +64,7 @@ func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.D
 		wake:   make(chan struct{}, 1),
 
 		readLimit: cmp.Or(int(p.readLimit.Load()), p.firstReadLimit()),
+		lane:      p.pickLane(),
 		log:       p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
 		// One writer per shard: its partition batches never mix with another
 		// shard's, so each call's messages for a partition go out in a single
@@ -87,9 +89,15 @@ func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.D
 	w.wake <- struct{}{} // look at the shard once at start
 	p.workers[l.shard] = w
 	p.wg.Add(1)
+	p.laneLoad[w.lane]++
 	go func() {
 		defer p.wg.Done()
 		defer close(w.done)
+		defer func() {
+			p.mu.Lock()
+			p.laneLoad[w.lane]--
+			p.mu.Unlock()
+		}()
 		defer w.writer.Close()
 		defer p.setFailing(w, false, nil)
 		p.runShard(ctx, w)
@@ -270,8 +278,35 @@ func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
 	p.readLimit.Store(int64(w.readLimit))
 }
 
-// lane is the connection w's shard works through (see Run).
-func (p *Publisher) lane(w *shardWorker) *pgxpool.Pool { return p.lanes[w.shard%len(p.lanes)] }
+// shardsPerLane is how many shard workers share a lane before the next lane
+// is used.
+const shardsPerLane = NumShards / DefaultMaxConns
+
+// pickLane chooses the lane of a new shard worker: the least busy of as few
+// lanes as the workers need, shardsPerLane to a lane. A lane is one
+// connection, so it prepares and plans the statements of the partitions of
+// its shards only (each shard's statements name its partition) and keeps
+// them. With 64 shards every lane is used; a publisher that holds a third
+// of them uses a third of its lanes, so three publishers send PostgreSQL
+// as many queries at once as one, which on a small machine is faster than
+// three times as many. Called with p.mu held.
+func (p *Publisher) pickLane() int {
+	running := 0
+	for _, n := range p.laneLoad {
+		running += n
+	}
+	need := min(len(p.lanes), running/shardsPerLane+1)
+	lane := 0
+	for i := 1; i < need; i++ {
+		if p.laneLoad[i] < p.laneLoad[lane] {
+			lane = i
+		}
+	}
+	return lane
+}
+
+// lane is the connection w's shard works through.
+func (p *Publisher) lane(w *shardWorker) *pgxpool.Pool { return p.lanes[w.lane] }
 
 // readTimeout bounds a read outside the recording round trip: a shard's
 // lane is one connection, so a read that hangs would hold up every shard
