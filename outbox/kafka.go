@@ -49,12 +49,28 @@ type recordBuilder struct {
 }
 
 func newRecordBuilder(source string, events int) *recordBuilder {
-	return &recordBuilder{
-		source: []byte(source),
-		types:  map[string][]byte{},
-		aggs:   map[string][]byte{},
-		slab:   make([]kafka.Header, 0, events*standardHeaders),
+	rb := &recordBuilder{}
+	rb.reset(source, events)
+	return rb
+}
+
+// reset readies rb for a batch of events, reusing its buffers: the records
+// it built before must no longer be in use.
+func (rb *recordBuilder) reset(source string, events int) {
+	if string(rb.source) != source {
+		rb.source = []byte(source)
 	}
+	if rb.types == nil {
+		rb.types, rb.aggs = map[string][]byte{}, map[string][]byte{}
+	}
+	clear(rb.types)
+	clear(rb.aggs)
+	rb.values.reset()
+	if cap(rb.slab) < events*standardHeaders {
+		rb.slab = make([]kafka.Header, 0, events*standardHeaders)
+	}
+	clear(rb.slab[:cap(rb.slab)])
+	rb.slab = rb.slab[:0]
 }
 
 // standardHeaders is how many headers every record carries at most before
@@ -141,9 +157,13 @@ func intern(m map[string][]byte, prefix, s string) []byte {
 
 // arena hands out byte slices carved from shared 64 KiB chunks: one
 // allocation per chunk instead of one per value. A slice it returned is
-// never written again (its capacity ends at its length), so it can be kept
-// as long as anything needs it.
-type arena struct{ chunk []byte }
+// not written again (its capacity ends at its length) until reset, which
+// hands the same chunks out again.
+type arena struct {
+	chunk  []byte   // the chunk values are carved from
+	chunks [][]byte // every 64 KiB chunk allocated, for reuse after reset
+	used   int      // chunks[:used] have been handed out since reset
+}
 
 const arenaChunk = 64 << 10
 
@@ -164,9 +184,24 @@ func (a *arena) appendFunc(fn func([]byte) []byte) []byte {
 }
 
 func (a *arena) reserve(n int) {
-	if cap(a.chunk)-len(a.chunk) < n {
-		a.chunk = make([]byte, 0, max(arenaChunk, n))
+	switch {
+	case cap(a.chunk)-len(a.chunk) >= n:
+	case n > arenaChunk: // a value of its own, not kept for reuse
+		a.chunk = make([]byte, 0, n)
+	case a.used < len(a.chunks):
+		a.chunk = a.chunks[a.used][:0]
+		a.used++
+	default:
+		a.chunk = make([]byte, 0, arenaChunk)
+		a.chunks = append(a.chunks, a.chunk)
+		a.used = len(a.chunks)
 	}
+}
+
+// reset makes the arena hand out its chunks again from the start: every
+// slice it returned before will be overwritten, so none may be in use.
+func (a *arena) reset() {
+	a.chunk, a.used = nil, 0
 }
 
 // take returns grown[len(a.chunk):] and moves the chunk past it. grown is

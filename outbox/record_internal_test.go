@@ -78,3 +78,40 @@ func TestRecordBuilder(t *testing.T) {
 	_, err = rb.record(&storedEvent{eventID: []byte("e-3"), headers: []byte(`[1]`)})
 	require.ErrorContains(t, err, "headers are not a JSON object of strings")
 }
+
+// After reset the arena hands out the same chunks again, from the start,
+// without allocating, and the values it hands out then are intact.
+func TestArenaReuse(t *testing.T) {
+	var a arena
+	fill := func(seed int) ([][]byte, []string) {
+		var got [][]byte
+		var want []string
+		for i := range 3000 {
+			v := strings.Repeat(strconv.Itoa(seed+i), i%50+1)
+			got = append(got, a.copy([]byte(v)))
+			want = append(want, v)
+		}
+		return got, want
+	}
+	fill(0)
+	chunks := len(a.chunks)
+	require.Greater(t, chunks, 1)
+	a.reset()
+	got, want := fill(7)
+	require.Len(t, a.chunks, chunks, "no chunk added for as many values")
+	for i := range got {
+		require.Equal(t, want[i], string(got[i]), "value %d", i)
+	}
+	big := make([]byte, arenaChunk+1)
+	require.Len(t, a.copy(big), arenaChunk+1, "a value larger than a chunk gets its own")
+	require.Len(t, a.chunks, chunks, "and is not kept for reuse")
+
+	v := []byte("0123456789")
+	allocs := testing.AllocsPerRun(100, func() {
+		a.reset()
+		for range 3000 {
+			a.copy(v)
+		}
+	})
+	require.Zero(t, allocs)
+}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -110,7 +111,7 @@ func (p *Publisher) valid(w *shardWorker) bool { return p.now() < time.Duration(
 
 func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 	failures := 0
-	var events []storedEvent
+	var events *batch
 	fresh := false // events were read after the last batch was recorded
 	for ctx.Err() == nil {
 		if !p.valid(w) {
@@ -129,7 +130,7 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 				err = fmt.Errorf("read shard %d: %w", w.shard, err)
 			}
 		}
-		if err == nil && len(events) > 0 {
+		if err == nil && events.len() > 0 {
 			// The round trip that records this batch also reads the next
 			// one, so a busy shard costs one query per batch.
 			events, err = p.publishBatch(ctx, w, events)
@@ -151,7 +152,7 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 			continue
 		}
 		failures = 0
-		if len(events) > 0 {
+		if events.len() > 0 {
 			continue // more is waiting: never wait on a timer while busy
 		}
 		w.idle.Store(true)
@@ -175,13 +176,55 @@ type pendingEvent struct {
 	code int32
 }
 
+// batch is one read of a shard: its events, the memory their columns were
+// copied into, and what their records are built with. Batches come from
+// batchPool and go back to it once published and recorded, so a busy shard
+// reuses the same few megabytes instead of allocating them batch after
+// batch (and the garbage collector has that much less to do).
+type batch struct {
+	events []storedEvent
+	rows   arena // the events' variable-length columns
+	rb     recordBuilder
+	all    []pendingEvent
+	sent   []*pendingEvent
+	msgs   []kafka.Message // the records of a WriteMessages call
+}
+
+var batchPool = sync.Pool{New: func() any { return new(batch) }}
+
+func (b *batch) len() int {
+	if b == nil {
+		return 0
+	}
+	return len(b.events)
+}
+
+// release gives b back for reuse. Nothing may use b or anything built from
+// it afterwards: the next batch overwrites its rows' bytes and its records.
+// So only a batch that kafka-go is certainly done with may be released; any
+// other is left to the garbage collector (see publishBatch).
+func (b *batch) release() {
+	clear(b.events)
+	b.events = b.events[:0]
+	b.rows.reset()
+	clear(b.all)
+	b.all = b.all[:0]
+	clear(b.sent)
+	b.sent = b.sent[:0]
+	clear(b.msgs)
+	b.msgs = b.msgs[:0]
+	batchPool.Put(b)
+}
+
 // publishBatch sends and records one batch read from the shard, and returns
 // the shard's next batch, read in the same round trip as the recording.
-func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, events []storedEvent) ([]storedEvent, error) {
+func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) (*batch, error) {
+	events := b.events
 	// Keep the call under BatchBytes so kafka-go sends each partition's
 	// share as one request; the rest of the rows come with the next read.
-	rb := newRecordBuilder(p.cfg.Source, len(events))
-	all := make([]pendingEvent, 0, len(events))
+	rb := &b.rb
+	rb.reset(p.cfg.Source, len(events))
+	all := slices.Grow(b.all[:0], len(events))
 	bytes := 0
 	for i := range events {
 		pe := pendingEvent{ev: &events[i]}
@@ -200,12 +243,15 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, events []s
 		all = append(all, pe)
 	}
 	p.fit(w, len(all), len(events), bytes)
-	batch := make([]*pendingEvent, len(all))
+	b.all = all
+	batch := slices.Grow(b.sent[:0], len(all))
 	for i := range all {
-		batch[i] = &all[i]
+		batch = append(batch, &all[i])
 	}
+	b.sent = batch
 
-	if err := p.produce(ctx, w, batch); err != nil {
+	retried, err := p.produce(ctx, w, b)
+	if err != nil {
 		return nil, err
 	}
 	acked := time.Now()
@@ -249,6 +295,12 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, events []s
 			}
 		}
 		p.cfg.OnPublished(w.shard, published)
+	}
+	// A write that failed or timed out may still be on its way in kafka-go
+	// (a WriteMessages call that gave up on its context leaves the request
+	// running), with the batch's bytes: such a batch is not reused.
+	if !retried {
+		b.release()
 	}
 	return next, nil
 }
@@ -313,7 +365,7 @@ func (p *Publisher) lane(w *shardWorker) *pgxpool.Pool { return p.lanes[w.lane] 
 // of the lane while heartbeats keep their leases alive.
 const readTimeout = 30 * time.Second
 
-func (p *Publisher) read(ctx context.Context, w *shardWorker) ([]storedEvent, error) {
+func (p *Publisher) read(ctx context.Context, w *shardWorker) (*batch, error) {
 	ctx, cancel := context.WithTimeout(ctx, readTimeout)
 	defer cancel()
 	rows, err := p.lane(w).Query(ctx, shardSQL[w.shard].read, w.readLimit)
@@ -327,10 +379,10 @@ func (p *Publisher) read(ctx context.Context, w *shardWorker) ([]storedEvent, er
 // variable-length columns are copied from pgx's row buffer into shared
 // chunks (arena), and the columns that repeat from row to row (topic,
 // types) are made into strings once.
-func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
+func scanEvents(rows pgx.Rows, limit int) (*batch, error) {
 	defer rows.Close()
+	var b *batch
 	var out []storedEvent
-	var buf arena
 	var topic, aggregateType, eventType string
 	// The fixed-size columns are scanned through one argument list for the
 	// whole batch (a list per row would be an allocation per row); the rest
@@ -341,8 +393,9 @@ func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
 	var createdAt time.Time
 	dest := []any{&id, nil, nil, nil, nil, &version, nil, nil, nil, &createdAt}
 	for rows.Next() {
-		if out == nil {
-			out = make([]storedEvent, 0, limit)
+		if b == nil {
+			b = batchPool.Get().(*batch)
+			out = slices.Grow(b.events[:0], limit)
 		}
 		if err := rows.Scan(dest...); err != nil {
 			return nil, err
@@ -350,6 +403,7 @@ func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
 		out = append(out, storedEvent{id: id, aggregateVersion: version, createdAt: createdAt})
 		e := &out[len(out)-1]
 		raw, fields := rows.RawValues(), rows.FieldDescriptions()
+		buf := &b.rows
 		e.eventID = buf.copy(raw[1])
 		topic, aggregateType, eventType = same(topic, raw[2]), same(aggregateType, raw[3]), same(eventType, raw[6])
 		e.topic, e.aggregateType, e.eventType = topic, aggregateType, eventType
@@ -357,7 +411,10 @@ func scanEvents(rows pgx.Rows, limit int) ([]storedEvent, error) {
 		e.payload = buf.copy(jsonText(raw[7], &fields[7]))
 		e.headers = buf.copy(jsonText(raw[8], &fields[8]))
 	}
-	return out, rows.Err()
+	if b != nil {
+		b.events = out
+	}
+	return b, rows.Err()
 }
 
 // same returns v as a string: prev itself when equal, without allocating.
@@ -383,20 +440,22 @@ func jsonText(v []byte, f *pgconn.FieldDescription) []byte {
 // share of a call is one produce request that lands whole or not at all:
 // after a failure only the failed partitions' messages are sent again, in
 // their original order, and a retry can duplicate but never reorder.
-func (p *Publisher) produce(ctx context.Context, w *shardWorker, batch []*pendingEvent) error {
-	pending := make([]*pendingEvent, 0, len(batch))
-	for _, pe := range batch {
+func (p *Publisher) produce(ctx context.Context, w *shardWorker, b *batch) (retried bool, err error) {
+	pending := make([]*pendingEvent, 0, len(b.sent))
+	for _, pe := range b.sent {
 		if pe.err == nil {
 			pending = append(pending, pe)
 		}
 	}
 	var suspects []*pendingEvent // rejected as part of a partition batch
-	err := p.retry(ctx, w, func(actx context.Context) error {
-		err := w.write(actx, messages(pending)...)
+	err = p.retry(ctx, w, func(actx context.Context) error {
+		b.msgs = messages(b.msgs[:0], pending)
+		err := w.write(actx, b.msgs...)
 		if err == nil {
 			pending = nil
 			return nil
 		}
+		retried = true
 		var werrs kafka.WriteErrors
 		if !errors.As(err, &werrs) || len(werrs) != len(pending) {
 			if IsPermanent(err) {
@@ -420,13 +479,14 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, batch []*pendin
 		return cause
 	})
 	if err != nil {
-		return err
+		return retried, err
 	}
 	// A rejected request says nothing about which record was at fault (one
 	// too-large record fails its whole partition batch): send those records
 	// one at a time, in order, to find the culprits and deliver the rest.
 	slices.SortFunc(suspects, func(a, b *pendingEvent) int { return int(a.ev.id - b.ev.id) })
 	for _, pe := range suspects {
+		retried = true
 		err := p.retry(ctx, w, func(actx context.Context) error {
 			err := w.write(actx, pe.msg)
 			var werrs kafka.WriteErrors
@@ -440,10 +500,10 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, batch []*pendin
 			return err
 		})
 		if err != nil {
-			return err
+			return retried, err
 		}
 	}
-	return nil
+	return retried, nil
 }
 
 // write sends msgs in one WriteMessages call. The writer's BatchSize is set
@@ -459,10 +519,11 @@ func (w *shardWorker) write(ctx context.Context, msgs ...kafka.Message) error {
 	return w.writer.WriteMessages(ctx, msgs...)
 }
 
-func messages(pes []*pendingEvent) []kafka.Message {
-	out := make([]kafka.Message, len(pes))
-	for i, pe := range pes {
-		out[i] = pe.msg
+// messages appends the messages of pes to out.
+func messages(out []kafka.Message, pes []*pendingEvent) []kafka.Message {
+	out = slices.Grow(out, len(pes))
+	for _, pe := range pes {
+		out = append(out, pe.msg)
 	}
 	return out
 }
@@ -511,7 +572,7 @@ func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.C
 // before the next batch goes to Kafka (no transaction is open while Kafka is
 // waited on). It runs to completion after a soft stop: the broker already
 // has the events.
-func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) ([]storedEvent, error) {
+func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) (*batch, error) {
 	rctx := context.WithoutCancel(ctx)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval = 100 * time.Millisecond
@@ -521,7 +582,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 	if p.cfg.Retention > 0 {
 		del = sql.retain
 	}
-	var next []storedEvent
+	var next *batch
 	// A worker told to stop (a shard given back in a rebalance, or a soft
 	// stop) records its batch but does not read the next one: the rows
 	// would be read only to be thrown away, and the new owner reads them
