@@ -52,9 +52,10 @@
 // the newcomer about one batch time, and nobody waits for a join that may
 // never come). Heartbeats use their own two connections so they never queue
 // behind the shard work. Shard work goes through lanes of one connection
-// each (up to the pool's MaxConns), eight shard workers to a lane, so each
-// connection prepares and plans the statements of a few partitions rather
-// than all 64, and a publisher holding few shards uses few connections.
+// each (up to the pool's MaxConns), 64/MaxConns shard workers to a lane,
+// so each connection prepares and plans the statements of a few partitions
+// rather than all 64, and a publisher holding few shards uses few
+// connections.
 //
 // # One shard, one batch at a time
 //

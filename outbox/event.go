@@ -35,8 +35,9 @@ type Event struct {
 	AggregateVersion int64
 	// Type is TypeUpsert, TypeDelete or an application type. "" = upsert.
 	Type string
-	// Payload is the document (JSON), sent to Kafka byte for byte as given.
-	// nil for deletes.
+	// Payload is the document (JSON), sent to Kafka byte for byte as given:
+	// it must be what the consumers accept (the indexer's search engine
+	// rejects an object with a duplicate key, for one). nil for deletes.
 	Payload json.RawMessage
 	// Headers are extra headers carried to Kafka, e.g. "traceparent".
 	Headers map[string]string

@@ -14,8 +14,8 @@ import (
 )
 
 // storedEvent is one outbox_events row as the publisher reads it. The byte
-// fields share the batch's buffers (see scanEvents) and are never written
-// after the read.
+// fields share the batch's buffers (see scanEvents): they are not written
+// until the batch is released for reuse (batch.release).
 type storedEvent struct {
 	id               int64
 	eventID          []byte // text form

@@ -52,10 +52,10 @@ type Publisher struct {
 }
 
 // NewPublisher checks cfg and returns a publisher on pool. Run opens, from
-// pool's configuration, pool.Config().MaxConns connections for the shard
-// work (one per lane, shards spread over them), two for heartbeats and one
-// to LISTEN; pool itself serves the occasional queries (polling, backlog).
-// A MaxConns of 8 is plenty.
+// pool's configuration, up to pool.Config().MaxConns connections for the
+// shard work (lanes, opened as the shards held need them), two for
+// heartbeats and one to LISTEN; pool itself serves the occasional queries
+// (polling, backlog). A MaxConns of 8 is plenty.
 func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
@@ -142,8 +142,8 @@ func (p *Publisher) Run(ctx context.Context) error {
 	}
 }
 
-// stop ends every shard worker, then releases leases and membership so the
-// remaining publishers rebalance at their next heartbeat.
+// stop ends every shard worker, then releases leases and membership and
+// announces it, so the remaining publishers rebalance at once.
 func (p *Publisher) stop() {
 	p.mu.Lock()
 	workers := make([]*shardWorker, 0, len(p.workers))
@@ -184,6 +184,12 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 	start := p.now()
 	var live int
 	var renewed, claimed []lease
+	// giving is the renewed shards that were being given back when counted.
+	// Their release waits for this transaction's row locks and may be done
+	// (p.releasing cleared) by the time the workers are started below: such
+	// a shard's renewal is stale, and starting a worker on it would send
+	// from a shard another publisher is free to claim.
+	giving := map[int]bool{}
 	err := pgx.BeginFunc(ctx, p.leasePool, func(tx pgx.Tx) error {
 		if err := tx.QueryRow(ctx, heartbeatSQL, p.cfg.ID, p.cfg.LeaseTTL).Scan(&live); err != nil {
 			return fmt.Errorf("heartbeat: %w", err)
@@ -196,7 +202,9 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 		p.mu.Lock()
 		owned := 0
 		for _, l := range renewed {
-			if !p.releasing[l.shard] {
+			if p.releasing[l.shard] {
+				giving[l.shard] = true
+			} else {
 				owned++
 			}
 		}
@@ -231,7 +239,7 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 	held := map[int]bool{}
 	for _, l := range append(renewed, claimed...) {
 		held[l.shard] = true
-		if p.releasing[l.shard] {
+		if p.releasing[l.shard] || giving[l.shard] {
 			continue
 		}
 		w := p.workers[l.shard]

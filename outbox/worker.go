@@ -330,24 +330,22 @@ func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
 	p.readLimit.Store(int64(w.readLimit))
 }
 
-// shardsPerLane is how many shard workers share a lane before the next lane
-// is used.
-const shardsPerLane = NumShards / DefaultMaxConns
-
 // pickLane chooses the lane of a new shard worker: the least busy of as few
-// lanes as the workers need, shardsPerLane to a lane. A lane is one
-// connection, so it prepares and plans the statements of the partitions of
-// its shards only (each shard's statements name its partition) and keeps
-// them. With 64 shards every lane is used; a publisher that holds a third
-// of them uses a third of its lanes, so three publishers send PostgreSQL
-// as many queries at once as one, which on a small machine is faster than
-// three times as many. Called with p.mu held.
+// lanes as the workers need, 64/lanes shards to a lane (8 with the default
+// 8 lanes). A lane is one connection, so it prepares and plans the
+// statements of the partitions of its shards only (each shard's statements
+// name its partition) and keeps them. A publisher holding all 64 shards
+// uses every lane; one that holds a third of them uses a third of its
+// lanes, so three publishers send PostgreSQL as many queries at once as
+// one, which on a small machine is faster than three times as many.
+// Called with p.mu held.
 func (p *Publisher) pickLane() int {
 	running := 0
 	for _, n := range p.laneLoad {
 		running += n
 	}
-	need := min(len(p.lanes), running/shardsPerLane+1)
+	perLane := (NumShards + len(p.lanes) - 1) / len(p.lanes)
+	need := min(len(p.lanes), running/perLane+1)
 	lane := 0
 	for i := 1; i < need; i++ {
 		if p.laneLoad[i] < p.laneLoad[lane] {
@@ -567,7 +565,8 @@ func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.C
 
 // record removes the acknowledged events from the outbox (or moves them to
 // outbox_published under a retention) and parks the dead ones, fenced by the
-// lease epoch, then reads the shard's next batch. All of it is one pipelined
+// lease epoch, then reads the shard's next batch (unless the worker is
+// stopping). All of it is one pipelined
 // round trip, run by PostgreSQL as one implicit transaction that commits
 // before the next batch goes to Kafka (no transaction is open while Kafka is
 // waited on). It runs to completion after a soft stop: the broker already
