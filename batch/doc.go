@@ -26,10 +26,14 @@
 // waits for N's COMMIT or ROLLBACK, and its UPDATE matches only if the
 // stored cursor is N's end. If N fails, N+1 rolls back and the worker goes
 // on (or stops) from the last committed checkpoint. While N+1 waits, its
-// transaction is idle, and the server ends a session idle for the lease TTL
-// (so a frozen worker cannot hold locks past its lease); N+1 therefore reads
-// its lease every third of the TTL, which restarts that timer and rolls N+1
-// back at once if another worker took the partition. A chunk may take
+// transaction is idle, and the server ends a session idle in a chunk
+// transaction for the lease TTL (set per transaction, so a frozen worker's
+// session ends within one heartbeat interval after its lease expires);
+// N+1 therefore reads its lease every third of the TTL, which restarts that
+// timer and rolls N+1 back at once if another worker took the partition.
+// The same read checks that N's backend is still in a transaction: if N is
+// stuck outside the server (a custom Processor that ignores its context),
+// N+1 rolls back rather than hold its locks for as long. A chunk may take
 // longer than the lease.
 //
 // A run is (job, logical run id, partition). Partitions run in parallel,

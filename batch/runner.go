@@ -33,13 +33,22 @@ type Config struct {
 	// Workers is how many partitions this process works on at once. Default 1.
 	Workers int
 	// LeaseTTL is how long a lease lives without a heartbeat before another
-	// worker may take the partition. It also bounds how long PostgreSQL keeps
-	// a frozen worker's open transaction (idle_in_transaction_session_timeout).
+	// worker may take the partition. Each chunk transaction also takes it as
+	// its idle_in_transaction_session_timeout (transaction-local: the pool's
+	// connections keep their own setting), so PostgreSQL ends a frozen
+	// worker's session a lease TTL after its last statement: within one
+	// heartbeat interval after its lease expires (its last heartbeat may
+	// precede its last statement by up to that much).
+	//
 	// A chunk may take longer than the lease: a pipelined chunk waiting for
 	// the one before it reads the lease meanwhile, which keeps its
-	// transaction from counting as idle. A custom Processor's work does
-	// count, so with a Processor and an adaptive size the lease must be at
-	// least 3 × chunk.target_duration. Default 30s.
+	// transaction from counting as idle while the one before it is in a
+	// transaction on the server. A custom Processor's work does count as
+	// idle: with a Processor and an adaptive size, NewRunner requires a
+	// lease of at least 3 × chunk.target_duration; with a fixed size
+	// (chunk.min = chunk.max) it checks nothing, so the Processor must
+	// handle one slice of a chunk (up to 10000 rows) well within the lease.
+	// Default 30s.
 	LeaseTTL time.Duration
 	// HeartbeatInterval between lease renewals. Default LeaseTTL/3.
 	HeartbeatInterval time.Duration
@@ -246,14 +255,6 @@ func (r *Runner) worker(soft, hard context.Context, id string) error {
 			return fmt.Errorf("acquire a connection: %w", err)
 		}
 		defer conn.Release()
-		// A worker frozen inside a transaction (SIGSTOP, a GC pause of the VM)
-		// must not keep its locks past its lease: the server ends the session.
-		// A live worker's transaction is idle only between statements, while
-		// a custom Processor works, and while a pipelined chunk waits for
-		// the one before it, which reads the lease meanwhile (awaitPredecessor).
-		if _, err := conn.Exec(hard, `SELECT set_config('idle_in_transaction_session_timeout', $1, false)`, strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
-			return fmt.Errorf("set up session: %w", err)
-		}
 		conns[i] = conn.Conn()
 	}
 	for {
@@ -498,6 +499,7 @@ type flight struct {
 	// pred is the chunk before this one when it was in flight at launch:
 	// this one's checkpoint waits for it and matches only if it committed.
 	pred   *flight
+	begun  atomic.Bool   // an attempt has begun its transaction
 	locked chan struct{} // closed once an attempt's checkpoint UPDATE returned (holding the row lock)
 	lockMu sync.Once
 	done   chan struct{}
@@ -662,9 +664,18 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		return res, fmt.Errorf("begin chunk: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
+	f.begun.Store(true)
 	// work_mem: a chunk materializes its rows and documents once; spilling
 	// them to temp files would cost more than the memory.
-	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('work_mem', '64MB', true)`, strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10)); err != nil {
+	// idle_in_transaction_session_timeout: a worker frozen inside a
+	// transaction (SIGSTOP, a GC pause of the VM) must not keep its locks
+	// past its lease, so the server ends the session. A live worker's
+	// transaction is idle only between statements, while a custom Processor
+	// works, and while a pipelined chunk waits for the one before it, which
+	// reads the lease meanwhile (awaitPredecessor). Transaction-local: the
+	// connections go back to the caller's pool.
+	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('work_mem', '64MB', true), set_config('idle_in_transaction_session_timeout', $2, true)`,
+		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return res, fmt.Errorf("begin chunk: %w", err)
 	}
 	vals := map[string]any{
@@ -749,14 +760,25 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 
 // awaitPredecessor waits until the chunk before f holds the checkpoint row
 // or is over. f's transaction sits idle on the server meanwhile, and the
-// server ends a session idle for the lease TTL (see worker): that is for a
-// frozen worker, not for one whose previous chunk takes longer than the
+// server ends a transaction idle for the lease TTL (see chunk): that is for
+// a frozen worker, not for one whose previous chunk takes longer than the
 // lease. So every third of the lease TTL the wait reads the lease on tx:
 // the statement restarts the server's idle timer, and a lease another
 // worker took ends the wait at once (the chunk rolls back and releases its
 // row locks). A frozen worker sends nothing, and its session still ends a
 // lease TTL after its last statement.
+//
+// The same statement checks that the previous chunk's backend is still in
+// a transaction (running, waiting on a lock, or between statements). When
+// it is not, the previous chunk is stuck in Go (a Processor that ignores
+// ctx; the server ended its idle session) or between two attempts: the wait
+// ends at once with errPredecessor, rather than hold this chunk's row locks
+// and snapshot for as long as the previous chunk's goroutine hangs. The
+// partition takes that as it takes a checkpoint that did not match: after
+// a retried predecessor it runs the chunk again, otherwise the
+// predecessor's own error fails the partition.
 func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl *claim) error {
+	pid := f.pred.conn.PgConn().PID()
 	tick := time.NewTicker(r.cfg.LeaseTTL / 3)
 	defer tick.Stop()
 	for {
@@ -769,12 +791,24 @@ func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl 
 			return fmt.Errorf("wait for the previous chunk: %w", context.Cause(ctx))
 		case <-tick.C:
 		}
-		held, err := leaseHeld(ctx, tx, r.spec.Job, r.runID, cl.key, cl.token)
+		held, busy, err := waitCheck(ctx, tx, r.spec.Job, r.runID, cl.key, cl.token, pid)
 		if err != nil {
 			return fmt.Errorf("check the lease while waiting for the previous chunk: %w", err)
 		}
 		if !held {
 			return whyNotOwned(ctx, r.pool, r.spec.Job, r.runID, cl.key, cl.token)
+		}
+		select {
+		case <-f.pred.locked: // it reached its checkpoint meanwhile (then committed, or is committing)
+			return nil
+		case <-f.pred.done:
+			return nil
+		default:
+		}
+		if !busy && f.pred.begun.Load() {
+			r.cfg.Logger.Warn("the previous chunk's session is not in a transaction while this chunk waits for it; rolling this chunk back",
+				append(r.logAttrs(cl.key), slog.Int64("previous_pid", int64(pid)))...)
+			return fmt.Errorf("wait for the previous chunk: its session (pid %d) is not in a transaction: %w", pid, errPredecessor)
 		}
 	}
 }

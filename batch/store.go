@@ -340,12 +340,22 @@ func heartbeat(ctx context.Context, db querier, job, run, key, token string, ttl
 	return tag.RowsAffected() == 1, err
 }
 
-// leaseHeld reports whether token still holds the partition, by the fence
-// of every write, without writing.
-func leaseHeld(ctx context.Context, db querier, job, run, key, token string) (bool, error) {
-	var held bool
-	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM batch_runs`+fence+`)`, job, run, key, token).Scan(&held)
-	return held, err
+// waitCheck reads, on the transaction of a chunk waiting for the chunk
+// before it, whether token still holds the partition (by the fence of every
+// write, without writing) and whether the previous chunk's backend (pid) is
+// still in a transaction: running a statement or waiting on a lock (state
+// 'active') or between statements ('idle in transaction'), not 'idle' or
+// gone. A state it cannot see (NULL: another role's backend; 'disabled':
+// track_activities off) counts as in a transaction, so the wait goes on as
+// before. A transaction keeps the first pg_stat_activity it read until it
+// ends, so the check clears that snapshot first.
+func waitCheck(ctx context.Context, tx pgx.Tx, job, run, key, token string, pid uint32) (held, busy bool, err error) {
+	b := &pgx.Batch{}
+	b.Queue(`SELECT pg_stat_clear_snapshot()`)
+	b.Queue(`SELECT EXISTS (SELECT FROM batch_runs`+fence+`), EXISTS (SELECT FROM pg_stat_activity WHERE pid = $5 AND state IS DISTINCT FROM 'idle')`,
+		job, run, key, token, int64(pid)).QueryRow(func(row pgx.Row) error { return row.Scan(&held, &busy) })
+	err = tx.SendBatch(ctx, b).Close()
+	return held, busy, err
 }
 
 func finishPartition(ctx context.Context, db querier, job, run, key, token string) (bool, error) {
