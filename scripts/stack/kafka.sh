@@ -209,7 +209,7 @@ format_storage() {
 	source "$STATE/stack.conf"
 	log "formatting $STATE/data (cluster id $CLUSTER_ID)"
 	"$JAVA" -Xmx256m "-Dlog4j.configuration=file:$LOG4J" "-Dkafka.logs.dir=$STATE" -cp "$LIBS/*" \
-		kafka.tools.StorageTool format -t "$CLUSTER_ID" -c "$STATE/server.properties" >&2 \
+		kafka.tools.StorageTool format --cluster-id="$CLUSTER_ID" -c "$STATE/server.properties" >&2 \
 		|| die "kafka-storage format failed"
 }
 
@@ -219,8 +219,13 @@ new_state() {
 	local ports cid
 	# Below the ephemeral range, so a restart finds its port free (see freeport.py).
 	ports=$(python3 "$SCRIPT_DIR/freeport.py" 2) || die "cannot pick free ports"
-	# A Kafka cluster id is 16 random bytes, base64url without padding (22 chars).
-	cid=$(head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
+	# A Kafka cluster id is 16 random bytes, base64url without padding (22
+	# chars). Like Kafka's own random ids, never one that starts with '-':
+	# kafka-storage took such an id for an option (1 start in 64 failed).
+	cid=-
+	while [[ $cid == -* ]]; do
+		cid=$(head -c16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
+	done
 	{
 		echo "BROKER_PORT=$(sed -n 1p <<<"$ports")"
 		echo "CONTROLLER_PORT=$(sed -n 2p <<<"$ports")"
