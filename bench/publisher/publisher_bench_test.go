@@ -89,8 +89,12 @@ func drain(b *testing.B, url string, brokers []string, pool *pgxpool.Pool, n int
 	clock.Store(newAckClock())
 	var ids []string
 	for range n {
-		// The pool size `publisher run` uses by default.
-		pool := stack.Pool(b, withParam(url, "pool_max_conns", strconv.Itoa(outbox.DefaultMaxConns)))
+		// The pool size `publisher run` uses by default, closed when this
+		// run ends (the pools of earlier runs would otherwise keep their
+		// connections open until the benchmark ends).
+		pool, err := pgxpool.New(context.Background(), withParam(url, "pool_max_conns", strconv.Itoa(outbox.DefaultMaxConns)))
+		require.NoError(b, err)
+		defer pool.Close()
 		pub, err := outbox.NewPublisher(pool, outbox.Config{Brokers: brokers, Logger: quiet(), LeaseTTL: 3 * time.Second,
 			OnPublished: func(_ int, evs []outbox.Published) { clock.Load().acked(len(evs)) }})
 		require.NoError(b, err)
