@@ -41,7 +41,7 @@ func runCommand() cli.Command {
 			fs.Duration(&cfg.Retention, "retention", "RETENTION", 0, "keep published events in outbox_published this long (0 deletes them at once)")
 			fs.Duration(&cfg.BacklogInterval, "backlog-interval", "BACKLOG_INTERVAL", outbox.DefaultBacklogInterval, "refresh interval of the backlog metrics")
 			fs.String(&cfg.Source, "ce-source", "CE_SOURCE", outbox.DefaultSource, "CloudEvents ce_source header")
-			fs.Int(&maxConns, "database-max-conns", "DATABASE_MAX_CONNS", outbox.DefaultMaxConns, "PostgreSQL pool size")
+			fs.Int(&maxConns, "database-max-conns", "DATABASE_MAX_CONNS", outbox.DefaultMaxConns, "most PostgreSQL connections for shard work (one per lane, 64/N shards to a lane); heartbeats, LISTEN, polling and the backlog gauge use a few more")
 			fs.Duration(&grace, "shutdown-grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGTERM/SIGINT, how long to finish batches in flight before exiting anyway")
 			if _, err := fs.Parse(args); err != nil {
 				return err
