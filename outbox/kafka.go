@@ -69,7 +69,6 @@ func (rb *recordBuilder) reset(source string, events int) {
 	if cap(rb.slab) < events*standardHeaders {
 		rb.slab = make([]kafka.Header, 0, events*standardHeaders)
 	}
-	clear(rb.slab[:cap(rb.slab)])
 	rb.slab = rb.slab[:0]
 }
 

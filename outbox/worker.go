@@ -186,7 +186,6 @@ type batch struct {
 	rows   arena // the events' variable-length columns
 	rb     recordBuilder
 	all    []pendingEvent
-	sent   []*pendingEvent
 	msgs   []kafka.Message // the records of a WriteMessages call
 }
 
@@ -209,8 +208,7 @@ func (b *batch) release() {
 	b.rows.reset()
 	clear(b.all)
 	b.all = b.all[:0]
-	clear(b.sent)
-	b.sent = b.sent[:0]
+	clear(b.rb.slab)
 	clear(b.msgs)
 	b.msgs = b.msgs[:0]
 	batchPool.Put(b)
@@ -244,11 +242,6 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) 
 	}
 	p.fit(w, len(all), len(events), bytes)
 	b.all = all
-	batch := slices.Grow(b.sent[:0], len(all))
-	for i := range all {
-		batch = append(batch, &all[i])
-	}
-	b.sent = batch
 
 	retried, err := p.produce(ctx, w, b)
 	if err != nil {
@@ -259,8 +252,9 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) 
 	var ids, deadIDs []int64
 	var deadErrs []string
 	var deadCodes []int32
-	ids = make([]int64, 0, len(batch))
-	for _, pe := range batch {
+	ids = make([]int64, 0, len(all))
+	for i := range all {
+		pe := &all[i]
 		if pe.err != nil {
 			deadIDs = append(deadIDs, pe.ev.id)
 			deadErrs = append(deadErrs, pe.err.Error())
@@ -278,16 +272,16 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) 
 	p.m.published.Add(float64(len(ids)))
 	p.m.deadLetters.Add(float64(len(deadIDs)))
 	p.m.errors.WithLabelValues(errKindRejected).Add(float64(len(deadIDs)))
-	p.m.batchSize.Observe(float64(len(batch)))
-	for _, pe := range batch {
-		if pe.err == nil {
+	p.m.batchSize.Observe(float64(len(all)))
+	for i := range all {
+		if pe := &all[i]; pe.err == nil {
 			p.m.latency.Observe(acked.Sub(pe.ev.createdAt).Seconds())
 		}
 	}
 	if p.cfg.OnPublished != nil && len(ids) > 0 {
 		published := make([]Published, 0, len(ids))
-		for _, pe := range batch {
-			if pe.err == nil {
+		for i := range all {
+			if pe := &all[i]; pe.err == nil {
 				published = append(published, Published{
 					EventID: string(pe.ev.eventID), AggregateID: string(pe.ev.aggregateID), AggregateVersion: pe.ev.aggregateVersion,
 					CreatedAt: pe.ev.createdAt, AckedAt: acked,
@@ -439,9 +433,9 @@ func jsonText(v []byte, f *pgconn.FieldDescription) []byte {
 // after a failure only the failed partitions' messages are sent again, in
 // their original order, and a retry can duplicate but never reorder.
 func (p *Publisher) produce(ctx context.Context, w *shardWorker, b *batch) (retried bool, err error) {
-	pending := make([]*pendingEvent, 0, len(b.sent))
-	for _, pe := range b.sent {
-		if pe.err == nil {
+	pending := make([]*pendingEvent, 0, len(b.all))
+	for i := range b.all {
+		if pe := &b.all[i]; pe.err == nil {
 			pending = append(pending, pe)
 		}
 	}

@@ -90,16 +90,8 @@ func (v *jsonValidator) object(depth int) bool {
 		if !v.value(depth) {
 			return false
 		}
-		v.skipSpace()
-		switch v.peek() {
-		case ',':
-			v.i++
-			v.skipSpace()
-		case '}':
-			v.i++
-			return true
-		default:
-			return false
+		if more, ok := v.next('}'); !more {
+			return ok
 		}
 	}
 }
@@ -118,17 +110,26 @@ func (v *jsonValidator) array(depth int) bool {
 		if !v.value(depth) {
 			return false
 		}
-		v.skipSpace()
-		switch v.peek() {
-		case ',':
-			v.i++
-			v.skipSpace()
-		case ']':
-			v.i++
-			return true
-		default:
-			return false
+		if more, ok := v.next(']'); !more {
+			return ok
 		}
+	}
+}
+
+// next reads what follows a member or an element: a comma (more follows)
+// or the closing byte (done, valid); anything else is invalid.
+func (v *jsonValidator) next(closing byte) (more, ok bool) {
+	v.skipSpace()
+	switch v.peek() {
+	case ',':
+		v.i++
+		v.skipSpace()
+		return true, true
+	case closing:
+		v.i++
+		return false, true
+	default:
+		return false, false
 	}
 }
 
