@@ -138,6 +138,16 @@ broker_pids() {
 # alive PID: PID is a live (not zombie) kafka.Kafka JVM.
 alive() { [[ -n ${1:-} ]] && [[ $(cmdline "$1") == *" kafka.Kafka "* ]]; }
 
+# exists PID: PID is a process that has not exited (not a zombie): on a loaded
+# machine the launched subshell can take seconds to exec into the JVM.
+exists() {
+	[[ -n ${1:-} && -r /proc/$1/stat ]] || return 1
+	local stat
+	stat=$(<"/proc/$1/stat") 2>/dev/null || return 1
+	stat=${stat##*) }
+	[[ ${stat%% *} != Z ]]
+}
+
 broker_addr() {
 	# shellcheck disable=SC1091
 	(source "$STATE/stack.conf" && echo "127.0.0.1:$BROKER_PORT")
@@ -269,7 +279,12 @@ dump_logs() {
 wait_ready() {
 	local pid=$1 addr=$2 deadline=$((SECONDS + START_TIMEOUT)) rem
 	while :; do
-		alive "$pid" || { log "broker pid $pid exited during startup"; return 1; }
+		if ! alive "$pid"; then
+			exists "$pid" || { log "broker pid $pid exited during startup"; return 1; }
+			((SECONDS < deadline)) || { log "broker pid $pid did not exec the JVM within ${START_TIMEOUT}s"; return 1; }
+			sleep 0.2 # still exec'ing into the JVM
+			continue
+		fi
 		rem=$((deadline - SECONDS))
 		((rem > 0)) || { log "broker not ready after ${START_TIMEOUT}s: $(tail -n1 "$STATE/probe.err" 2>/dev/null)"; return 1; }
 		((rem > 10)) && rem=10
@@ -290,12 +305,14 @@ launch() {
 	local pid=$! i
 	STARTED_PID=$pid
 	# setsid execs in place (the subshell is no group leader), so $! is the JVM;
-	# double-check through /proc in case it forked.
-	for ((i = 0; i < 20; i++)); do
+	# double-check through /proc in case it forked. Under load the exec chain
+	# can take seconds, so wait while the launched process still exists.
+	for ((i = 0; i < 300; i++)); do
 		alive "$pid" && break
 		local found
 		found=$(broker_pids | head -n1)
 		if [[ -n $found ]]; then pid=$found; STARTED_PID=$pid; break; fi
+		exists "$pid" || break
 		sleep 0.1
 	done
 	echo "$pid" >"$PIDFILE"
