@@ -3,7 +3,6 @@ package sink
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"strconv"
@@ -71,44 +70,6 @@ func (w *deadLetterWriter) write(ctx context.Context, cfg Config, dead []*doc) e
 		return fmt.Errorf("write %d message(s) to dead-letter topic %s: %w", len(msgs), cfg.DeadLetterTopic, err)
 	}
 	return nil
-}
-
-// ensureTopic creates topic with the broker's default replication when it
-// does not exist.
-func ensureTopic(ctx context.Context, brokers []string, topic string, partitions int) error {
-	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
-	res, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
-		Topic: topic, NumPartitions: partitions, ReplicationFactor: -1,
-	}}})
-	if err != nil {
-		return fmt.Errorf("create topic %s: %w", topic, err)
-	}
-	if err := res.Errors[topic]; err != nil && !errors.Is(err, kafka.TopicAlreadyExists) {
-		return fmt.Errorf("create topic %s: %w", topic, err)
-	}
-	return nil
-}
-
-// topicPartitions lists the partition ids of topic.
-func topicPartitions(ctx context.Context, c *kafka.Client, topic string) ([]int, error) {
-	md, err := c.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
-	if err != nil {
-		return nil, fmt.Errorf("metadata of %s: %w", topic, err)
-	}
-	for _, t := range md.Topics {
-		if t.Name != topic {
-			continue
-		}
-		if t.Error != nil {
-			return nil, fmt.Errorf("metadata of %s: %w", topic, t.Error)
-		}
-		ids := make([]int, len(t.Partitions))
-		for i, p := range t.Partitions {
-			ids[i] = p.ID
-		}
-		return ids, nil
-	}
-	return nil, fmt.Errorf("metadata of %s: %w", topic, kafka.UnknownTopicOrPartition)
 }
 
 // ReplayGroup is the consumer group whose committed offsets on the
@@ -197,5 +158,3 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 	}
 	return res, nil
 }
-
-func isUnknownTopic(err error) bool { return errors.Is(err, kafka.UnknownTopicOrPartition) }

@@ -196,7 +196,7 @@ func sendBulk(ctx context.Context, client *elastic.Client, index string, docs []
 
 // notDeletedFilter is the read alias filter that hides tombstones.
 var notDeletedFilter = map[string]any{
-	"bool": map[string]any{"must_not": []any{map[string]any{"term": map[string]any{DeletedField: true}}}},
+	"bool": map[string]any{"must_not": []any{map[string]any{"term": map[string]any{FieldDeleted: true}}}},
 }
 
 // AliasTargets returns the indices alias points at (none if it does not

@@ -10,16 +10,7 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
-	"github.com/outboxrelay/outboxrelay/reconcile"
 )
-
-// DeletedField marks a delete tombstone document. The read alias filters
-// documents with DeletedField = true out of searches.
-const DeletedField = "_deleted"
-
-// tombstoneDoc is the body written for a delete: a real document, so the
-// engine keeps its external version forever (see doc.go).
-var tombstoneDoc = []byte(`{"` + DeletedField + `":true}`)
 
 // Error codes written in the dead-letter header ErrorHeaderCode for
 // messages that never reached the engine.
@@ -131,32 +122,7 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 	default:
 		return poison(CodeUnknownType, "header %s=%q: want %supsert or %sdelete", outbox.HeaderType, typ, outbox.TypePrefix, outbox.TypePrefix)
 	}
-	d.bucket = reconcile.Bucket(d.id)
-	d.idv = reconcile.IDV(d.id, d.version, d.op == opDelete)
+	d.bucket = Bucket(d.id)
+	d.idv = IDV(d.id, d.version, d.op == opDelete)
 	return d
-}
-
-// appendDocument appends the document as indexed: the body plus the fields
-// package reconcile aggregates on (the id's bucket and a hash of id,
-// version and deleted-ness), so reconciliation compares summaries instead
-// of scanning documents. _bucket and _idv are reserved names in indexed
-// documents. They are added while the bulk body is written, which saves
-// copying every document once more.
-func appendDocument(dst []byte, d *doc) []byte {
-	return appendReconcileFields(dst, d.body, d.bucket, d.idv)
-}
-
-// appendReconcileFields appends obj, a JSON object, with the reconcile
-// fields added.
-func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
-	start := len(dst)
-	dst = append(dst, obj[:len(obj)-1]...) // without the closing brace
-	if len(bytes.TrimSpace(dst[start+1:])) > 0 {
-		dst = append(dst, ',')
-	}
-	dst = append(dst, `"`+reconcile.FieldBucket+`":`...)
-	dst = strconv.AppendInt(dst, int64(bucket), 10)
-	dst = append(dst, `,"`+reconcile.FieldIDV+`":`...)
-	dst = strconv.AppendInt(dst, idv, 10)
-	return append(dst, '}')
 }
