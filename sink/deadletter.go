@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+
+	"github.com/outboxrelay/outboxrelay/internal/kafkakey"
 )
 
 // Headers the indexer adds to a dead-lettered message, next to the
@@ -33,7 +35,7 @@ func newDeadLetterWriter(cfg Config) *deadLetterWriter {
 	return &deadLetterWriter{w: &kafka.Writer{
 		Addr:         kafka.TCP(cfg.Brokers...),
 		Topic:        cfg.DeadLetterTopic,
-		Balancer:     &kafka.Hash{},
+		Balancer:     kafkakey.Balancer(),
 		RequiredAcks: kafka.RequireAll,
 		BatchTimeout: 5 * time.Millisecond,
 		MaxAttempts:  10,
@@ -98,7 +100,8 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 		return res, err
 	}
 	w := &kafka.Writer{
-		Addr: kafka.TCP(cfg.Brokers...), Balancer: &kafka.Hash{}, RequiredAcks: kafka.RequireAll,
+		// The publisher's partitioner: a replayed key joins its other events.
+		Addr: kafka.TCP(cfg.Brokers...), Balancer: kafkakey.Balancer(), RequiredAcks: kafka.RequireAll,
 		BatchTimeout: 5 * time.Millisecond, MaxAttempts: 10,
 	}
 	defer w.Close()
