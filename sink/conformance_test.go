@@ -65,6 +65,8 @@ func runSuite(t *testing.T, e engineUnderTest) {
 		{name: "MappingErrorDeadLettered", run: testMappingErrorDeadLettered},
 		{name: "PoisonDeadLettered", run: testPoisonDeadLettered},
 		{name: "DeadLetterReplayAfterFix", run: testDeadLetterReplayAfterFix},
+		{name: "InvalidIDAndReservedFieldsDeadLettered", run: testInvalidIDAndReservedFields},
+		{name: "RequestLevel400Bisected", needs: func(f Features) bool { return f.InjectsFaults }, run: testRequestLevel400Bisected},
 		{name: "PartialBulkFailureRetriedItemByItem", needs: func(f Features) bool { return f.InjectsFaults }, run: testPartialBulkFailure},
 		{name: "WholeRequest429And503Retried", needs: func(f Features) bool { return f.InjectsFaults }, run: testWholeRequestFailures},
 	}
@@ -325,4 +327,55 @@ func testWholeRequestFailures(t *testing.T, f *fixture, fi *faultInjector) {
 	f.produce(upsert("c", 1, docN(3)))
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 	require.Len(t, f.search(f.cfg.Alias), 3)
+}
+
+// An _id over the engine's limit fails a whole bulk request on the engine;
+// a document field the indexer or the engine owns would hide the document
+// (_deleted) or fail it. They are dead-lettered before the request, and
+// the rest of the batch is indexed.
+func testInvalidIDAndReservedFields(t *testing.T, f *fixture, _ *faultInjector) {
+	long := strings.Repeat("k", MaxIDBytes+1)
+	cfg := f.cfg
+	cfg.FlushInterval = time.Second // one batch for all
+	f.produce(upsert("a", 1, docN(1)), upsert(long, 1, docN(2)), upsert("hidden", 1, `{"n":3,"_deleted":true}`),
+		upsert("meta", 1, `{"_id":"other","n":4}`), upsert("b", 1, docN(5)))
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	codes := map[string]string{}
+	for _, m := range f.deadLetters(3) {
+		codes[string(m.Key)] = headerMap(m)[HeaderDLQCode]
+	}
+	require.Equal(t, map[string]string{long: CodeIDTooLong, "hidden": CodeReservedField, "meta": CodeReservedField}, codes)
+	require.Equal(t, map[string]string{"a": "v1 " + docN(1), "b": "v1 " + docN(5)}, f.search(f.cfg.Alias))
+	require.False(t, f.get("hidden").Found)
+}
+
+// A bulk request the engine refuses as a whole (400) because of one item
+// is split in halves until that item is alone; it is dead-lettered with
+// the engine's error and every other document is indexed.
+func testRequestLevel400Bisected(t *testing.T, f *fixture, fi *faultInjector) {
+	fi.refuseRequestsHolding("bad", http.StatusBadRequest)
+	cfg := f.cfg
+	cfg.FlushInterval = time.Second // one batch for all eight
+	cfg.Lanes = 1
+	var recs []rec
+	for i := range 8 {
+		id := fmt.Sprintf("d%d", i)
+		if i == 5 {
+			id = "bad"
+		}
+		recs = append(recs, upsert(id, 1, docN(i)))
+	}
+	f.produce(recs...)
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	dl := f.deadLetters(1)
+	require.Equal(t, "bad", string(dl[0].Key))
+	h := headerMap(dl[0])
+	require.Equal(t, "illegal_argument_exception", h[HeaderDLQCode])
+	require.Equal(t, "400", h[HeaderDLQStatus])
+	require.Len(t, f.search(f.cfg.Alias), 7)
+	bulks := fi.bulkIDs()
+	require.Contains(t, bulks, []string{"bad"}, "the bad item sent alone")
+	require.LessOrEqual(t, len(bulks), 7, "bisection, not one request per item: %v", bulks)
 }

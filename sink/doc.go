@@ -54,8 +54,12 @@
 // plus dlq_error_code, dlq_error_reason, dlq_error_status, dlq_topic,
 // dlq_partition, dlq_offset, dlq_group and dlq_time → done. Messages that
 // cannot be indexed at all (no key, no parsable ce_aggregateversion,
-// unknown ce_type, a non-object document) go to the same topic without
-// being sent. If the engine cannot be reached, the whole batch waits and
+// unknown ce_type, a non-object document, an _id over [MaxIDBytes], a
+// top-level field in [ReservedFields]) go to the same topic without being
+// sent. A request the engine refuses as a whole with 400 (what one invalid
+// action causes) or 413 is split in halves and sent again until the item
+// at fault is alone, and that item is dead-lettered; a 400 that every item
+// gets alone is not one item's fault and stops the indexer. If the engine cannot be reached, the whole batch waits and
 // retries: its offsets are not committed, so nothing is skipped; when the
 // retry budget runs out, [Indexer.Run] returns an error and a restart
 // replays the batch. `indexer dead-letter replay` re-publishes dead letters

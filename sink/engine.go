@@ -76,11 +76,13 @@ const (
 )
 
 type bulkItemResult struct {
-	Status int `json:"status"`
-	Error  *struct {
-		Type   string `json:"type"`
-		Reason string `json:"reason"`
-	} `json:"error"`
+	Status int            `json:"status"`
+	Error  *bulkItemError `json:"error"`
+}
+
+type bulkItemError struct {
+	Type   string `json:"type"`
+	Reason string `json:"reason"`
 }
 
 func (r bulkItemResult) outcome() itemOutcome {

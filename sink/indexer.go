@@ -382,34 +382,18 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 	}
 	bo := ix.newBackOff(ctx)
 	var buf bytes.Buffer
-	oneByOne := false // after a 413: the request, not an item, was too large
 	for len(pending) > 0 {
 		res.Attempts++
-		step := len(pending)
-		if oneByOne {
-			step = 1
-		}
 		var retry []*doc
 		var reqErr error
 		saw429 := false
 		started := time.Now()
 		sent := 0
-		for lo := 0; lo < len(pending); lo += step {
-			chunk := pending[lo:min(lo+step, len(pending))]
-			results, err := ix.bulk(ctx, chunk, &buf)
+		for _, part := range ix.bulkBisect(ctx, pending, &buf) {
+			chunk, results, err := part.docs, part.results, part.err
 			if err != nil {
 				if ctx.Err() != nil {
 					return res, ctx.Err()
-				}
-				if elastic.IsStatusCode(err, http.StatusRequestEntityTooLarge) {
-					if len(chunk) > 1 {
-						oneByOne = true
-						retry = append(retry, pending[lo:]...)
-						break
-					}
-					chunk[0].poison = &itemError{Code: CodeDocumentTooLarge, Reason: "the engine refused the request as too large", Status: http.StatusRequestEntityTooLarge}
-					dead = append(dead, chunk[0])
-					continue
 				}
 				if !IsRetryable(err) {
 					return res, fmt.Errorf("bulk request to %s refused: %w", ix.cfg.WriteAlias, err)

@@ -21,7 +21,48 @@ const (
 	CodeMissingDocument  = "missing_document"
 	CodeInvalidJSON      = "invalid_json"
 	CodeDocumentTooLarge = "document_too_large"
+	CodeIDTooLong        = "id_too_long"    // the _id would exceed MaxIDBytes
+	CodeReservedField    = "reserved_field" // the document has a top-level field the indexer or the engine owns
 )
+
+// MaxIDBytes is the engine's limit on an _id, in bytes of UTF-8: a longer
+// one makes Elasticsearch and OpenSearch refuse the whole bulk request.
+const MaxIDBytes = 512
+
+// ReservedFields are top-level document fields an upsert may not carry:
+// the indexer's own (a document with _deleted would be hidden as a
+// tombstone; _bucket or _idv would be written twice) and the engine's
+// metadata fields, which fail the item.
+var ReservedFields = []string{
+	FieldDeleted, FieldBucket, FieldIDV,
+	"_id", "_index", "_routing", "_source", "_version", "_seq_no", "_primary_term", "_type",
+	"_field_names", "_ignored", "_doc_count", "_data_stream_timestamp", "_nested_path", "_tier",
+}
+
+var reservedField = func() map[string]bool {
+	m := map[string]bool{}
+	for _, f := range ReservedFields {
+		m[f] = true
+	}
+	return m
+}()
+
+// firstReserved returns the first of names (raw JSON string contents) that
+// is a reserved field, or "".
+func firstReserved(names [][]byte) string {
+	for _, raw := range names {
+		name := string(raw)
+		if bytes.IndexByte(raw, '\\') >= 0 {
+			if err := json.Unmarshal([]byte(`"`+name+`"`), &name); err != nil {
+				continue
+			}
+		}
+		if reservedField[name] {
+			return name
+		}
+	}
+	return ""
+}
 
 type op int
 
@@ -83,6 +124,9 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 	if d.id == "" {
 		return poison(CodeMissingKey, "message has no key (the aggregate id)")
 	}
+	if len(d.id) > MaxIDBytes {
+		return poison(CodeIDTooLong, "_id of %d bytes exceeds the engine's limit of %d", len(d.id), MaxIDBytes)
+	}
 	v, ok := headerBytes(m, outbox.HeaderAggregateVersion)
 	if !ok {
 		return poison(CodeBadVersion, "header %s is missing", outbox.HeaderAggregateVersion)
@@ -103,8 +147,15 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 			return poison(CodeDocumentTooLarge, "document of %d bytes exceeds the limit of %d", len(m.Value), maxDocBytes)
 		}
 		trimmed := bytes.TrimSpace(m.Value)
-		if len(trimmed) == 0 || trimmed[0] != '{' || !validJSON(trimmed) {
+		if len(trimmed) == 0 || trimmed[0] != '{' {
 			return poison(CodeInvalidJSON, "document is not a JSON object")
+		}
+		valid, underscored := validDocument(trimmed)
+		if !valid {
+			return poison(CodeInvalidJSON, "document is not a JSON object")
+		}
+		if name := firstReserved(underscored); name != "" {
+			return poison(CodeReservedField, "document has the reserved top-level field %q", name)
 		}
 		if bytes.IndexByte(trimmed, '\n') >= 0 || bytes.IndexByte(trimmed, '\r') >= 0 {
 			// A bulk body is newline-delimited: a pretty-printed document

@@ -1,6 +1,7 @@
 package sink
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -26,6 +27,7 @@ func TestParse(t *testing.T) {
 		wantOp   op
 		wantBody string
 		wantVer  int64
+		wantID   string // default "a"
 	}{
 		{name: "upsert", msg: upsert("a", 3, `{"x":1}`).message(), wantOp: opUpsert, wantBody: `{"x":1}`, wantVer: 3},
 		{name: "delete becomes a tombstone document", msg: del("a", 7).message(), wantOp: opDelete, wantBody: `{"_deleted":true}`, wantVer: 7},
@@ -38,12 +40,19 @@ func TestParse(t *testing.T) {
 		{name: "upsert without value", msg: func() kafka.Message { m := upsert("a", 1, "").message(); m.Value = nil; return m }(), wantCode: CodeMissingDocument},
 		{name: "array document", msg: upsert("a", 1, `[1]`).message(), wantCode: CodeInvalidJSON},
 		{name: "broken JSON", msg: upsert("a", 1, `{"x":`).message(), wantCode: CodeInvalidJSON},
-		{name: "too large", msg: upsert("a", 1, `{"x":"`+strings.Repeat("y", 100)+`"}`).message(), wantCode: CodeDocumentTooLarge},
+		{name: "id too long for the engine", msg: upsert(strings.Repeat("é", MaxIDBytes/2+1), 1, `{}`).message(), wantCode: CodeIDTooLong},
+		{name: "id at the engine's limit", msg: upsert(strings.Repeat("k", MaxIDBytes), 1, `{}`).message(), wantBody: `{}`, wantVer: 1, wantID: strings.Repeat("k", MaxIDBytes)},
+		{name: "reserved tombstone field", msg: upsert("a", 1, `{"n":1,"_deleted":true}`).message(), wantCode: CodeReservedField},
+		{name: "reserved reconcile field", msg: upsert("a", 1, `{"_bucket":3}`).message(), wantCode: CodeReservedField},
+		{name: "engine metadata field", msg: upsert("a", 1, `{"_id":"b"}`).message(), wantCode: CodeReservedField},
+		{name: "escaped reserved field", msg: upsert("a", 1, `{"\u005fdeleted":true}`).message(), wantCode: CodeReservedField},
+		{name: "nested underscore fields are the user's", msg: upsert("a", 1, `{"x":{"_deleted":true},"_private":1}`).message(), wantBody: `{"x":{"_deleted":true},"_private":1}`, wantVer: 1},
+		{name: "too large", msg: upsert("a", 1, `{"x":"`+strings.Repeat("y", 1000)+`"}`).message(), wantCode: CodeDocumentTooLarge},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			d := parse(tt.msg, 100)
+			d := parse(tt.msg, 1000)
 			if tt.wantCode != "" {
 				require.NotNil(t, d.poison)
 				require.Equal(t, tt.wantCode, d.poison.Code)
@@ -52,7 +61,9 @@ func TestParse(t *testing.T) {
 			require.Nil(t, d.poison)
 			require.Equal(t, tt.wantOp, d.op)
 			require.Equal(t, tt.wantBody, string(d.body))
-			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), Bucket("a"), IDV("a", tt.wantVer, tt.wantOp == opDelete))), string(appendDocument(nil, d)))
+			id := cmp.Or(tt.wantID, "a")
+			require.Equal(t, id, d.id)
+			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), Bucket(id), IDV(id, tt.wantVer, tt.wantOp == opDelete))), string(appendDocument(nil, d)))
 			require.Equal(t, tt.wantVer, d.version)
 		})
 	}
