@@ -42,6 +42,17 @@ type Config struct {
 	// DeadLetterTopic receives poison messages and permanently rejected
 	// documents. Default "<Topic>.dlq".
 	DeadLetterTopic string
+	// DeadLetterRetention is the retention.ms the dead-letter topic is
+	// created with. 0 (default) means forever (retention.ms=-1): the main
+	// offsets are committed once a dead letter is written, so one that
+	// expires is lost unseen. An existing topic is not changed (a warning
+	// says when it differs).
+	DeadLetterRetention time.Duration
+	// DeadLetterMaxBytes is the largest dead letter (message plus error
+	// headers) the writer sends, and the max.message.bytes the dead-letter
+	// topic is created with. Keep it at least the main topic's
+	// max.message.bytes. Default MaxDocumentBytes + 1 MiB.
+	DeadLetterMaxBytes int
 
 	// URL is the search engine's HTTP address (ELASTICSEARCH_URL). Required.
 	URL string
@@ -110,6 +121,7 @@ func (c Config) withDefaults() Config {
 	c.FlushInterval = cmp.Or(c.FlushInterval, DefaultFlushInterval)
 	c.Lanes = cmp.Or(c.Lanes, DefaultLanes)
 	c.MaxDocumentBytes = cmp.Or(c.MaxDocumentBytes, DefaultMaxDocumentBytes)
+	c.DeadLetterMaxBytes = cmp.Or(c.DeadLetterMaxBytes, c.MaxDocumentBytes+1<<20)
 	c.RetryInitial = cmp.Or(c.RetryInitial, DefaultRetryInitial)
 	c.RetryMax = cmp.Or(c.RetryMax, DefaultRetryMax)
 	c.RetryMaxElapsed = cmp.Or(c.RetryMaxElapsed, DefaultRetryMaxElapsed)
@@ -136,6 +148,12 @@ func (c Config) validate() error {
 	}
 	if c.Topic == c.DeadLetterTopic {
 		bad("DEAD_LETTER_TOPIC=%q: must differ from TOPIC", c.DeadLetterTopic)
+	}
+	if c.DeadLetterRetention < 0 {
+		bad("DEAD_LETTER_RETENTION=%s: must be 0 (forever) or positive", c.DeadLetterRetention)
+	}
+	if c.DeadLetterMaxBytes < 1<<20 {
+		bad("DEAD_LETTER_MAX_BYTES=%d: must be at least 1 MiB (1048576)", c.DeadLetterMaxBytes)
 	}
 	if c.BatchSize < 1 {
 		bad("BATCH_SIZE=%d: must be at least 1", c.BatchSize)

@@ -63,7 +63,13 @@
 // retries: its offsets are not committed, so nothing is skipped; when the
 // retry budget runs out, [Indexer.Run] returns an error and a restart
 // replays the batch. `indexer dead-letter replay` re-publishes dead letters
-// to their topic after a fix ([ReplayDeadLetters]).
+// to their topic after a fix ([ReplayDeadLetters]), on the partition the
+// publisher puts the key on. The indexer creates the dead-letter topic
+// with retention.ms=-1 (Config.DeadLetterRetention) and a
+// max.message.bytes that takes any message it may have to dead-letter
+// (Config.DeadLetterMaxBytes); the gauge indexer_dead_letter_topic_messages
+// (state stored / pending) is what to alert on. A dead-letter write is
+// retried within the retry budget and gives up as soon as the run ends.
 //
 // # Durable deletes
 //

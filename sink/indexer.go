@@ -101,7 +101,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 			}
 			return err
 		}
-		return ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1)
+		return ix.ensureDeadLetterTopic(ctx)
 	}, ix.newBackOff(ctx), func(err error, next time.Duration) {
 		ix.log.Warn("indexer not ready: search engine or broker unavailable; retrying",
 			slog.String("error", err.Error()), slog.Duration("next", next))
@@ -181,6 +181,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	for lane := range ix.cfg.Lanes {
 		g.Go(func() error { return ix.runLane(gctx, bl, lane, resolved) })
 	}
+	g.Go(func() error { ix.watchDeadLetters(gctx); return nil })
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})

@@ -17,6 +17,9 @@ type metrics struct {
 	lag         *prometheus.GaugeVec // partition
 	rateLimit   prometheus.Gauge
 	commitErrs  prometheus.Counter
+	// deadLetterTopic: state = stored (in the dead-letter topic) | pending
+	// (not re-published by `dead-letter replay` yet).
+	deadLetterTopic *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -60,9 +63,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "indexer_commit_errors_total",
 			Help: "Offset commits that failed (the messages are replayed, harmlessly).",
 		}),
+		deadLetterTopic: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "indexer_dead_letter_topic_messages",
+			Help: "Messages in the dead-letter topic (state=stored) and those of them not re-published by `indexer dead-letter replay` yet (state=pending); alert on pending > 0.",
+		}, []string{"state"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs)
+		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs, m.deadLetterTopic)
 	}
 	return m
 }

@@ -42,13 +42,7 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 	if st.Partitions, err = topicOffsets(ctx, c, cfg.Topic, cfg.Group); err != nil {
 		return nil, err
 	}
-	dl, err := topicOffsets(ctx, c, cfg.DeadLetterTopic, ReplayGroup(cfg))
-	if err == nil {
-		for _, p := range dl {
-			st.DeadLettered += p.End - p.First
-			st.DeadLetterPending += p.Lag()
-		}
-	} else if !isUnknownTopic(err) {
+	if st.DeadLettered, st.DeadLetterPending, err = deadLetterCounts(ctx, c, cfg); err != nil {
 		return nil, err
 	}
 	if cfg.URL != "" {
@@ -64,6 +58,24 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 		}
 	}
 	return st, nil
+}
+
+// deadLetterCounts returns how many messages the dead-letter topic holds
+// and how many of them `dead-letter replay` has not re-published; both 0
+// when the topic does not exist yet.
+func deadLetterCounts(ctx context.Context, c *kafka.Client, cfg Config) (stored, pending int64, err error) {
+	dl, err := topicOffsets(ctx, c, cfg.DeadLetterTopic, ReplayGroup(cfg))
+	if err != nil {
+		if isUnknownTopic(err) {
+			return 0, 0, nil
+		}
+		return 0, 0, err
+	}
+	for _, p := range dl {
+		stored += p.End - p.First
+		pending += p.Lag()
+	}
+	return stored, pending, nil
 }
 
 // Write prints the status as a table.

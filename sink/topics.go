@@ -13,12 +13,13 @@ import (
 // The Kafka topic helpers: creating a topic and reading its partitions and
 // offsets (status, replay, tests).
 
-// ensureTopic creates topic with the broker's default replication when it
-// does not exist.
-func ensureTopic(ctx context.Context, brokers []string, topic string, partitions int) error {
+// ensureTopic creates topic with the broker's default replication and the
+// given topic configs when it does not exist. An existing topic is left as
+// it is.
+func ensureTopic(ctx context.Context, brokers []string, topic string, partitions int, configs ...kafka.ConfigEntry) error {
 	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
 	res, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
-		Topic: topic, NumPartitions: partitions, ReplicationFactor: -1,
+		Topic: topic, NumPartitions: partitions, ReplicationFactor: -1, ConfigEntries: configs,
 	}}})
 	if err != nil {
 		return fmt.Errorf("create topic %s: %w", topic, err)
@@ -27,6 +28,26 @@ func ensureTopic(ctx context.Context, brokers []string, topic string, partitions
 		return fmt.Errorf("create topic %s: %w", topic, err)
 	}
 	return nil
+}
+
+// topicConfig returns the values of the named configs of topic.
+func topicConfig(ctx context.Context, c *kafka.Client, topic string, names ...string) (map[string]string, error) {
+	res, err := c.DescribeConfigs(ctx, &kafka.DescribeConfigsRequest{Resources: []kafka.DescribeConfigRequestResource{{
+		ResourceType: kafka.ResourceTypeTopic, ResourceName: topic, ConfigNames: names,
+	}}})
+	if err != nil {
+		return nil, fmt.Errorf("describe configs of topic %s: %w", topic, err)
+	}
+	out := map[string]string{}
+	for _, r := range res.Resources {
+		if r.Error != nil {
+			return nil, fmt.Errorf("describe configs of topic %s: %w", topic, r.Error)
+		}
+		for _, e := range r.ConfigEntries {
+			out[e.ConfigName] = e.ConfigValue
+		}
+	}
+	return out, nil
 }
 
 // topicPartitions lists the partition ids of topic.

@@ -48,6 +48,8 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Duration(&s.cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", sink.DefaultRetryMaxElapsed, "give up (exit 1, nothing committed) when a batch is refused this long")
 	fs.Duration(&s.cfg.SessionTimeout, "session-timeout", "SESSION_TIMEOUT", sink.DefaultSessionTimeout, "consumer group session timeout (a dead member's partitions move after it)")
 	fs.Duration(&s.cfg.HeartbeatInterval, "heartbeat-interval", "HEARTBEAT_INTERVAL", sink.DefaultHeartbeat, "consumer group heartbeat interval")
+	fs.Duration(&s.cfg.DeadLetterRetention, "dead-letter-retention", "DEAD_LETTER_RETENTION", 0, "retention.ms the dead-letter topic is created with (0 = forever, retention.ms=-1)")
+	fs.Int(&s.cfg.DeadLetterMaxBytes, "dead-letter-max-bytes", "DEAD_LETTER_MAX_BYTES", 0, "largest dead letter, and the dead-letter topic's max.message.bytes at creation (0 = 11 MiB; keep ≥ the topic's max.message.bytes)")
 	fs.String(&s.metricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9103", `address for /metrics, /healthz and /readyz ("" disables)`)
 }
 
