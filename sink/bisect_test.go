@@ -30,7 +30,7 @@ func TestBisectRequestLevel400RealEngine(t *testing.T) {
 
 	var batch []*doc
 	for i := range 10 {
-		d := parse(upsert(fmt.Sprintf("d%d", i), 1, docN(i)).message(), DefaultMaxDocumentBytes)
+		d := ix.rules.parse(upsert(fmt.Sprintf("d%d", i), 1, docN(i)).message())
 		require.Nil(t, d.poison)
 		batch = append(batch, d)
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/olivere/elastic/v7"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/stack"
@@ -67,6 +68,8 @@ func runSuite(t *testing.T, e engineUnderTest) {
 		{name: "DeadLetterReplayAfterFix", run: testDeadLetterReplayAfterFix},
 		{name: "InvalidIDAndReservedFieldsDeadLettered", run: testInvalidIDAndReservedFields},
 		{name: "RequestLevel400Bisected", needs: func(f Features) bool { return f.InjectsFaults }, run: testRequestLevel400Bisected},
+		{name: "OtherProducersRecords", run: testOtherProducersRecords},
+		{name: "TypedIDs", run: testTypedIDs},
 		{name: "PartialBulkFailureRetriedItemByItem", needs: func(f Features) bool { return f.InjectsFaults }, run: testPartialBulkFailure},
 		{name: "WholeRequest429And503Retried", needs: func(f Features) bool { return f.InjectsFaults }, run: testWholeRequestFailures},
 	}
@@ -378,4 +381,67 @@ func testRequestLevel400Bisected(t *testing.T, f *fixture, fi *faultInjector) {
 	bulks := fi.bulkIDs()
 	require.Contains(t, bulks, []string{"bad"}, "the bad item sent alone")
 	require.LessOrEqual(t, len(bulks), 7, "bisection, not one request per item: %v", bulks)
+}
+
+func typed(r rec, aggregateType string) rec {
+	r.headers = map[string]string{outbox.HeaderAggregateType: aggregateType}
+	return r
+}
+
+// Records of other producers on the topic: application events of other
+// types and aggregate types the deployment does not index are skipped
+// (counted, committed, not dead-lettered); a null value is a delete
+// (NULL_VALUES=delete) — at its version header's version, or without one
+// at the version the index holds; records are routed to an alias by
+// aggregate type.
+func testOtherProducersRecords(t *testing.T, f *fixture, _ *faultInjector) {
+	orders := f.cfg.Alias + "-orders"
+	t.Cleanup(func() {
+		_, _ = f.client.PerformRequest(context.Background(), elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + orders + "_v1", IgnoreErrors: []int{404}})
+	})
+	cfg := f.cfg
+	cfg.SkipEventTypes = []string{"shop.order_shipped"}
+	cfg.AggregateTypes = []string{"records", "orders"}
+	cfg.NullValues = NullValuesDelete
+	cfg.Routes = map[string]string{"orders": orders}
+	shipped := rec{id: "s", version: 1, doc: docN(9), headers: map[string]string{outbox.HeaderType: "shop.order_shipped"}}
+	f.produce(typed(upsert("x", 3, docN(1)), "records"), upsert("keep", 1, docN(2)), upsert("y", 1, docN(3)),
+		typed(upsert("o1", 1, docN(4)), "orders"), typed(upsert("inv", 1, docN(5)), "invoices"), shipped)
+	ctx := context.Background()
+	require.NoError(t, f.writer.WriteMessages(ctx,
+		kafka.Message{Key: []byte("x")}, // another producer's tombstone: no headers at all
+		kafka.Message{Key: []byte("y"), Headers: []kafka.Header{{Key: outbox.HeaderAggregateVersion, Value: []byte("2")}}},
+	))
+	ix := f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+
+	require.Equal(t, map[string]string{"keep": "v1 " + docN(2)}, f.search(f.cfg.Alias))
+	require.Equal(t, map[string]string{"o1": "v1 " + docN(4)}, f.search(orders))
+	x := f.get("x")
+	require.Equal(t, int64(3), x.Version, "the tombstone takes the version the index held")
+	require.JSONEq(t, `{"_deleted":true}`, string(x.Source))
+	require.Equal(t, int64(2), f.get("y").Version)
+	st, err := GetStatus(ctx, f.cfg)
+	require.NoError(t, err)
+	require.Zero(t, st.DeadLettered, "nothing dead-lettered")
+	require.Equal(t, 1.0, counterValue(t, ix.m.skipped.WithLabelValues(SkipEventType)))
+	require.Equal(t, 1.0, counterValue(t, ix.m.skipped.WithLabelValues(SkipAggregateType)))
+
+	// A late replay of the deleted version stays deleted; a newer one shows.
+	f.produce(typed(upsert("x", 3, docN(1)), "records"), typed(upsert("y", 2, docN(6)), "records"))
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"keep": "v1 " + docN(2)}, f.search(f.cfg.Alias))
+	f.produce(typed(upsert("x", 4, docN(7)), "records"))
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"keep": "v1 " + docN(2), "x": "v4 " + docN(7)}, f.search(f.cfg.Alias))
+}
+
+// ID_FORMAT=type:id keeps ids that collide across aggregate types apart.
+func testTypedIDs(t *testing.T, f *fixture, _ *faultInjector) {
+	cfg := f.cfg
+	cfg.IDFormat = IDFormatTypeID
+	f.produce(typed(upsert("1", 1, docN(1)), "orders"), typed(upsert("1", 2, docN(2)), "users"))
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"orders:1": "v1 " + docN(1), "users:1": "v2 " + docN(2)}, f.search(f.cfg.Alias))
 }

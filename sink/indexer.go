@@ -37,6 +37,7 @@ type Indexer struct {
 	cfg      Config
 	log      *slog.Logger
 	client   *elastic.Client
+	rules    *recordRules
 	dlq      *deadLetterWriter
 	throttle *throttle
 	m        *metrics
@@ -47,8 +48,8 @@ type Indexer struct {
 
 // Batch describes one resolved batch, for [Config] observers and tests.
 type Batch struct {
-	Lane                                     int
-	Docs, Indexed, Conflicts, Dead, Attempts int
+	Lane                                              int
+	Docs, Indexed, Conflicts, Dead, Skipped, Attempts int
 }
 
 // New validates cfg and builds an Indexer. It does not touch the network.
@@ -66,6 +67,7 @@ func New(cfg Config) (*Indexer, error) {
 		cfg:      cfg,
 		log:      cfg.Logger,
 		client:   client,
+		rules:    newRecordRules(cfg),
 		dlq:      newDeadLetterWriter(cfg),
 		throttle: newThrottle(cfg.MaxRate, cfg.BatchSize, m.rateLimit.Set),
 		m:        m,
@@ -95,7 +97,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	var index string
 	err := backoff.RetryNotify(func() error {
 		var err error
-		if index, err = EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping); err != nil {
+		if index, err = ix.ensureIndexes(ctx); err != nil {
 			if !IsRetryable(err) {
 				return backoff.Permanent(err)
 			}
@@ -173,7 +175,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 				continue
 			}
 			fetchRetry = nil
-			if bl.put(gctx, parse(m, ix.cfg.MaxDocumentBytes)) != nil {
+			if bl.put(gctx, ix.rules.parse(m)) != nil {
 				return nil
 			}
 		}
@@ -376,7 +378,16 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 			dead = append(dead, d)
 			continue
 		}
+		if d.skip != "" {
+			res.Skipped++
+			ix.m.docs.WithLabelValues("skipped").Inc()
+			ix.m.skipped.WithLabelValues(d.skip).Inc()
+			continue
+		}
 		pending = append(pending, d)
+	}
+	if err := ix.versionsFromIndex(ctx, pending); err != nil {
+		return res, err
 	}
 	if err := ix.throttle.wait(ctx, len(pending)); err != nil {
 		return res, err
@@ -487,7 +498,7 @@ func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]
 	ctx, cancel := context.WithTimeout(ctx, ix.cfg.RequestTimeout)
 	defer cancel()
 	start := time.Now()
-	res, err := sendBulk(ctx, ix.client, ix.cfg.WriteAlias, docs, buf)
+	res, err := sendBulk(ctx, ix.client, docs, buf)
 	took := time.Since(start)
 	ix.m.bulkSeconds.Observe(took.Seconds())
 	if ix.cfg.BulkObserver != nil {

@@ -8,9 +8,10 @@ import (
 
 // metrics are the indexer's Prometheus series. Names start with indexer_.
 type metrics struct {
-	docs        *prometheus.CounterVec // result = indexed | deleted | conflict | dead_lettered
+	docs        *prometheus.CounterVec // result = indexed | deleted | conflict | dead_lettered | skipped
 	retries     *prometheus.CounterVec // reason = item_429 | item_5xx | item_other | request
 	deadLetters *prometheus.CounterVec // code
+	skipped     *prometheus.CounterVec // reason = aggregate_type | event_type | null_value
 	bulkSeconds prometheus.Histogram
 	bulkDocs    prometheus.Histogram
 	bulkBytes   prometheus.Histogram
@@ -26,7 +27,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
 		docs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "indexer_docs_total",
-			Help: "Documents resolved, by result: indexed, deleted (tombstone written), conflict (stale or duplicate, counted as success), dead_lettered.",
+			Help: "Documents resolved, by result: indexed, deleted (tombstone written), conflict (stale or duplicate, counted as success), dead_lettered, skipped (not indexed by this deployment; see indexer_skipped_total).",
 		}, []string{"result"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "indexer_retries_total",
@@ -36,6 +37,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "indexer_dead_lettered_total",
 			Help: "Messages written to the dead-letter topic, by error code.",
 		}, []string{"code"}),
+		skipped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "indexer_skipped_total",
+			Help: "Messages the deployment does not index (committed, never sent), by reason: aggregate_type (AGGREGATE_TYPES), event_type (SKIP_EVENT_TYPES), null_value (NULL_VALUES=ignore).",
+		}, []string{"reason"}),
 		bulkSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "indexer_bulk_duration_seconds",
 			Help:    "Latency of one bulk request.",
@@ -69,7 +74,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"state"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs, m.deadLetterTopic)
+		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.skipped, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs, m.deadLetterTopic)
 	}
 	return m
 }

@@ -14,6 +14,11 @@ import (
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
+// parse parses with the default rules and a document limit.
+func parse(m kafka.Message, maxDocBytes int) *doc {
+	return newRecordRules(Config{MaxDocumentBytes: maxDocBytes}.withDefaults()).parse(m)
+}
+
 func TestParse(t *testing.T) {
 	t.Parallel()
 	withHeader := func(m kafka.Message, k, v string) kafka.Message {
@@ -142,4 +147,79 @@ func TestThrottleAIMD(t *testing.T) {
 		capped.healthy(1e6)
 	}
 	require.Equal(t, 200.0, capped.limit(), "recovers to the configured cap, not above")
+}
+
+// The settings for other producers' records, and routing.
+func TestParseRules(t *testing.T) {
+	t.Parallel()
+	typed := func(r rec, aggType string) kafka.Message {
+		m := r.message()
+		m.Headers = append(m.Headers, kafka.Header{Key: outbox.HeaderAggregateType, Value: []byte(aggType)})
+		return m
+	}
+	event := func(typ string) kafka.Message { // another producer's application event, through outbox.Enqueue
+		m := upsert("a", 1, `{}`).message()
+		for i, h := range m.Headers {
+			if h.Key == outbox.HeaderType {
+				m.Headers[i].Value = []byte(typ)
+			}
+		}
+		return m
+	}
+	foreignTombstone := kafka.Message{Key: []byte("a")}
+	versionedTombstone := kafka.Message{Key: []byte("a"), Headers: []kafka.Header{{Key: outbox.HeaderAggregateVersion, Value: []byte("5")}}}
+	nullUpsert := upsert("a", 2, "").message()
+	nullUpsert.Value = nil
+	tests := []struct {
+		name       string
+		cfg        Config
+		msg        kafka.Message
+		wantCode   string
+		wantSkip   string
+		wantID     string
+		wantTarget string
+		wantOp     op
+		wantVer    int64
+		fromIndex  bool
+	}{
+		{name: "other event type dead-lettered by default", msg: event("shop.order_shipped"), wantCode: CodeUnknownType},
+		{name: "listed event type skipped", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_shipped"), wantSkip: SkipEventType},
+		{name: "unlisted event type still dead-lettered", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_paid"), wantCode: CodeUnknownType},
+		{name: "star skips every other event type", cfg: Config{SkipEventTypes: []string{"*"}}, msg: event("shop.order_paid"), wantSkip: SkipEventType},
+		{name: "star keeps upserts", cfg: Config{SkipEventTypes: []string{"*"}}, msg: upsert("a", 1, `{}`).message(), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "aggregate type not indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "invoices"), wantSkip: SkipAggregateType},
+		{name: "aggregate type indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "records"), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "foreign tombstone fails by default", msg: foreignTombstone, wantCode: CodeNullValue},
+		{name: "foreign tombstone ignored", cfg: Config{NullValues: NullValuesIgnore}, msg: foreignTombstone, wantSkip: SkipNullValue},
+		{name: "foreign tombstone deletes at the index's version", cfg: Config{NullValues: NullValuesDelete}, msg: foreignTombstone, wantID: "a", wantTarget: "records-write", wantOp: opDelete, fromIndex: true},
+		{name: "versioned tombstone deletes at its version", cfg: Config{NullValues: NullValuesDelete}, msg: versionedTombstone, wantID: "a", wantTarget: "records-write", wantOp: opDelete, wantVer: 5},
+		{name: "upsert without value still missing_document", msg: nullUpsert, wantCode: CodeMissingDocument},
+		{name: "upsert without value deletes with NULL_VALUES=delete", cfg: Config{NullValues: NullValuesDelete}, msg: nullUpsert, wantID: "a", wantTarget: "records-write", wantOp: opDelete, wantVer: 2},
+		{name: "routed by aggregate type", cfg: Config{Routes: map[string]string{"orders": "orders_idx"}}, msg: typed(upsert("a", 1, `{}`), "orders"), wantID: "a", wantTarget: "orders_idx-write", wantVer: 1},
+		{name: "unrouted type to the default alias", cfg: Config{Routes: map[string]string{"orders": "orders_idx"}}, msg: typed(upsert("a", 1, `{}`), "users"), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "typed id", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert("a", 1, `{}`), "orders"), wantID: "orders:a", wantTarget: "records-write", wantVer: 1},
+		{name: "typed id needs the type", cfg: Config{IDFormat: IDFormatTypeID}, msg: upsert("a", 1, `{}`).message(), wantCode: CodeMissingAggregateType},
+		{name: "typed id length checked", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert(strings.Repeat("k", MaxIDBytes-3), 1, `{}`), "orders"), wantCode: CodeIDTooLong},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			d := newRecordRules(tt.cfg.withDefaults()).parse(tt.msg)
+			if tt.wantCode != "" {
+				require.NotNil(t, d.poison)
+				require.Equal(t, tt.wantCode, d.poison.Code)
+				return
+			}
+			require.Nil(t, d.poison)
+			require.Equal(t, tt.wantSkip, d.skip)
+			if tt.wantSkip != "" {
+				return
+			}
+			require.Equal(t, tt.wantID, d.id)
+			require.Equal(t, tt.wantTarget, d.target)
+			require.Equal(t, tt.wantOp, d.op)
+			require.Equal(t, tt.wantVer, d.version)
+			require.Equal(t, tt.fromIndex, d.versionFromIndex)
+		})
+	}
 }
