@@ -172,6 +172,12 @@ func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
 				slog.String("topic_value", v), slog.String("wanted", e.ConfigValue))
 		}
 	}
+	// A topic that takes less (created before, or by hand) bounds the
+	// writer's batches too, or a batch of small dead letters would be
+	// refused as a whole. No write has happened yet: Run calls this first.
+	if n, err := strconv.Atoi(have["max.message.bytes"]); err == nil && n > 0 && int64(n) < ix.dlq.w.BatchBytes {
+		ix.dlq.w.BatchBytes = int64(n)
+	}
 	return nil
 }
 

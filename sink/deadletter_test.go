@@ -165,3 +165,27 @@ func TestDeadLetterWriteDoesNotHangShutdown(t *testing.T) {
 		t.Fatal("dead-letter write still blocked 20s after the context ended")
 	}
 }
+
+// A dead-letter topic that exists already and takes less than
+// DEAD_LETTER_MAX_BYTES (created by an older version, or by hand) bounds
+// the writer's batches: many small dead letters at once are not refused as
+// one too-large batch.
+func TestDeadLetterExistingSmallTopicBoundsBatches(t *testing.T) {
+	t.Parallel()
+	real := stack.ElasticsearchURL(t)
+	f := newFixture(t, real, real, 1)
+	ctx := context.Background()
+	dlq := f.cfg.withDefaults().DeadLetterTopic
+	require.NoError(t, ensureTopic(ctx, f.cfg.Brokers, dlq, 1, kafka.ConfigEntry{ConfigName: "max.message.bytes", ConfigValue: strconv.Itoa(1 << 20)}))
+	var recs []rec
+	for i := range 30 { // 30 × 50 KB refused by the strict mapping: 1.5 MB of dead letters in one batch
+		recs = append(recs, upsert(fmt.Sprintf("r%d", i), 1, `{"extra":{"color":"`+strings.Repeat("r", 50<<10)+`"}}`))
+	}
+	f.produce(recs...)
+	cfg := f.cfg
+	cfg.FlushInterval = time.Second
+	cfg.Lanes = 1
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Len(t, f.deadLetters(30), 30)
+}
