@@ -220,9 +220,14 @@ func stripReconcileFields(t testing.TB, id string, version int64, src json.RawMe
 	}
 	deleted := string(m[DeletedField]) == "true"
 	require.Equal(t, strconv.Itoa(reconcile.Bucket(id)), string(m[reconcile.FieldBucket]), "%s of %s", reconcile.FieldBucket, id)
-	require.Equal(t, strconv.FormatInt(reconcile.IDV(id, version, deleted), 10), string(m[reconcile.FieldIDV]), "%s of %s", reconcile.FieldIDV, id)
+	var pv string
+	if raw, ok := m[reconcile.FieldPV]; ok {
+		require.NoError(t, json.Unmarshal(raw, &pv))
+	}
+	require.Equal(t, strconv.FormatInt(reconcile.IDV(id, version, deleted, pv), 10), string(m[reconcile.FieldIDV]), "%s of %s", reconcile.FieldIDV, id)
 	delete(m, reconcile.FieldBucket)
 	delete(m, reconcile.FieldIDV)
+	delete(m, reconcile.FieldPV)
 	out, err := json.Marshal(m)
 	require.NoError(t, err)
 	return out

@@ -48,8 +48,12 @@ type doc struct {
 	body    []byte // document or tombstone, without the reconcile fields
 	// bucket and idv are the reconcile fields, computed by the fetch loop,
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
-	bucket  int
-	idv     int64
+	bucket int
+	idv    int64
+	// pv is the processor version that built the document (header
+	// ce_processorversion), "" when the event carries none. It picks the
+	// index generation and is indexed as reconcile.FieldPV.
+	pv      string
 	fetched time.Time // when it entered the backlog
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.
@@ -131,8 +135,11 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 	default:
 		return poison(CodeUnknownType, "header %s=%q: want %supsert or %sdelete", outbox.HeaderType, typ, outbox.TypePrefix, outbox.TypePrefix)
 	}
+	if pv, ok := headerBytes(m, outbox.HeaderProcessorVersion); ok {
+		d.pv = string(pv)
+	}
 	d.bucket = reconcile.Bucket(d.id)
-	d.idv = reconcile.IDV(d.id, d.version, d.op == opDelete)
+	d.idv = reconcile.IDV(d.id, d.version, d.op == opDelete, d.pv)
 	return d
 }
 
@@ -143,12 +150,12 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 // documents. They are added while the bulk body is written, which saves
 // copying every document once more.
 func appendDocument(dst []byte, d *doc) []byte {
-	return appendReconcileFields(dst, d.body, d.bucket, d.idv)
+	return appendReconcileFields(dst, d.body, d.bucket, d.idv, d.pv)
 }
 
 // appendReconcileFields appends obj, a JSON object, with the reconcile
-// fields added.
-func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
+// fields added (the processor version only when there is one).
+func appendReconcileFields(dst, obj []byte, bucket int, idv int64, pv string) []byte {
 	start := len(dst)
 	dst = append(dst, obj[:len(obj)-1]...) // without the closing brace
 	if len(bytes.TrimSpace(dst[start+1:])) > 0 {
@@ -158,5 +165,10 @@ func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
 	dst = strconv.AppendInt(dst, int64(bucket), 10)
 	dst = append(dst, `,"`+reconcile.FieldIDV+`":`...)
 	dst = strconv.AppendInt(dst, idv, 10)
+	if pv != "" {
+		dst = append(dst, `,"`+reconcile.FieldPV+`":`...)
+		b, _ := json.Marshal(pv) // a Go string always marshals
+		dst = append(dst, b...)
+	}
 	return append(dst, '}')
 }
