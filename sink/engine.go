@@ -2,6 +2,7 @@ package sink
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	_ "embed"
 	"encoding/json"
@@ -167,7 +168,7 @@ func appendJSONString(buf *bytes.Buffer, s string) {
 func sendBulk(ctx context.Context, client *elastic.Client, index string, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
 	buf.Reset()
 	for _, d := range docs {
-		appendBulk(buf, index, d)
+		appendBulk(buf, cmp.Or(d.index, index), d)
 	}
 	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
 		Method:      http.MethodPost,

@@ -53,7 +53,10 @@ type doc struct {
 	// pv is the processor version that built the document (header
 	// ce_processorversion), "" when the event carries none. It picks the
 	// index generation and is indexed as reconcile.FieldPV.
-	pv      string
+	pv string
+	// index is the alias the document is written through, set by the
+	// router before each bulk request ("" = the write alias).
+	index   string
 	fetched time.Time // when it entered the backlog
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.

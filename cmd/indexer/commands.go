@@ -12,6 +12,7 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
@@ -131,7 +132,8 @@ func statusCommand(stdout io.Writer) cli.Command {
 		Summary: "print consumer lag per partition, dead-letter counts and the aliases",
 		Run: func(ctx context.Context, args []string) error {
 			var s settings
-			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases are shown when ELASTICSEARCH_URL is set.")
+			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases and their index generations (live, building, old) are shown when ELASTICSEARCH_URL\nis set; a building generation's progress against normalized_records when DATABASE_URL is too.")
+			s.common.RegisterDatabase(fs)
 			s.registerKafka(fs)
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
@@ -144,6 +146,16 @@ func statusCommand(stdout io.Writer) cli.Command {
 			st, err := sink.GetStatus(ctx, s.cfg)
 			if err != nil {
 				return err
+			}
+			if s.common.DatabaseURL != "" && len(st.Generations) > 0 {
+				pool, err := pgconn.Open(ctx, s.common.DatabaseURL, 2)
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				if st.RowsByPV, err = sink.NormalizedRowsByPV(ctx, pool); err != nil {
+					return err
+				}
 			}
 			st.Write(stdout)
 			return nil
