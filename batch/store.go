@@ -264,6 +264,12 @@ WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHER
 	deadline := time.Now().Add(openWritersWait)
 	for wait := 5 * time.Millisecond; ; wait = min(wait*2, 500*time.Millisecond) {
 		var open int
+		// pg_stat_activity is read once per transaction and cached
+		// (stats_fetch_consistency): drop the cached picture, or the
+		// writer looks open forever.
+		if _, err := tx.Exec(ctx, `SELECT pg_stat_clear_snapshot()`); err != nil {
+			return fmt.Errorf("watch open writers of %s: %w", table, err)
+		}
 		err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity a
 JOIN unnest($1::int[], $2::text[]) AS w(pid, xid) ON a.pid = w.pid AND a.backend_xid::text = w.xid`, pids, xids).Scan(&open)
 		if err != nil {
