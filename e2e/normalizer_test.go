@@ -133,6 +133,10 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 	bt := batcher(failpoint.EnvVar + "=batch.after_commit@5")
 	waitOrDump(t, bt, 2*time.Minute)
 	require.True(t, bt.Killed(), "batcher killed at the failpoint:\n%s", tail(bt.Stderr(), 20))
+	early := testproc.Run(t, time.Minute, p.indexerBin, p.env(), "cutover", "--job", p.spec.Job)
+	require.Equal(t, cli.ExitConflict, early.ExitCode(), "cutover of a half-built generation: %s", early.Stdout())
+	require.Contains(t, early.Stderr(), "has not succeeded in every partition")
+	requireAliasOn(t, p, v1)
 
 	// The rebuild goes on; once the v2 generation fills, a publisher and
 	// an indexer die and come back.

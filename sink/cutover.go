@@ -78,7 +78,7 @@ func CheckGeneration(ctx context.Context, cfg Config, db *pgxpool.Pool, job stri
 	if err != nil {
 		return r, err
 	}
-	r.Job, r.ProcessorVersion, r.Index = j.Name, j.ProcessorVersion, GenerationIndex(cfg.Alias, j.ProcessorVersion)
+	r.Job, r.ProcessorVersion = j.Name, j.ProcessorVersion
 	err = db.QueryRow(ctx, `
 SELECT logical_run_id, count(*), count(*) FILTER (WHERE state = 'succeeded'),
        coalesce(string_agg(CASE WHEN partition_key = '' THEN '(all)' ELSE partition_key END || ' ' || state, ', ' ORDER BY partition_key) FILTER (WHERE state <> 'succeeded'), '')
@@ -94,6 +94,9 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	}
 	client, err := NewClient(cfg.URL)
 	if err != nil {
+		return r, err
+	}
+	if r.Index, err = generationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
 		return r, err
 	}
 	gens, err := listGenerations(ctx, client, r.Index)

@@ -75,7 +75,8 @@ func GenerationIndex(alias, pv string) string {
 }
 
 // generationWriteAlias is the alias the indexer writes a generation
-// through. Bulk requests require an alias (a missing index must fail the
+// through (usually the index GenerationIndex names; after indexer reindex,
+// the copy). Bulk requests require an alias (a missing index must fail the
 // items rather than be auto-created with a dynamic mapping), so every
 // generation has its own.
 func generationWriteAlias(index string) string { return index + "-write" }
@@ -320,11 +321,13 @@ func (r *router) target(ctx context.Context, pv string) (string, error) {
 	if at, ok := r.ensured[pv]; ok && time.Since(at) < routeTTL {
 		return generationWriteAlias(index), nil
 	}
+	// The alias may point at another index than the generation's name:
+	// indexer reindex moves it along with the copy.
 	targets, err := AliasTargets(ctx, r.client, generationWriteAlias(index))
 	if err != nil {
 		return "", err
 	}
-	if len(targets) != 1 || targets[0] != index {
+	if len(targets) == 0 {
 		if err := r.create(ctx, pv); err != nil {
 			return "", err
 		}
@@ -397,3 +400,22 @@ var (
 	// changed. The error says what is missing.
 	ErrUnsafeMove = errors.New("refused")
 )
+
+// generationTarget returns the index holding alias's generation for pv:
+// where its write alias points, else the index GenerationIndex names.
+func generationTarget(ctx context.Context, client *elastic.Client, alias, pv string) (string, error) {
+	index := GenerationIndex(alias, pv)
+	targets, err := AliasTargets(ctx, client, generationWriteAlias(index))
+	if err != nil {
+		return "", err
+	}
+	if len(targets) == 1 {
+		return targets[0], nil
+	}
+	return index, nil
+}
+
+// GenerationTarget is generationTarget for commands (reconcile --job).
+func GenerationTarget(ctx context.Context, client *elastic.Client, alias, pv string) (string, error) {
+	return generationTarget(ctx, client, alias, pv)
+}

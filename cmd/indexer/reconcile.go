@@ -72,7 +72,9 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				}
 				cfg.Source, cfg.ProcessorVersion, cfg.AggregateType = j.SourceName, j.ProcessorVersion, j.AggregateType
 				cfg.Topic = cmp.Or(j.Topic, topic)
-				cfg.Index = sink.GenerationIndex(alias, j.ProcessorVersion)
+				if cfg.Index, err = sink.GenerationTarget(ctx, client, alias, j.ProcessorVersion); err != nil {
+					return err
+				}
 				if ok, err := indexExists(ctx, client, cfg.Index); err != nil {
 					return err
 				} else if !ok {
