@@ -182,19 +182,19 @@ func (d Drift) OtherPV() bool {
 
 // Report is the outcome of [Run].
 type Report struct {
-	SourceRows       int64   `json:"source_rows"`
+	SourceRows int64 `json:"source_rows"`
 	// SourceRowsOtherPV counts the rows of normalized_records built by
 	// another processor version than Config.ProcessorVersion: the
 	// batcher has not rebuilt them yet. 0 when none is expected.
-	SourceRowsOtherPV int64 `json:"source_rows_other_processor_version"`
-	IndexDocs        int64   `json:"index_docs"`
-	DifferingBuckets []int   `json:"differing_buckets"`
-	MissingCount     int     `json:"missing_count"`
-	StaleCount       int     `json:"stale_count"`
-	ExtraCount       int     `json:"extra_count"`
-	Missing          []Drift `json:"missing"`
-	Stale            []Drift `json:"stale"`
-	Extra            []Drift `json:"extra"`
+	SourceRowsOtherPV int64   `json:"source_rows_other_processor_version"`
+	IndexDocs         int64   `json:"index_docs"`
+	DifferingBuckets  []int   `json:"differing_buckets"`
+	MissingCount      int     `json:"missing_count"`
+	StaleCount        int     `json:"stale_count"`
+	ExtraCount        int     `json:"extra_count"`
+	Missing           []Drift `json:"missing"`
+	Stale             []Drift `json:"stale"`
+	Extra             []Drift `json:"extra"`
 	// DocsRead counts documents read id by id (only in differing buckets).
 	DocsRead int64         `json:"docs_read"`
 	Took     time.Duration `json:"took_ns"`
