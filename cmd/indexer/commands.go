@@ -140,7 +140,8 @@ func statusCommand(stdout io.Writer) cli.Command {
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			if _, err := s.load(false); err != nil {
+			logger, err := s.load(false)
+			if err != nil {
 				return err
 			}
 			st, err := sink.GetStatus(ctx, s.cfg)
@@ -148,13 +149,15 @@ func statusCommand(stdout io.Writer) cli.Command {
 				return err
 			}
 			if s.common.DatabaseURL != "" && len(st.Generations) > 0 {
-				pool, err := pgconn.Open(ctx, s.common.DatabaseURL, 2)
-				if err != nil {
-					return err
-				}
-				defer pool.Close()
-				if st.RowsByPV, err = sink.NormalizedRowsByPV(ctx, pool); err != nil {
-					return err
+				// The progress of building generations is extra: without
+				// it the status is still whole.
+				if pool, err := pgconn.Open(ctx, s.common.DatabaseURL, 2); err != nil {
+					logger.Warn("no generation progress: DATABASE_URL", slog.String("error", err.Error()))
+				} else {
+					defer pool.Close()
+					if st.RowsByPV, err = sink.NormalizedRowsByPV(ctx, pool); err != nil {
+						logger.Warn("no generation progress", slog.String("error", err.Error()))
+					}
 				}
 			}
 			st.Write(stdout)
