@@ -127,7 +127,8 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 		}
 	}
 	if r.RowsOtherPV > 0 {
-		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet", r.RowsOtherPV, j.SourceName, j.ProcessorVersion))
+		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
+			"(a run at %s has not reached them, or quarantined them: batcher quarantine list --job %s)", r.RowsOtherPV, j.SourceName, j.ProcessorVersion, j.ProcessorVersion, job))
 	}
 	return r, nil
 }

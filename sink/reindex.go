@@ -16,7 +16,8 @@ import (
 
 // ReindexOptions configure [Reindex].
 type ReindexOptions struct {
-	// Into is the new index, e.g. "records_v2". Required.
+	// Into is the new index, e.g. "records_v1_m2" (not a name of another
+	// processor version's generation, "records_v2"). Required.
 	Into string
 	// Settle is how long to wait after moving the write alias before the
 	// copy starts, so bulk requests that resolved the alias to the old
@@ -57,7 +58,7 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 	res := ReindexResult{Into: opts.Into}
 	start := time.Now()
 	if opts.Into == "" {
-		return res, &ConfigError{Err: fmt.Errorf("--into is required (the new index, e.g. %s_v2)", cfg.Alias)}
+		return res, &ConfigError{Err: fmt.Errorf("--into is required (the new index, e.g. %s_v1_m2)", cfg.Alias)}
 	}
 	if opts.Into == cfg.Alias || opts.Into == cfg.WriteAlias {
 		return res, &ConfigError{Err: fmt.Errorf("--into=%q: must not be an alias name", opts.Into)}

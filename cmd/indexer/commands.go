@@ -204,7 +204,7 @@ func reindexCommand(stdout io.Writer) cli.Command {
 			fs := cli.NewFlagSet("indexer reindex", "Creates --into from the mapping, moves the write alias to it (running indexers write there),\ncopies the current index keeping external versions, then swaps the read alias in one call.")
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
-			fs.String(&opts.Into, "into", "", "", "the new index, e.g. records_v2 (required)")
+			fs.String(&opts.Into, "into", "", "", "the new index, e.g. records_v1_m2 (required; records_<processor version> names are generations)")
 			fs.Duration(&opts.Settle, "settle", "", 5*time.Second, "wait after moving the write alias, for bulk requests already routed to the old index")
 			if _, err := fs.Parse(args); err != nil {
 				return err
