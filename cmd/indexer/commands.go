@@ -129,7 +129,7 @@ func runCommand() cli.Command {
 func statusCommand(stdout io.Writer) cli.Command {
 	return cli.Command{
 		Name:    "status",
-		Summary: "print consumer lag per partition, dead-letter counts and the aliases",
+		Summary: "print consumer lag per partition, dead-letter counts, the aliases and their index generations",
 		Run: func(ctx context.Context, args []string) error {
 			var s settings
 			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases and their index generations (live, building, old) are shown when ELASTICSEARCH_URL\nis set; a building generation's progress against normalized_records when DATABASE_URL is too.")
