@@ -145,6 +145,10 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 		n, err := p.es.Count(v2).Do(ctx)
 		return err == nil && n >= 3000
 	})
+	building := testproc.Run(t, time.Minute, p.indexerBin, p.env(), "status")
+	require.Equal(t, 0, building.ExitCode(), building.Stderr())
+	require.Regexp(t, v1+`\s+v1\s+live\s`, building.Stdout())
+	require.Regexp(t, v2+`\s+v2\s+building\s+\d+\s+\d+\s+\d+/\d+ normalized rows`, building.Stdout())
 	procsMu.Lock()
 	require.NoError(t, pubs[0].Signal(syscall.SIGKILL))
 	require.NoError(t, ixs[0].Signal(syscall.SIGKILL))
