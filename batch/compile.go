@@ -7,6 +7,8 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
 // stmt is one compiled statement: SQL text plus its parameters, each bound
@@ -422,12 +424,16 @@ SELECT (SELECT count(*) FROM src),
 }
 
 // outboxCTE inserts one outbox event per row the upsert CTE "up" returned.
+// The processor version travels in the event's headers (a Kafka header for
+// the indexer, which routes the document to that version's index
+// generation).
 func (c *compiled) outboxCTE(b *builder) string {
+	headers := `jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `)`
 	return `ev AS (
-  INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload)
+  INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
   SELECT outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `),
          ` + b.c(c.spec.Topic, "text") + `, ` + b.c(c.spec.AggregateType, "text") + `, source_id, source_version,
-         CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document::json
+         CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document::json, ` + headers + `
   FROM up
   ON CONFLICT DO NOTHING
   RETURNING 1

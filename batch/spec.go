@@ -395,3 +395,70 @@ func (sc Scope) Hash() string {
 	sum := sha256.Sum256(sc.JSON())
 	return hex.EncodeToString(sum[:])
 }
+
+// Hash is the hex SHA-256 of the document section in canonical form
+// (defaults filled, fields ordered by name: field order does not change a
+// JSON object). It is part of a job's run identity beside the processor
+// version: the same processor version must mean the same documents.
+func (d Document) Hash() string {
+	f := slices.Clone(d.Fields)
+	slices.SortFunc(f, func(a, b Field) int { return cmp.Compare(a.Name, b.Name) })
+	b, _ := json.Marshal(Document{Fields: f, DropNulls: d.DropNulls})
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}
+
+// DocumentChanges names what differs between two document sections, one
+// entry per setting: "document.fields[title].transforms [trim] -> [trim
+// upper]", "document.fields[kind] added", "document.drop_nulls true ->
+// false". Nothing when they are equal.
+func DocumentChanges(old, new Document) []string {
+	var out []string
+	byName := func(d Document) map[string]Field {
+		m := make(map[string]Field, len(d.Fields))
+		for _, f := range d.Fields {
+			f.From = cmp.Or(f.From, f.Name)
+			m[f.Name] = f
+		}
+		return m
+	}
+	was, now := byName(old), byName(new)
+	names := make([]string, 0, len(was)+len(now))
+	for n := range was {
+		names = append(names, n)
+	}
+	for n := range now {
+		if _, ok := was[n]; !ok {
+			names = append(names, n)
+		}
+	}
+	slices.Sort(names)
+	for _, n := range names {
+		a, inOld := was[n]
+		b, inNew := now[n]
+		at := "document.fields[" + n + "]"
+		switch {
+		case !inOld:
+			out = append(out, at+" added")
+		case !inNew:
+			out = append(out, at+" removed")
+		default:
+			if a.From != b.From {
+				out = append(out, fmt.Sprintf("%s.from %s -> %s", at, a.From, b.From))
+			}
+			if !slices.Equal(a.Transforms, b.Transforms) {
+				out = append(out, fmt.Sprintf("%s.transforms %v -> %v", at, a.Transforms, b.Transforms))
+			}
+			if a.Type != b.Type {
+				out = append(out, fmt.Sprintf("%s.type %q -> %q", at, a.Type, b.Type))
+			}
+			if a.Required != b.Required {
+				out = append(out, fmt.Sprintf("%s.required %v -> %v", at, a.Required, b.Required))
+			}
+		}
+	}
+	if old.DropNulls != new.DropNulls {
+		out = append(out, fmt.Sprintf("document.drop_nulls %v -> %v", old.DropNulls, new.DropNulls))
+	}
+	return out
+}

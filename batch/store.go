@@ -54,6 +54,9 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	if _, err := tx.Exec(ctx, lockJobSQL, s.Job); err != nil {
 		return "", fmt.Errorf("lock job %s: %w", s.Job, err)
 	}
+	if err := checkDocumentUnchanged(ctx, tx, s, opts); err != nil {
+		return "", err
+	}
 	specJSON, _ := json.Marshal(s)
 	if _, err := tx.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ($1, $2) ON CONFLICT (job) DO UPDATE SET spec = EXCLUDED.spec, updated_at = now()`, s.Job, specJSON); err != nil {
 		return "", fmt.Errorf("save spec of job %s: %w", s.Job, err)
@@ -195,6 +198,37 @@ VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 's
 	return runID, tx.Commit(ctx)
 }
 
+// checkDocumentUnchanged refuses a changed document section under the
+// processor version the job last ran with: the upsert guard would see the
+// same source and processor version for every row and write nothing, so
+// the change would silently never reach the index. --resume declares the
+// change compatible (existing documents stay as they are), and is audited.
+func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions) error {
+	var stored Spec
+	err := tx.QueryRow(ctx, `SELECT spec FROM batch_jobs WHERE job = $1`, s.Job).Scan(&stored)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("load stored spec of job %s: %w", s.Job, err)
+	}
+	if stored.ProcessorVersion != s.ProcessorVersion || stored.Document.Hash() == s.Document.Hash() {
+		return nil
+	}
+	changes := DocumentChanges(stored.Document, s.Document)
+	if !opts.Resume {
+		return fmt.Errorf("%w: the document section of job %s changed but processor_version is still %s (%s); "+
+			"rows already normalized would not be rebuilt: bump processor_version to rebuild every document into a new index generation, "+
+			"or rerun with --resume to declare the change compatible (existing documents stay as they are)",
+			ErrCheckpointIncompatible, s.Job, s.ProcessorVersion, strings.Join(changes, "; "))
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, '', '', $2, $3, 'document-compatible')`,
+		s.Job, actor(), "document changed under processor version "+s.ProcessorVersion+", declared compatible: "+strings.Join(changes, "; ")); err != nil {
+		return fmt.Errorf("audit document change of job %s: %w", s.Job, err)
+	}
+	return nil
+}
+
 // openWritersWait bounds waitForOpenWriters.
 var openWritersWait = 2 * time.Minute
 
@@ -230,6 +264,12 @@ WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHER
 	deadline := time.Now().Add(openWritersWait)
 	for wait := 5 * time.Millisecond; ; wait = min(wait*2, 500*time.Millisecond) {
 		var open int
+		// pg_stat_activity is read once per transaction and cached
+		// (stats_fetch_consistency): drop the cached picture, or the
+		// writer looks open forever.
+		if _, err := tx.Exec(ctx, `SELECT pg_stat_clear_snapshot()`); err != nil {
+			return fmt.Errorf("watch open writers of %s: %w", table, err)
+		}
 		err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity a
 JOIN unnest($1::int[], $2::text[]) AS w(pid, xid) ON a.pid = w.pid AND a.backend_xid::text = w.xid`, pids, xids).Scan(&open)
 		if err != nil {

@@ -6,8 +6,11 @@
 // indexer as separate processes, shows each stage's progress, waits until
 // the index matches the source (reconciled by count and versions), prints a
 // summary and a sample search, then changes and soft-deletes some rows,
-// runs the next batcher run and shows the index following. Ctrl-C stops
-// everything it started.
+// runs the next batcher run and shows the index following; last, it
+// changes the normalizer (titles upper-cased, processor version v2),
+// rebuilds every document into a new index generation while searches keep
+// reading the old one, cuts the read alias over and searches the new
+// documents. Ctrl-C stops everything it started.
 package main
 
 import (
@@ -148,7 +151,8 @@ func (d *run) main(ctx context.Context) error {
 	}
 
 	step("run 1", "batcher: full scan of source_records up to the boundary fixed at start")
-	first, err := d.pipelineRun(ctx, 1)
+	live := d.alias + "-write"
+	first, err := d.pipelineRun(ctx, 1, d.specFile, live, "")
 	if err != nil {
 		return err
 	}
@@ -167,11 +171,16 @@ func (d *run) main(ctx context.Context) error {
 	_ = d.pool.QueryRow(ctx, `SELECT id::text FROM source_records WHERE deleted_at IS NOT NULL ORDER BY id LIMIT 1`).Scan(&deletedID)
 
 	step("run 2", "batcher: the next run; unchanged rows produce no event, changed and deleted rows do")
-	second, err := d.pipelineRun(ctx, 2)
+	second, err := d.pipelineRun(ctx, 2, d.specFile, live, "")
 	if err != nil {
 		return err
 	}
 	if err := d.showFollowing(ctx, updatedID, deletedID); err != nil {
+		return err
+	}
+
+	third, err := d.newNormalizer(ctx)
+	if err != nil {
 		return err
 	}
 
@@ -180,6 +189,7 @@ func (d *run) main(ctx context.Context) error {
 	fmt.Printf("  rows                      %d seeded, %d changed, %d soft-deleted\n", d.rows, changes.Updated, changes.Deleted)
 	fmt.Printf("  run 1                     %s\n", first)
 	fmt.Printf("  run 2                     %s\n", second)
+	fmt.Printf("  run 3 (normalizer v2)     %s\n", third)
 	fmt.Printf("  duplicates absorbed       %d (stale or replayed messages the index refused by version)\n", d.metric(ctx, "indexer_docs_total", "conflict"))
 	fmt.Printf("  quarantined               %d rows (batcher quarantine list)\n", q)
 	fmt.Printf("  dead-lettered             %d (publisher + indexer)\n", dl)
@@ -322,16 +332,67 @@ func freeAddr() string {
 	return ln.Addr().String()
 }
 
-// pipelineRun runs the batcher once and waits until the index matches
-// normalized_records (reconciled), showing each stage's progress.
-func (d *run) pipelineRun(ctx context.Context, n int) (string, error) {
+// newNormalizer is the third act: the title transform becomes [trim,
+// upper] under processor version v2; the batcher rebuilds every document
+// into the generation demo-records_v2 while searches keep reading v1; then
+// indexer cutover moves the read alias in one action.
+func (d *run) newNormalizer(ctx context.Context) (string, error) {
+	spec, err := batch.LoadSpec(d.specFile)
+	if err != nil {
+		return "", err
+	}
+	spec.ProcessorVersion = "v2"
+	for i, f := range spec.Document.Fields {
+		if f.Name == "title" {
+			spec.Document.Fields[i].Transforms = []string{"trim", "upper"}
+		}
+	}
+	b, err := json.MarshalIndent(spec, "", "  ")
+	if err != nil {
+		return "", err
+	}
+	v2File := filepath.Join(d.workDir, "job-v2.json")
+	if err := os.WriteFile(v2File, b, 0o644); err != nil {
+		return "", err
+	}
+	gen := sink.GenerationIndex(d.alias, "v2")
+	step("normalizer", "a new normalizer: title transforms [trim] -> [trim, upper], processor_version v1 -> v2 (%s)", v2File)
+	step("run 3", "batcher: every row normalized again and indexed into the new generation %s; searches keep reading %s", gen, sink.GenerationIndex(d.alias, "v1"))
+	res, err := d.pipelineRun(ctx, 3, v2File, gen, "v2")
+	if err != nil {
+		return "", err
+	}
+	if err := d.sampleSearch(ctx); err != nil {
+		return "", err
+	}
+	fmt.Println("  (still the v1 documents: the read alias has not moved)")
+
+	step("cutover", "indexer cutover --job %s: checks the v2 run, normalized_records and the new generation, then moves both aliases in one call", job)
+	t0 := time.Now()
+	out, err := d.binary(ctx, "indexer", []string{"DATABASE_URL=" + d.dbURL, "ELASTICSEARCH_URL=" + d.searchURL, "ALIAS=" + d.alias, "LOG_FORMAT=json"},
+		"cutover", "--job", job, "--wait", "2m").CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("indexer cutover: %v\n%s", err, out)
+	}
+	fmt.Printf("  %s  (took %s)\n", strings.TrimSpace(string(out)), time.Since(t0).Round(time.Millisecond))
+	if err := d.sampleSearch(ctx); err != nil {
+		return "", err
+	}
+	fmt.Printf("  rollback in one action: indexer rollback (ALIAS=%s); then indexer generations drop --index %s when done\n", d.alias, sink.GenerationIndex(d.alias, "v1"))
+	return res, nil
+}
+
+// pipelineRun runs the batcher once with specFile and waits until index
+// matches normalized_records (reconciled; pv: the expected processor
+// version, "" for any), showing each stage's progress.
+func (d *run) pipelineRun(ctx context.Context, n int, specFile, index, pv string) (string, error) {
 	t0 := time.Now()
 	logf, err := os.Create(filepath.Join(d.workDir, fmt.Sprintf("batcher-run%d.log", n)))
 	if err != nil {
 		return "", err
 	}
 	defer logf.Close()
-	b := d.binary(ctx, "batcher", []string{"DATABASE_URL=" + d.dbURL, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json"}, "run", "--spec", d.specFile)
+	b := d.binary(ctx, "batcher", []string{"DATABASE_URL=" + d.dbURL, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json"}, "run", "--spec", specFile)
 	b.Stdout, b.Stderr = logf, logf
 	b.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := b.Start(); err != nil {
@@ -360,7 +421,7 @@ func (d *run) pipelineRun(ctx context.Context, n int) (string, error) {
 FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1)`, job).Scan(&processed, &changed, &total)
 		var backlog int64
 		_ = d.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events`).Scan(&backlog)
-		indexed := d.count(ctx)
+		indexed := d.count(ctx, index)
 		state := "running"
 		if !batchEnd.IsZero() {
 			state = "done"
@@ -373,7 +434,7 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM 
 		if drainedAt.IsZero() {
 			drainedAt = time.Now()
 		}
-		rep, err := reconcile.Run(ctx, reconcile.Config{DB: d.pool, Search: d.es, Index: d.alias + "-write", Source: "source_records"})
+		rep, err := reconcile.Run(ctx, reconcile.Config{DB: d.pool, Search: d.es, Index: index, Source: "source_records", ProcessorVersion: pv})
 		if err == nil && rep.Clean() {
 			d.endLine()
 			indexedAt := time.Now()
@@ -385,9 +446,9 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM 
 	}
 }
 
-// count returns the documents in the index (tombstones included).
-func (d *run) count(ctx context.Context) int64 {
-	n, err := d.es.Count(d.alias + "-write").Do(ctx)
+// count returns the documents in index (tombstones included).
+func (d *run) count(ctx context.Context, index string) int64 {
+	n, err := d.es.Count(index).Do(ctx)
 	if err != nil {
 		return 0
 	}

@@ -309,6 +309,7 @@ func userDoc(src map[string]any) map[string]any {
 	out := maps.Clone(src)
 	delete(out, sink.FieldBucket)
 	delete(out, sink.FieldIDV)
+	delete(out, sink.FieldPV)
 	return out
 }
 

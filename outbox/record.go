@@ -10,7 +10,9 @@ package outbox
 //	          ce_time (RFC 3339), content-type, ce_aggregateversion (decimal),
 //	          ce_aggregatetype, and traceparent when the event carries one.
 //
-// The indexer reads the version and the event type from these headers.
+// The indexer reads the version and the event type from these headers, and
+// ce_processorversion, which the batcher puts into its events' own headers,
+// to route a document to its processor version's index generation.
 const (
 	HeaderSpecVersion      = "ce_specversion"
 	HeaderID               = "ce_id"
@@ -22,6 +24,7 @@ const (
 	HeaderAggregateVersion = "ce_aggregateversion"
 	HeaderAggregateType    = "ce_aggregatetype"
 	HeaderTraceParent      = "traceparent"
+	HeaderProcessorVersion = "ce_processorversion"
 
 	// SpecVersion is the CloudEvents version written in ce_specversion.
 	SpecVersion = "1.0"

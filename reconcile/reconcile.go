@@ -2,7 +2,8 @@
 // (normalized_records) with the search index and repairs the difference.
 //
 // Both sides are summarised per bucket — the id's hash modulo
-// [sink.Buckets] — as a count and a sum of hash(id, version, deleted).
+// [sink.Buckets] — as a count and a sum of hash(id, version, deleted,
+// processor version).
 // PostgreSQL answers with one GROUP BY over normalized_records; the engine
 // with one terms aggregation over the fields the indexer writes into every
 // document ([sink.FieldBucket], [sink.FieldIDV]). Only buckets whose
@@ -11,7 +12,8 @@
 //
 // A drifted id is one of:
 //   - missing: in normalized_records, not in the index;
-//   - stale: in both, but the index holds another version or deleted-ness;
+//   - stale: in both, but the index holds another version, deleted-ness or
+//     processor version (a document built by another normalizer);
 //   - extra: in the index, not in normalized_records.
 //
 // The summaries trust the _idv field stored with each document; a partial
@@ -56,7 +58,7 @@ import (
 // signed int, masked.
 const (
 	bucketSQL = `((('x' || substr(md5(source_id), 1, 8))::bit(32)::int & 2147483647) % 1024)`
-	idvSQL    = `(('x' || substr(md5(source_id || ':' || source_version || ':' || deleted::int), 1, 8))::bit(32)::int & 2147483647)::bigint`
+	idvSQL    = `(('x' || substr(md5(source_id || ':' || source_version || ':' || deleted::int || CASE WHEN coalesce(processor_version, '') = '' THEN '' ELSE ':' || processor_version END), 1, 8))::bit(32)::int & 2147483647)::bigint`
 )
 
 // Config says what to compare.
@@ -82,6 +84,13 @@ type Config struct {
 	DeleteGC time.Duration
 	// Logger, if set, tells what Repair waits for.
 	Logger *slog.Logger
+	// ProcessorVersion is the version the job's current spec expects (the
+	// generation compared is built by it). When set, [Report] counts the
+	// normalized rows of another version, and [Repair] replaces documents
+	// of another version that sit at the row's source version. "" means no
+	// expectation: processor versions still feed the fingerprint, but such
+	// documents are only reported.
+	ProcessorVersion string
 	// Full reads every bucket id by id and compares the engine's real
 	// _version, instead of trusting the summaries. The summaries hash the
 	// _idv field the indexer stored, so a partial update made by hand
@@ -113,6 +122,8 @@ type Drift struct {
 	SourceDeleted bool   `json:"source_deleted,omitempty"`
 	IndexVersion  int64  `json:"index_version,omitempty"`
 	IndexDeleted  bool   `json:"index_deleted,omitempty"`
+	SourcePV      string `json:"source_processor_version,omitempty"`
+	IndexPV       string `json:"index_processor_version,omitempty"`
 }
 
 // IndexAhead reports a document whose version in the index is newer than
@@ -121,23 +132,38 @@ type Drift struct {
 // as stale.
 func (d Drift) IndexAhead() bool { return d.IndexVersion > d.SourceVersion }
 
+// OtherPV reports a document at the row's source version built by another
+// processor version: an event at that version would be refused by the
+// engine (409), so the document must go before the repair event can land.
+// Tombstones are never reported so: a delete hides the document whatever
+// normalizer wrote the tombstone.
+func (d Drift) OtherPV() bool {
+	return d.IndexVersion == d.SourceVersion && !d.IndexDeleted && !d.SourceDeleted && d.IndexPV != d.SourcePV
+}
+
 // Report is the outcome of [Run].
 type Report struct {
-	SourceRows       int64   `json:"source_rows"`
-	IndexDocs        int64   `json:"index_docs"`
-	DifferingBuckets []int   `json:"differing_buckets"`
-	MissingCount     int     `json:"missing_count"`
-	StaleCount       int     `json:"stale_count"`
-	ExtraCount       int     `json:"extra_count"`
-	Missing          []Drift `json:"missing"`
-	Stale            []Drift `json:"stale"`
-	Extra            []Drift `json:"extra"`
+	SourceRows int64 `json:"source_rows"`
+	// SourceRowsOtherPV counts the rows of normalized_records built by
+	// another processor version than Config.ProcessorVersion: the
+	// batcher has not rebuilt them yet. 0 when none is expected.
+	SourceRowsOtherPV int64   `json:"source_rows_other_processor_version"`
+	IndexDocs         int64   `json:"index_docs"`
+	DifferingBuckets  []int   `json:"differing_buckets"`
+	MissingCount      int     `json:"missing_count"`
+	StaleCount        int     `json:"stale_count"`
+	ExtraCount        int     `json:"extra_count"`
+	Missing           []Drift `json:"missing"`
+	Stale             []Drift `json:"stale"`
+	Extra             []Drift `json:"extra"`
 	// DocsRead counts documents read id by id (only in differing buckets).
 	DocsRead int64         `json:"docs_read"`
 	Took     time.Duration `json:"took_ns"`
 }
 
-// Clean reports whether nothing drifted.
+// Clean reports whether nothing drifted. Rows of normalized_records at
+// another processor version are not drift of the index (see
+// SourceRowsOtherPV).
 func (r Report) Clean() bool { return r.MissingCount+r.StaleCount+r.ExtraCount == 0 }
 
 type summary struct {
@@ -155,6 +181,12 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	dbSide, err := sourceSummaries(ctx, cfg)
 	if err != nil {
 		return rep, err
+	}
+	if cfg.ProcessorVersion != "" {
+		if err := cfg.DB.QueryRow(ctx, `SELECT count(*) FROM normalized_records WHERE source = $1 AND processor_version IS DISTINCT FROM $2`,
+			cfg.Source, cfg.ProcessorVersion).Scan(&rep.SourceRowsOtherPV); err != nil {
+			return rep, fmt.Errorf("count rows of another processor version: %w", err)
+		}
 	}
 	ixSide, err := indexSummaries(ctx, cfg)
 	if err != nil {
@@ -248,12 +280,13 @@ func bucketKey(k any) (int, error) {
 type state struct {
 	version int64
 	deleted bool
+	pv      string
 }
 
 func drillDown(ctx context.Context, cfg Config, rep *Report) error {
 	buckets := rep.DifferingBuckets
 	src := map[string]state{}
-	rows, err := cfg.DB.Query(ctx, `SELECT source_id, source_version, deleted FROM normalized_records
+	rows, err := cfg.DB.Query(ctx, `SELECT source_id, source_version, deleted, coalesce(processor_version, '') FROM normalized_records
 WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 	if err != nil {
 		return fmt.Errorf("read drifted buckets from normalized_records: %w", err)
@@ -261,7 +294,7 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 	for rows.Next() {
 		var id string
 		var s state
-		if err := rows.Scan(&id, &s.version, &s.deleted); err != nil {
+		if err := rows.Scan(&id, &s.version, &s.deleted, &s.pv); err != nil {
 			rows.Close()
 			return err
 		}
@@ -280,7 +313,7 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		query = elastic.NewBoolQuery().Should(q, elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(sink.FieldBucket)))
 	}
 	scroll := cfg.Search.Scroll(cfg.Index).Query(query).Size(2000).Version(true).
-		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(sink.FieldDeleted)).KeepAlive("2m")
+		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(sink.FieldDeleted, sink.FieldPV)).KeepAlive("2m")
 	defer scroll.Clear(context.WithoutCancel(ctx))
 	for {
 		res, err := scroll.Do(ctx)
@@ -292,7 +325,8 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		}
 		for _, hit := range res.Hits.Hits {
 			var doc struct {
-				Deleted bool `json:"_deleted"`
+				Deleted bool   `json:"_deleted"`
+				PV      string `json:"_pv"`
 			}
 			if len(hit.Source) > 0 {
 				_ = json.Unmarshal(hit.Source, &doc)
@@ -301,7 +335,7 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 			if hit.Version != nil {
 				v = *hit.Version
 			}
-			idx[hit.Id] = state{version: v, deleted: doc.Deleted}
+			idx[hit.Id] = state{version: v, deleted: doc.Deleted, pv: doc.PV}
 			rep.DocsRead++
 		}
 	}
@@ -312,12 +346,13 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		case !ok:
 			rep.MissingCount++
 			if len(rep.Missing) < cfg.Limit {
-				rep.Missing = append(rep.Missing, Drift{ID: id, SourceVersion: s.version, SourceDeleted: s.deleted})
+				rep.Missing = append(rep.Missing, Drift{ID: id, SourceVersion: s.version, SourceDeleted: s.deleted, SourcePV: s.pv})
 			}
 		case i != s:
 			rep.StaleCount++
 			if len(rep.Stale) < cfg.Limit {
-				rep.Stale = append(rep.Stale, Drift{ID: id, SourceVersion: s.version, SourceDeleted: s.deleted, IndexVersion: i.version, IndexDeleted: i.deleted})
+				rep.Stale = append(rep.Stale, Drift{ID: id, SourceVersion: s.version, SourceDeleted: s.deleted, SourcePV: s.pv,
+					IndexVersion: i.version, IndexDeleted: i.deleted, IndexPV: i.pv})
 			}
 		}
 	}
@@ -325,7 +360,7 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		if _, ok := src[id]; !ok {
 			rep.ExtraCount++
 			if len(rep.Extra) < cfg.Limit {
-				rep.Extra = append(rep.Extra, Drift{ID: id, IndexVersion: i.version, IndexDeleted: i.deleted})
+				rep.Extra = append(rep.Extra, Drift{ID: id, IndexVersion: i.version, IndexDeleted: i.deleted, IndexPV: i.pv})
 			}
 		}
 	}
@@ -352,7 +387,11 @@ type RepairResult struct {
 // Repair re-enqueues outbox events for the missing and stale ids of rep and
 // deletes its extras from the index. A stale document that is ahead of the
 // source ([Drift.IndexAhead]) is deleted first, so the re-enqueued event
-// can land. A delete made outside the pipeline (by hand, or by Repair)
+// can land; so is a document of another processor version at the row's
+// source version ([Drift.OtherPV]) when the row is at Config.ProcessorVersion
+// (the version the compared generation is built by). Re-enqueued events
+// carry the row's processor version, so they reach that version's
+// generation. A delete made outside the pipeline (by hand, or by Repair)
 // leaves a version tombstone the engine keeps for index.gc_deletes; an
 // event at the source version would be refused as stale until then, so
 // Repair waits that long (plus a refresh) before it enqueues when any
@@ -367,7 +406,7 @@ func Repair(ctx context.Context, cfg Config, rep Report) (RepairResult, error) {
 	var res RepairResult
 	remove := slices.Clone(rep.Extra)
 	for _, d := range rep.Stale {
-		if d.IndexAhead() {
+		if d.IndexAhead() || (d.OtherPV() && cfg.ProcessorVersion != "" && d.SourcePV == cfg.ProcessorVersion) {
 			remove = append(remove, d)
 		}
 	}
@@ -403,7 +442,7 @@ func Repair(ctx context.Context, cfg Config, rep Report) (RepairResult, error) {
 		// for (and deduplicated against) the original event.
 		stamp := strconv.FormatInt(time.Now().UnixNano(), 10)
 		err := pgx.BeginFunc(ctx, cfg.DB, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, `SELECT source_id, source_version, deleted, document FROM normalized_records
+			rows, err := tx.Query(ctx, `SELECT source_id, source_version, deleted, document, coalesce(processor_version, '') FROM normalized_records
 WHERE source = $1 AND source_id = ANY($2)`, cfg.Source, ids)
 			if err != nil {
 				return err
@@ -414,7 +453,8 @@ WHERE source = $1 AND source_id = ANY($2)`, cfg.Source, ids)
 				var version int64
 				var deleted bool
 				var doc []byte
-				if err := rows.Scan(&id, &version, &deleted, &doc); err != nil {
+				var pv string
+				if err := rows.Scan(&id, &version, &deleted, &doc, &pv); err != nil {
 					rows.Close()
 					return err
 				}
@@ -422,6 +462,9 @@ WHERE source = $1 AND source_id = ANY($2)`, cfg.Source, ids)
 					ID:    outbox.EventID("repair:"+cfg.Source, id, version, stamp),
 					Topic: cfg.Topic, AggregateType: cfg.AggregateType, AggregateID: id, AggregateVersion: version,
 					Type: outbox.TypeUpsert, Payload: doc,
+				}
+				if pv != "" {
+					ev.Headers = map[string]string{outbox.HeaderProcessorVersion: pv}
 				}
 				if deleted {
 					ev.Type, ev.Payload = outbox.TypeDelete, nil

@@ -16,12 +16,19 @@ import (
 func TestMain(m *testing.M) { stack.Main(m) }
 
 // indexDoc writes what the indexer writes: the document plus the reconcile
-// fields, at the source version (external).
+// fields, at the source version (external), built by processor version v1.
 func indexDoc(id string, version int64, deleted bool) *elastic.BulkIndexRequest {
-	doc := map[string]any{"title": "doc " + id, sink.FieldBucket: sink.Bucket(id), sink.FieldIDV: sink.IDV(id, version, deleted)}
+	return indexDocPV(id, version, deleted, "v1")
+}
+
+func indexDocPV(id string, version int64, deleted bool, pv string) *elastic.BulkIndexRequest {
+	doc := map[string]any{"title": "doc " + id}
 	if deleted {
-		doc = map[string]any{sink.FieldDeleted: true, sink.FieldBucket: sink.Bucket(id), sink.FieldIDV: sink.IDV(id, version, deleted)}
+		doc = map[string]any{sink.FieldDeleted: true}
 	}
+	doc[sink.FieldBucket] = sink.Bucket(id)
+	doc[sink.FieldIDV] = sink.IDV(id, version, deleted, pv)
+	doc[sink.FieldPV] = pv
 	return elastic.NewBulkIndexRequest().Id(id).Version(version).VersionType("external").Doc(doc)
 }
 
@@ -138,4 +145,79 @@ FROM generate_series(1, $1) g`, n)
 	require.EqualValues(t, n, rep.DocsRead)
 	require.Equal(t, []string{"50"}, ids(rep.Stale))
 	require.True(t, rep.Stale[0].IndexAhead())
+}
+
+// A document built by another processor version than the row's is drift,
+// even at the same source version, and Repair replaces it: the engine
+// would refuse a re-enqueued event at that version (409), so the document
+// goes first, and the event carries the row's processor version.
+func TestReconcileFindsDocumentsOfAnotherProcessorVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := stack.Pool(t, stack.Database(t))
+	client, err := sink.NewClient(stack.ElasticsearchURL(t))
+	require.NoError(t, err)
+	index := stack.UniqueName("reconcile-pv")
+	_, err = client.CreateIndex(index).BodyString(`{"settings":{"number_of_shards":1,"number_of_replicas":0,"index.gc_deletes":"1s"},"mappings":{"properties":{"_bucket":{"type":"integer"},"_idv":{"type":"long"},"_deleted":{"type":"boolean"},"_pv":{"type":"keyword"}}}}`).Do(ctx)
+	require.NoError(t, err)
+
+	const n = 2000
+	_, err = pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted)
+SELECT 'src', g::text, jsonb_build_object('title', 'DOC ' || g), 1 + g % 3, 'v2', false FROM generate_series(1, $1) g`, n)
+	require.NoError(t, err)
+	old := map[string]bool{"7": true, "700": true, "1999": true}
+	bulk := client.Bulk().Index(index)
+	for g := 1; g <= n; g++ {
+		id := strconv.Itoa(g)
+		pv := "v2"
+		if old[id] {
+			pv = "v1" // left behind by the previous normalizer, same source version
+		}
+		bulk.Add(indexDocPV(id, int64(1+g%3), false, pv))
+	}
+	res, err := bulk.Refresh("true").Do(ctx)
+	require.NoError(t, err)
+	require.False(t, res.Errors)
+
+	cfg := reconcile.Config{DB: pool, Search: client, Index: index, Source: "src", Topic: "t", ProcessorVersion: "v2"}
+	rep, err := reconcile.Run(ctx, cfg)
+	require.NoError(t, err)
+	require.False(t, rep.Clean(), "documents of processor version v1 are drift")
+	require.Empty(t, rep.Missing)
+	require.Empty(t, rep.Extra)
+	var stale []string
+	for _, d := range rep.Stale {
+		stale = append(stale, d.ID)
+		require.Equal(t, "v1", d.IndexPV, d.ID)
+		require.Equal(t, "v2", d.SourcePV, d.ID)
+		require.Equal(t, d.SourceVersion, d.IndexVersion, d.ID)
+		require.True(t, d.OtherPV(), d.ID)
+	}
+	require.ElementsMatch(t, []string{"7", "700", "1999"}, stale)
+
+	fixed, err := reconcile.Repair(ctx, cfg, rep)
+	require.NoError(t, err)
+	require.EqualValues(t, 3, fixed.Enqueued)
+	require.Equal(t, 3, fixed.Removed, "a document at the source version is removed so the repair event can land")
+	rows, err := pool.Query(ctx, `SELECT aggregate_id, aggregate_version, headers->>'ce_processorversion' FROM outbox_events ORDER BY aggregate_id`)
+	require.NoError(t, err)
+	bulk = client.Bulk().Index(index)
+	var enqueued []string
+	for rows.Next() {
+		var id, pv string
+		var v int64
+		require.NoError(t, rows.Scan(&id, &v, &pv))
+		require.Equal(t, "v2", pv, "the repair event of %s carries the row's processor version", id)
+		enqueued = append(enqueued, id)
+		bulk.Add(indexDocPV(id, v, false, pv)) // as the indexer applies it
+	}
+	require.NoError(t, rows.Err())
+	require.ElementsMatch(t, []string{"7", "700", "1999"}, enqueued)
+	res, err = bulk.Refresh("true").Do(ctx)
+	require.NoError(t, err)
+	require.False(t, res.Errors, "%+v", res.Failed())
+	rep, err = reconcile.Run(ctx, cfg)
+	require.NoError(t, err)
+	require.True(t, rep.Clean(), "%+v", rep)
+	require.Zero(t, rep.SourceRowsOtherPV)
 }

@@ -140,6 +140,9 @@ type Config struct {
 	Registerer prometheus.Registerer
 }
 
+// WithDefaults returns c with every unset field at its default.
+func (c Config) WithDefaults() Config { return c.withDefaults() }
+
 func (c Config) withDefaults() Config {
 	c.Topic = cmp.Or(c.Topic, DefaultTopic)
 	c.Group = cmp.Or(c.Group, DefaultGroup)

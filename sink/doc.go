@@ -118,9 +118,10 @@
 // is not refused for a minute.
 //
 // Every document also carries _bucket and _idv (reserved field names),
-// the id's bucket and a hash of id, version and deleted-ness, which
-// package reconcile aggregates to compare the index with
-// normalized_records without reading documents.
+// the id's bucket and a hash of id, version, deleted-ness and processor
+// version, which package reconcile aggregates to compare the index with
+// normalized_records without reading documents, and _pv, the processor
+// version that built it (when the event says).
 //
 // # Index management and reindex
 //
@@ -132,6 +133,22 @@
 // move the write alias, copy the old index on the server with
 // version_type=external (live writes and copies resolve by version, in
 // any order), then swap the read alias in one atomic _aliases call.
+//
+// # Index generations
+//
+// A document whose event carries ce_processorversion (every batcher event)
+// is written into that processor version's generation,
+// [GenerationIndex](alias, pv) ("records_v2"), through the generation's own
+// write alias ("records_v2-write"); the indexer creates it from the
+// mapping, with _meta.outboxrelay naming alias and version, the first time
+// it sees the version (several indexers may race; the losers find it
+// created), and trusts it for 30 s at a time. Events without a processor
+// version go to the write alias. The read and write aliases point at one
+// generation, the live one, and move only by [Cutover] (once the job's run
+// at that version succeeded, every normalized row carries it and the
+// generation reconciles clean) or [Rollback], each one _aliases call. The
+// external version stays the source version within each generation, so
+// ordering, replays and tombstones work per generation exactly as above.
 //
 // # Throttling
 //

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/md5"
 	"encoding/binary"
+	"encoding/json"
 	"strconv"
 )
 
@@ -15,8 +16,11 @@ const (
 	FieldDeleted = "_deleted"
 	// FieldBucket holds Bucket(id).
 	FieldBucket = "_bucket"
-	// FieldIDV holds IDV(id, version, deleted).
+	// FieldIDV holds IDV(id, version, deleted, processor version).
 	FieldIDV = "_idv"
+	// FieldPV holds the processor version that built the document (absent
+	// for events that carry none).
+	FieldPV = "_pv"
 )
 
 // Buckets is the number of id ranges reconciliation compares.
@@ -35,28 +39,34 @@ func hash31(s string) int64 {
 // reconcile computes the same hash in SQL.
 func Bucket(id string) int { return int(hash31(id) % Buckets) }
 
-// IDV returns a 31-bit hash of (id, version, deleted). Package reconcile
-// computes the same hash in SQL.
-func IDV(id string, version int64, deleted bool) int64 {
+// IDV returns a 31-bit hash of (id, version, deleted, processor version).
+// Package reconcile computes the same hash in SQL. Without a processor
+// version it is the hash of (id, version, deleted), as before processor
+// versions were compared.
+func IDV(id string, version int64, deleted bool, pv string) int64 {
 	d := "0"
 	if deleted {
 		d = "1"
 	}
-	return hash31(id + ":" + strconv.FormatInt(version, 10) + ":" + d)
+	s := id + ":" + strconv.FormatInt(version, 10) + ":" + d
+	if pv != "" {
+		s += ":" + pv
+	}
+	return hash31(s)
 }
 
 // appendDocument appends the document as indexed: the body plus the fields
 // package reconcile aggregates on (the id's bucket and a hash of id,
-// version and deleted-ness), so reconciliation compares summaries instead
-// of scanning documents. They are added while the bulk body is written,
-// which saves copying every document once more.
+// version, deleted-ness and processor version), so reconciliation compares
+// summaries instead of scanning documents. They are added while the bulk
+// body is written, which saves copying every document once more.
 func appendDocument(dst []byte, d *doc) []byte {
-	return appendReconcileFields(dst, d.body, d.bucket, d.idv)
+	return appendReconcileFields(dst, d.body, d.bucket, d.idv, d.pv)
 }
 
 // appendReconcileFields appends obj, a JSON object, with the reconcile
-// fields added.
-func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
+// fields added (the processor version only when there is one).
+func appendReconcileFields(dst, obj []byte, bucket int, idv int64, pv string) []byte {
 	start := len(dst)
 	dst = append(dst, obj[:len(obj)-1]...) // without the closing brace
 	if len(bytes.TrimSpace(dst[start+1:])) > 0 {
@@ -66,5 +76,10 @@ func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
 	dst = strconv.AppendInt(dst, int64(bucket), 10)
 	dst = append(dst, `,"`+FieldIDV+`":`...)
 	dst = strconv.AppendInt(dst, idv, 10)
+	if pv != "" {
+		dst = append(dst, `,"`+FieldPV+`":`...)
+		b, _ := json.Marshal(pv) // a Go string always marshals
+		dst = append(dst, b...)
+	}
 	return append(dst, '}')
 }

@@ -40,6 +40,7 @@ type Indexer struct {
 	rules    *recordRules
 	dlq      *deadLetterWriter
 	throttle *throttle
+	router   *router
 	m        *metrics
 	// onBatch, if set, is called after every resolved and committed batch
 	// (tests).
@@ -63,13 +64,15 @@ func New(cfg Config) (*Indexer, error) {
 		return nil, &ConfigError{Err: err}
 	}
 	m := newMetrics(cfg.Registerer)
+	rules := newRecordRules(cfg)
 	return &Indexer{
 		cfg:      cfg,
 		log:      cfg.Logger,
 		client:   client,
-		rules:    newRecordRules(cfg),
+		rules:    rules,
 		dlq:      newDeadLetterWriter(cfg),
 		throttle: newThrottle(cfg.MaxRate, cfg.BatchSize, m.rateLimit.Set),
+		router:   newRouter(client, cfg, rules),
 		m:        m,
 	}, nil
 }
@@ -494,9 +497,14 @@ func (e *itemError) Error() string {
 	return fmt.Sprintf("%s (status %d): %s", e.Code, e.Status, e.Reason)
 }
 
+// bulk writes docs, each through the alias of its target: its processor
+// version's index generation (created on first sight), or the write alias.
 func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
 	ctx, cancel := context.WithTimeout(ctx, ix.cfg.RequestTimeout)
 	defer cancel()
+	if err := ix.router.route(ctx, docs); err != nil {
+		return nil, err
+	}
 	start := time.Now()
 	res, err := sendBulk(ctx, ix.client, docs, buf)
 	took := time.Since(start)

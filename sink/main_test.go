@@ -219,9 +219,14 @@ func stripReconcileFields(t testing.TB, id string, version int64, src json.RawMe
 	}
 	deleted := string(m[FieldDeleted]) == "true"
 	require.Equal(t, strconv.Itoa(Bucket(id)), string(m[FieldBucket]), "%s of %s", FieldBucket, id)
-	require.Equal(t, strconv.FormatInt(IDV(id, version, deleted), 10), string(m[FieldIDV]), "%s of %s", FieldIDV, id)
+	var pv string
+	if raw, ok := m[FieldPV]; ok {
+		require.NoError(t, json.Unmarshal(raw, &pv))
+	}
+	require.Equal(t, strconv.FormatInt(IDV(id, version, deleted, pv), 10), string(m[FieldIDV]), "%s of %s", FieldIDV, id)
 	delete(m, FieldBucket)
 	delete(m, FieldIDV)
+	delete(m, FieldPV)
 	out, err := json.Marshal(m)
 	require.NoError(t, err)
 	return out

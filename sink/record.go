@@ -89,10 +89,14 @@ var (
 
 // doc is one Kafka message on its way into a bulk request.
 type doc struct {
-	msg     kafka.Message
-	id      string
-	target  string // the write alias it goes through
-	version int64
+	msg kafka.Message
+	id  string
+	// alias is the read alias the record is routed to (ROUTES); target is
+	// the alias the document is written through: the alias's write alias,
+	// or, for a document with a processor version, its generation's (set by
+	// the router before each bulk request).
+	alias, target string
+	version       int64
 	// versionFromIndex: a delete without a version (a null value from
 	// another producer); version is filled in from the index and the
 	// tombstone written with version_type=external_gte.
@@ -101,8 +105,12 @@ type doc struct {
 	body             []byte // document or tombstone, without the reconcile fields
 	// bucket and idv are the reconcile fields, computed by the fetch loop,
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
-	bucket  int
-	idv     int64
+	bucket int
+	idv    int64
+	// pv is the processor version that built the document (header
+	// ce_processorversion), "" when the event carries none. It picks the
+	// index generation and is indexed as FieldPV.
+	pv      string
 	fetched time.Time // when it entered the backlog
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.
@@ -160,7 +168,8 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 		d.skip = SkipEventType
 		return d
 	}
-	d.target = r.writeAliasOf(r.targetAlias(m))
+	d.alias = r.targetAlias(m)
+	d.target = r.writeAliasOf(d.alias)
 	if r.typedIDs {
 		if len(aggType) == 0 {
 			return poison(CodeMissingAggregateType, "ID_FORMAT=type:id and header %s is missing", outbox.HeaderAggregateType)
@@ -238,7 +247,10 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 	default:
 		return poison(CodeUnknownType, "header %s=%q: want %s or %s (SKIP_EVENT_TYPES skips others)", outbox.HeaderType, typ, typeUpsert, typeDelete)
 	}
+	if pv, ok := headerBytes(m, outbox.HeaderProcessorVersion); ok {
+		d.pv = string(pv)
+	}
 	d.bucket = Bucket(d.id)
-	d.idv = IDV(d.id, d.version, d.op == opDelete)
+	d.idv = IDV(d.id, d.version, d.op == opDelete, d.pv)
 	return d
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"strings"
 	"time"
 
 	"github.com/olivere/elastic/v7"
@@ -15,7 +16,8 @@ import (
 
 // ReindexOptions configure [Reindex].
 type ReindexOptions struct {
-	// Into is the new index, e.g. "records_v2". Required.
+	// Into is the new index, e.g. "records_v1_m2" (not a name of another
+	// processor version's generation, "records_v2"). Required.
 	Into string
 	// Settle is how long to wait after moving the write alias before the
 	// copy starts, so bulk requests that resolved the alias to the old
@@ -56,7 +58,7 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 	res := ReindexResult{Into: opts.Into}
 	start := time.Now()
 	if opts.Into == "" {
-		return res, &ConfigError{Err: fmt.Errorf("--into is required (the new index, e.g. %s_v2)", cfg.Alias)}
+		return res, &ConfigError{Err: fmt.Errorf("--into is required (the new index, e.g. %s_v1_m2)", cfg.Alias)}
 	}
 	if opts.Into == cfg.Alias || opts.Into == cfg.WriteAlias {
 		return res, &ConfigError{Err: fmt.Errorf("--into=%q: must not be an alias name", opts.Into)}
@@ -83,17 +85,38 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 		return res, err
 	}
 
-	// 1. The new index.
+	// 1. The new index; it carries on the old one's generation (the same
+	// processor version), and a rollback leads back to the old one.
 	if err := CreateIndex(ctx, client, opts.Into, cfg.Mapping, nil); err != nil {
 		return res, err
 	}
-	// 2. New writes go to the new index.
-	if len(writes) != 1 || writes[0] != opts.Into {
+	if gens, err := listGenerations(ctx, client, res.From); err != nil {
+		return res, err
+	} else if len(gens) == 1 && gens[0].Meta.ProcessorVersion != "" {
+		meta := gens[0].Meta
+		meta.Previous, meta.CreatedAt = res.From, time.Now().UTC().Format(time.RFC3339)
+		if err := putMeta(ctx, client, opts.Into, meta); err != nil {
+			return res, err
+		}
+	}
+	genAliases, err := generationAliasesOf(ctx, client, res.From, cfg)
+	if err != nil {
+		return res, err
+	}
+	// 2. New writes go to the new index: the write alias and the
+	// generation's own write alias (documents carrying its processor
+	// version).
+	if len(writes) != 1 || writes[0] != opts.Into || len(genAliases) > 0 {
 		actions := []any{}
 		for _, w := range writes {
 			actions = append(actions, map[string]any{"remove": map[string]any{"index": w, "alias": cfg.WriteAlias}})
 		}
 		actions = append(actions, map[string]any{"add": map[string]any{"index": opts.Into, "alias": cfg.WriteAlias, "is_write_index": true}})
+		for _, a := range genAliases {
+			actions = append(actions,
+				map[string]any{"remove": map[string]any{"index": res.From, "alias": a}},
+				map[string]any{"add": map[string]any{"index": opts.Into, "alias": a, "is_write_index": true}})
+		}
 		if err := updateAliases(ctx, client, actions); err != nil {
 			return res, err
 		}
@@ -188,4 +211,26 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 	log.Info("read alias swapped", slog.String("alias", cfg.Alias), slog.String("from", res.From), slog.String("into", opts.Into),
 		slog.Int64("copied", res.Copied), slog.Int64("conflicts", res.Conflicts), slog.Duration("took", res.Took))
 	return res, nil
+}
+
+// generationAliasesOf returns the generation write aliases on index: its
+// "-write" aliases other than cfg's.
+func generationAliasesOf(ctx context.Context, client *elastic.Client, index string, cfg Config) ([]string, error) {
+	r, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodGet, Path: "/" + url.PathEscape(index) + "/_alias"})
+	if err != nil {
+		return nil, fmt.Errorf("read aliases of %s: %w", index, err)
+	}
+	var body map[string]struct {
+		Aliases map[string]json.RawMessage `json:"aliases"`
+	}
+	if err := json.Unmarshal(r.Body, &body); err != nil {
+		return nil, fmt.Errorf("decode aliases of %s: %w", index, err)
+	}
+	var out []string
+	for name := range body[index].Aliases {
+		if name != cfg.Alias && name != cfg.WriteAlias && strings.HasSuffix(name, "-write") {
+			out = append(out, name)
+		}
+	}
+	return out, nil
 }

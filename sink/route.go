@@ -199,7 +199,7 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 		k := [2]string{d.target, d.id}
 		if d.versionFromIndex {
 			d.version = current[k]
-			d.idv = IDV(d.id, d.version, true)
+			d.idv = IDV(d.id, d.version, true, d.pv)
 		} else if d.poison == nil && d.skip == "" {
 			current[k] = max(current[k], d.version)
 		}

@@ -21,6 +21,11 @@ type Status struct {
 	// ReadIndices and WriteIndices are the aliases' targets.
 	ReadAlias, WriteAlias     string
 	ReadIndices, WriteIndices []string
+	// Generations of the read alias (engine part).
+	Generations []Generation
+	// RowsByPV counts normalized_records rows per processor version, the
+	// target of a building generation; nil when DATABASE_URL is not set.
+	RowsByPV map[string]int64
 }
 
 // TotalLag sums the lag of all partitions.
@@ -54,6 +59,9 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 			return nil, err
 		}
 		if st.WriteIndices, err = AliasTargets(ctx, client, cfg.WriteAlias); err != nil {
+			return nil, err
+		}
+		if st.Generations, err = Generations(ctx, client, cfg.Alias, cfg.WriteAlias); err != nil {
 			return nil, err
 		}
 	}
@@ -96,4 +104,49 @@ func (s *Status) Write(w io.Writer) {
 	if s.ReadIndices != nil || s.WriteIndices != nil {
 		fmt.Fprintf(w, "read alias %s -> %v, write alias %s -> %v\n", s.ReadAlias, s.ReadIndices, s.WriteAlias, s.WriteIndices)
 	}
+	if len(s.Generations) > 0 {
+		s.writeGenerations(w)
+	}
+}
+
+// writeGenerations prints the generations of the read alias: the live
+// one, those built after it (building, with their progress against the
+// normalized rows of their processor version) and the older ones kept
+// for a rollback.
+func (s *Status) writeGenerations(w io.Writer) {
+	var live *Generation
+	for i := range s.Generations {
+		if s.Generations[i].Live {
+			live = &s.Generations[i]
+		}
+	}
+	fmt.Fprintf(w, "generations of %s:\n", s.ReadAlias)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "  INDEX\tPROCESSOR VERSION\tSTATE\tDOCUMENTS\tTOMBSTONES\tPROGRESS\tCREATED\tCUTOVER")
+	for _, g := range s.Generations {
+		state := "old (kept for rollback)"
+		switch {
+		case g.Live:
+			state = "live"
+		case live == nil || g.Meta.CreatedAt > live.Meta.CreatedAt:
+			state = "building"
+		}
+		progress := "-"
+		if rows, ok := s.RowsByPV[g.Meta.ProcessorVersion]; ok && g.Meta.ProcessorVersion != "" {
+			progress = fmt.Sprintf("%d/%d normalized rows", g.Docs, rows)
+			if rows > 0 {
+				progress += fmt.Sprintf(" (%.1f%%)", 100*float64(min(g.Docs, rows))/float64(rows))
+			}
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", g.Index, cmpOrDash(g.Meta.ProcessorVersion), state, g.Docs, g.Tombstones, progress,
+			cmpOrDash(g.Meta.CreatedAt), cmpOrDash(g.Meta.CutoverAt))
+	}
+	tw.Flush()
+}
+
+func cmpOrDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }

@@ -68,7 +68,7 @@ func TestParse(t *testing.T) {
 			require.Equal(t, tt.wantBody, string(d.body))
 			id := cmp.Or(tt.wantID, "a")
 			require.Equal(t, id, d.id)
-			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), Bucket(id), IDV(id, tt.wantVer, tt.wantOp == opDelete))), string(appendDocument(nil, d)))
+			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), Bucket(id), IDV(id, tt.wantVer, tt.wantOp == opDelete, ""), "")), string(appendDocument(nil, d)))
 			require.Equal(t, tt.wantVer, d.version)
 		})
 	}
@@ -81,13 +81,13 @@ func TestAppendReconcileFields(t *testing.T) {
 		{"object", `{"x":1}`, `{"x":1,"_bucket":%d,"_idv":%d}`},
 		{"spaces inside", `{ }`, `{ "_bucket":%d,"_idv":%d}`},
 	} {
-		want := fmt.Sprintf(tc.want, Bucket("42"), IDV("42", 3, false))
-		bucket, idv := Bucket("42"), IDV("42", 3, false)
-		got := appendReconcileFields(nil, []byte(tc.in), bucket, idv)
+		want := fmt.Sprintf(tc.want, Bucket("42"), IDV("42", 3, false, ""))
+		bucket, idv := Bucket("42"), IDV("42", 3, false, "")
+		got := appendReconcileFields(nil, []byte(tc.in), bucket, idv, "")
 		require.Equal(t, want, string(got), tc.name)
 		require.True(t, json.Valid(got), tc.name)
 		// Appended after other bytes (the bulk body so far).
-		got = appendReconcileFields([]byte("{\"index\":{}}\n"), []byte(tc.in), bucket, idv)
+		got = appendReconcileFields([]byte("{\"index\":{}}\n"), []byte(tc.in), bucket, idv, "")
 		require.Equal(t, "{\"index\":{}}\n"+want, string(got), tc.name)
 	}
 }

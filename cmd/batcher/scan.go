@@ -80,7 +80,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	fs.String(&c.RunID, "run-id", "BATCH_RUN_ID", "", "logical run id (default: the job's unfinished run, else a new one)")
 	fs.String(&c.Partition, "partition", "BATCH_PARTITION", "", "work on this partition only (default: all)")
 	fs.Bool(&c.Restart, "restart", "", false, "start a new run from the beginning (supersedes the unfinished one)")
-	fs.Bool(&c.Resume, "resume", "", false, "continue a run made by a processor version the spec declares compatible")
+	fs.Bool(&c.Resume, "resume", "", false, "continue a run made by a processor version the spec declares compatible; or accept a changed document section under the same processor version (audited)")
 	fs.Int(&c.MaxChunks, "max-chunks", "MAX_CHUNKS", 0, "stop softly after this many chunks (0 = no limit)")
 	fs.Int(&c.Workers, "workers", "WORKERS", 1, "partitions worked on at once by this process")
 	fs.String(&c.WorkerID, "worker-id", "WORKER_ID", "", "name of this worker in leases (default host-pid)")

@@ -12,6 +12,7 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
@@ -154,22 +155,36 @@ func runCommand() cli.Command {
 func statusCommand(stdout io.Writer) cli.Command {
 	return cli.Command{
 		Name:    "status",
-		Summary: "print consumer lag per partition, dead-letter counts and the aliases",
+		Summary: "print consumer lag per partition, dead-letter counts, the aliases and their index generations",
 		Run: func(ctx context.Context, args []string) error {
 			var s settings
-			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases are shown when ELASTICSEARCH_URL is set.")
+			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases and their index generations (live, building, old) are shown when ELASTICSEARCH_URL\nis set; a building generation's progress against normalized_records when DATABASE_URL is too.")
+			s.common.RegisterDatabase(fs)
 			s.registerKafka(fs)
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			if _, err := s.load(false); err != nil {
+			logger, err := s.load(false)
+			if err != nil {
 				return err
 			}
 			st, err := sink.GetStatus(ctx, s.cfg)
 			if err != nil {
 				return err
+			}
+			if s.common.DatabaseURL != "" && len(st.Generations) > 0 {
+				// The progress of building generations is extra: without
+				// it the status is still whole.
+				if pool, err := pgconn.Open(ctx, s.common.DatabaseURL, 2); err != nil {
+					logger.Warn("no generation progress: DATABASE_URL", slog.String("error", err.Error()))
+				} else {
+					defer pool.Close()
+					if st.RowsByPV, err = sink.NormalizedRowsByPV(ctx, pool); err != nil {
+						logger.Warn("no generation progress", slog.String("error", err.Error()))
+					}
+				}
 			}
 			st.Write(stdout)
 			return nil
@@ -215,7 +230,7 @@ func reindexCommand(stdout io.Writer) cli.Command {
 			fs := cli.NewFlagSet("indexer reindex", "Creates --into from the mapping, moves the write alias to it (running indexers write there),\ncopies the current index keeping external versions, then swaps the read alias in one call.")
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
-			fs.String(&opts.Into, "into", "", "", "the new index, e.g. records_v2 (required)")
+			fs.String(&opts.Into, "into", "", "", "the new index, e.g. records_v1_m2 (required; records_<processor version> names are generations)")
 			fs.Duration(&opts.Settle, "settle", "", 5*time.Second, "wait after moving the write alias, for bulk requests already routed to the old index")
 			if _, err := fs.Parse(args); err != nil {
 				return err

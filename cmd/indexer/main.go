@@ -20,5 +20,8 @@ func commands() []cli.Command {
 		replayCommand(os.Stdout),
 		reindexCommand(os.Stdout),
 		reconcileCommand(os.Stdout),
+		cutoverCommand(os.Stdout),
+		rollbackCommand(os.Stdout),
+		dropCommand(os.Stdout),
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"io"
 	"text/tabwriter"
 
+	"github.com/olivere/elastic/v7"
+
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/reconcile"
@@ -23,20 +25,21 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				common      cli.Common
 				url, alias  string
 				writeAlias  string
-				source      string
+				source, job string
 				topic       string
 				repair      bool
 				full        bool
 				asJSON      bool
 				limit, show int
 			)
-			fs := cli.NewFlagSet("indexer reconcile", "Summarises both sides per id bucket (count and a hash of id, version, deleted), reads id by id\nonly the buckets that differ, and reports missing, stale and extra documents. Run it when the\npipeline is drained: events in flight show up as drift. Exit code 4 when drift is found and not\nrepaired.")
+			fs := cli.NewFlagSet("indexer reconcile", "Summarises both sides per id bucket (count and a hash of id, version, deleted, processor version), reads id by id\nonly the buckets that differ, and reports missing, stale and extra documents. Run it when the\npipeline is drained: events in flight show up as drift. Exit code 4 when drift is found and not\nrepaired.")
 			common.RegisterDatabase(fs)
 			common.RegisterLogging(fs)
 			fs.Secret(&url, "elasticsearch-url", "ELASTICSEARCH_URL", "", "search engine URL, e.g. http://127.0.0.1:9200 (required)")
 			fs.String(&alias, "alias", "ALIAS", sink.DefaultAlias, "read alias of the index")
 			fs.String(&writeAlias, "write-alias", "WRITE_ALIAS", "", `unfiltered alias compared (tombstones included) ("" = <alias>-write)`)
-			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare (the job's source name)")
+			fs.String(&job, "job", "JOB", "", "scan job to compare: its source, processor version and that version's index generation come from its stored spec")
+			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare against the write alias (without --job)")
 			fs.String(&topic, "topic", "TOPIC", sink.DefaultTopic, "topic of the repair events")
 			fs.Bool(&repair, "repair", "", false, "re-enqueue outbox events for missing and stale ids and delete extra documents")
 			fs.Bool(&full, "full", "", false, "compare every document's real _version (reads both sides whole; finds partial updates made by hand)")
@@ -61,6 +64,29 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			cfg := reconcile.Config{
 				DB: pool, Search: client, Index: cmp.Or(writeAlias, alias+"-write"),
 				Source: source, Topic: topic, Limit: limit, Full: full,
+			}
+			if job != "" {
+				j, err := reconcile.LoadJob(ctx, pool, job)
+				if err != nil {
+					return conflictIfUnsafe(err)
+				}
+				cfg.Source, cfg.ProcessorVersion, cfg.AggregateType = j.SourceName, j.ProcessorVersion, j.AggregateType
+				cfg.Topic = cmp.Or(j.Topic, topic)
+				if cfg.Index, err = sink.GenerationTarget(ctx, client, alias, j.ProcessorVersion); err != nil {
+					return err
+				}
+				if ok, err := indexExists(ctx, client, cfg.Index); err != nil {
+					return err
+				} else if !ok {
+					return &cli.ExitError{Code: cli.ExitConflict, Err: fmt.Errorf("job %s is at processor version %s, whose index generation %s does not exist yet (no indexer has seen its events)", job, j.ProcessorVersion, cfg.Index)}
+				}
+			} else if gens, err := sink.Generations(ctx, client, alias, cfg.Index); err == nil {
+				// The live generation's processor version is the expected one.
+				for _, g := range gens {
+					if g.Writes {
+						cfg.ProcessorVersion = g.Meta.ProcessorVersion
+					}
+				}
 			}
 			rep, err := reconcile.Run(ctx, cfg)
 			if err != nil {
@@ -103,6 +129,9 @@ func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResul
 	fmt.Fprintf(tw, "missing\t%d\n", rep.MissingCount)
 	fmt.Fprintf(tw, "stale\t%d\n", rep.StaleCount)
 	fmt.Fprintf(tw, "extra\t%d\n", rep.ExtraCount)
+	if rep.SourceRowsOtherPV > 0 {
+		fmt.Fprintf(tw, "rows of another processor version\t%d\t(in normalized_records: not rebuilt by the batcher yet)\n", rep.SourceRowsOtherPV)
+	}
 	fmt.Fprintf(tw, "took\t%s\n", rep.Took.Round(1e6))
 	tw.Flush()
 	list := func(kind string, ds []reconcile.Drift) {
@@ -111,18 +140,19 @@ func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResul
 		}
 		fmt.Fprintf(w, "\n%s:\n", kind)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "  ID\tSOURCE VERSION\tSOURCE DELETED\tINDEX VERSION\tINDEX DELETED")
+		fmt.Fprintln(tw, "  ID\tSOURCE VERSION\tSOURCE DELETED\tSOURCE PV\tINDEX VERSION\tINDEX DELETED\tINDEX PV")
 		for i, d := range ds {
 			if i == show {
 				fmt.Fprintf(tw, "  … %d more\n", len(ds)-show)
 				break
 			}
-			fmt.Fprintf(tw, "  %s\t%s\t%v\t%s\t%v\n", d.ID, orDash(d.SourceVersion), d.SourceDeleted, orDash(d.IndexVersion), d.IndexDeleted)
+			fmt.Fprintf(tw, "  %s\t%s\t%v\t%s\t%s\t%v\t%s\n", d.ID, orDash(d.SourceVersion), d.SourceDeleted, cmp.Or(d.SourcePV, "-"),
+				orDash(d.IndexVersion), d.IndexDeleted, cmp.Or(d.IndexPV, "-"))
 		}
 		tw.Flush()
 	}
 	list("missing (in normalized_records, not in the index)", rep.Missing)
-	list("stale (another version or deleted-ness in the index)", rep.Stale)
+	list("stale (another version, deleted-ness or processor version in the index)", rep.Stale)
 	list("extra (in the index, not in normalized_records)", rep.Extra)
 	if fixed != nil {
 		fmt.Fprintf(w, "\nrepair: %d outbox event(s) enqueued, %d document(s) removed; run reconcile again once the pipeline has drained\n", fixed.Enqueued, fixed.Removed)
@@ -136,4 +166,12 @@ func orDash(v int64) string {
 		return "-"
 	}
 	return fmt.Sprint(v)
+}
+
+func indexExists(ctx context.Context, client *elastic.Client, index string) (bool, error) {
+	ok, err := client.IndexExists(index).Do(ctx)
+	if err != nil {
+		return false, fmt.Errorf("look up index %s: %w", index, err)
+	}
+	return ok, nil
 }

@@ -1,0 +1,184 @@
+package reconcile
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxrelay/outboxrelay/sink"
+)
+
+// CutoverOptions configure [Cutover].
+type CutoverOptions struct {
+	// DB holds batch_jobs, batch_runs and normalized_records. Required.
+	DB *pgxpool.Pool
+	// Job whose current processor version's generation goes live. Required.
+	Job string
+	// Wait is how long to wait for the generation to become ready; 0 checks
+	// once and refuses at once.
+	Wait time.Duration
+	// Poll is how often the checks run while waiting. Default 2s.
+	Poll time.Duration
+	// Progress, if set, gets one line per check while waiting.
+	Progress io.Writer
+}
+
+// Readiness is where a generation stands against what its job produced.
+type Readiness struct {
+	Job, ProcessorVersion, Index string
+	// Run is the job's latest run at ProcessorVersion; Partitions and
+	// Succeeded count its partitions, Unfinished names the others.
+	Run                   string
+	Partitions, Succeeded int
+	Unfinished            string
+	// RowsOtherPV counts the source's normalized rows of another
+	// processor version.
+	RowsOtherPV int64
+	// SourceRows and IndexDocs are the two sides reconcile compared;
+	// Drift counts the ids that differ.
+	SourceRows, IndexDocs int64
+	Drift                 int
+	// Missing says what stands between the generation and a safe cutover;
+	// empty means ready.
+	Missing []string
+}
+
+// Ready reports whether nothing is missing.
+func (r Readiness) Ready() bool { return len(r.Missing) == 0 }
+
+func (r Readiness) String() string {
+	s := fmt.Sprintf("job %s, processor version %s, index %s: run %s %d/%d partitions succeeded, %d/%d documents, %d drifted, %d rows of another processor version",
+		r.Job, r.ProcessorVersion, r.Index, cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions, r.IndexDocs, r.SourceRows, r.Drift, r.RowsOtherPV)
+	if len(r.Missing) > 0 {
+		s += "; missing: " + strings.Join(r.Missing, "; ")
+	}
+	return s
+}
+
+// CheckGeneration checks whether the generation of job's current processor
+// version may go live: the job's latest run at that version succeeded in
+// every partition, every normalized row of the job's source carries that
+// version, and the generation index matches normalized_records exactly
+// (reconcile, processor version included, no drift).
+func CheckGeneration(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job string) (Readiness, error) {
+	cfg = cfg.WithDefaults()
+	var r Readiness
+	j, err := LoadJob(ctx, db, job)
+	if err != nil {
+		return r, err
+	}
+	r.Job, r.ProcessorVersion = j.Name, j.ProcessorVersion
+	err = db.QueryRow(ctx, `
+SELECT logical_run_id, count(*), count(*) FILTER (WHERE state = 'succeeded'),
+       coalesce(string_agg(CASE WHEN partition_key = '' THEN '(all)' ELSE partition_key END || ' ' || state, ', ' ORDER BY partition_key) FILTER (WHERE state <> 'succeeded'), '')
+FROM batch_runs WHERE job = $1 AND processor_version = $2 AND state <> 'superseded'
+GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.ProcessorVersion).Scan(&r.Run, &r.Partitions, &r.Succeeded, &r.Unfinished)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		r.Missing = append(r.Missing, fmt.Sprintf("no run of job %s at processor version %s (batcher run --job %s)", job, j.ProcessorVersion, job))
+	case err != nil:
+		return r, fmt.Errorf("load runs of job %s: %w", job, err)
+	case r.Succeeded < r.Partitions:
+		r.Missing = append(r.Missing, fmt.Sprintf("run %s has not succeeded in every partition (%s)", r.Run, r.Unfinished))
+	}
+	client, err := sink.NewClient(cfg.URL)
+	if err != nil {
+		return r, err
+	}
+	if r.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+		return r, err
+	}
+	exists, err := sink.GenerationExists(ctx, client, r.Index)
+	if err != nil {
+		return r, err
+	}
+	rc := Config{DB: db, Search: client, Index: r.Index, Source: j.SourceName, ProcessorVersion: j.ProcessorVersion, Limit: 1}
+	if !exists {
+		r.Missing = append(r.Missing, fmt.Sprintf("index %s does not exist yet (no indexer has seen an event of processor version %s)", r.Index, j.ProcessorVersion))
+		// The rows still count, for the progress line.
+		if err := db.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE processor_version IS DISTINCT FROM $2) FROM normalized_records WHERE source = $1`,
+			j.SourceName, j.ProcessorVersion).Scan(&r.SourceRows, &r.RowsOtherPV); err != nil {
+			return r, fmt.Errorf("count normalized rows of %s: %w", j.SourceName, err)
+		}
+	} else {
+		if err := sink.Refresh(ctx, client, r.Index); err != nil {
+			return r, err
+		}
+		rep, err := Run(ctx, rc)
+		if err != nil {
+			return r, err
+		}
+		r.SourceRows, r.IndexDocs, r.RowsOtherPV = rep.SourceRows, rep.IndexDocs, rep.SourceRowsOtherPV
+		r.Drift = rep.MissingCount + rep.StaleCount + rep.ExtraCount
+		if r.Drift > 0 {
+			r.Missing = append(r.Missing, fmt.Sprintf("index %s differs from normalized_records in %d id(s) (%d missing, %d stale, %d extra; events in flight, or see indexer reconcile --job %s)",
+				r.Index, r.Drift, rep.MissingCount, rep.StaleCount, rep.ExtraCount, job))
+		}
+	}
+	if r.RowsOtherPV > 0 {
+		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
+			"(a run at %s has not reached them, or quarantined them: batcher quarantine list --job %s)", r.RowsOtherPV, j.SourceName, j.ProcessorVersion, j.ProcessorVersion, job))
+	}
+	return r, nil
+}
+
+// CutoverResult says what [Cutover] did.
+type CutoverResult struct {
+	Readiness
+	// From are the indices the read alias left; Already is set when the
+	// generation was live before.
+	From    []string
+	Already bool
+}
+
+// Cutover makes the generation of job's current processor version live once
+// [CheckGeneration] finds it ready (waiting up to opts.Wait): one _aliases
+// call moves the read alias, with its tombstone filter, and the write alias
+// to it. The old generation is kept, and recorded as the new one's
+// previous generation for [Rollback]. A refusal wraps [sink.ErrUnsafeMove] and
+// says what is missing; nothing changed then.
+func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (CutoverResult, error) {
+	cfg = cfg.WithDefaults()
+	opts.Poll = cmp.Or(opts.Poll, 2*time.Second)
+	var res CutoverResult
+	if opts.DB == nil || opts.Job == "" {
+		return res, &sink.ConfigError{Err: errors.New("cutover needs DATABASE_URL and --job")}
+	}
+	deadline := time.Now().Add(opts.Wait)
+	for {
+		r, err := CheckGeneration(ctx, cfg, opts.DB, opts.Job)
+		res.Readiness = r
+		if err != nil {
+			return res, err
+		}
+		if r.Ready() {
+			break
+		}
+		if opts.Wait <= 0 || time.Now().After(deadline) {
+			waited := ""
+			if opts.Wait > 0 {
+				waited = fmt.Sprintf(" after waiting %s", opts.Wait)
+			}
+			return res, fmt.Errorf("%w: cutover of alias %s to %s%s: %s", sink.ErrUnsafeMove, cfg.Alias, r.Index, waited, strings.Join(r.Missing, "; "))
+		}
+		if opts.Progress != nil {
+			fmt.Fprintf(opts.Progress, "waiting: %d/%d documents in %s, %d drifted, %d rows to rebuild, run %s %d/%d partitions\n",
+				r.IndexDocs, r.SourceRows, r.Index, r.Drift, r.RowsOtherPV, cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions)
+		}
+		select {
+		case <-ctx.Done():
+			return res, ctx.Err()
+		case <-time.After(opts.Poll):
+		}
+	}
+	from, err := sink.MoveAliases(ctx, cfg, res.Index)
+	res.From, res.Already = from, from == nil && err == nil
+	return res, err
+}

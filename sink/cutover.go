@@ -1,0 +1,162 @@
+package sink
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/url"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/olivere/elastic/v7"
+)
+
+// MoveAliases moves cfg's read alias (with its tombstone filter) and write
+// alias to index in one _aliases call, recording where they came from in
+// index's _meta for [Rollback]. It returns the indices the read alias left,
+// or nil (and does nothing) when both already point at index. The caller
+// checks that the move is safe (package reconcile's Cutover does).
+func MoveAliases(ctx context.Context, cfg Config, index string) ([]string, error) {
+	cfg = cfg.withDefaults()
+	client, err := NewClient(cfg.URL)
+	if err != nil {
+		return nil, err
+	}
+	return moveAliases(ctx, client, cfg, index)
+}
+
+// GenerationExists reports whether index exists as a generation (with or
+// without its _meta).
+func GenerationExists(ctx context.Context, client *elastic.Client, index string) (bool, error) {
+	gens, err := listGenerations(ctx, client, index)
+	return len(gens) == 1, err
+}
+
+// Refresh makes everything written to index searchable.
+func Refresh(ctx context.Context, client *elastic.Client, index string) error {
+	return refresh(ctx, client, index)
+}
+
+// moveAliases moves both aliases to index in one call, recording where
+// they came from in index's _meta. It returns nil (and does nothing) when
+// both already point there.
+func moveAliases(ctx context.Context, client *elastic.Client, cfg Config, index string) ([]string, error) {
+	read, err := AliasTargets(ctx, client, cfg.Alias)
+	if err != nil {
+		return nil, err
+	}
+	write, err := AliasTargets(ctx, client, cfg.WriteAlias)
+	if err != nil {
+		return nil, err
+	}
+	if slices.Equal(read, []string{index}) && slices.Equal(write, []string{index}) {
+		return nil, nil
+	}
+	gens, err := listGenerations(ctx, client, index)
+	if err != nil {
+		return nil, err
+	}
+	if len(gens) != 1 {
+		return nil, fmt.Errorf("%w: index %s does not exist", ErrUnsafeMove, index)
+	}
+	meta := gens[0].Meta
+	if len(read) == 1 && read[0] != index {
+		meta.Previous = read[0]
+	}
+	meta.CutoverAt = time.Now().UTC().Format(time.RFC3339)
+	if err := putMeta(ctx, client, index, meta); err != nil {
+		return nil, err
+	}
+	if err := updateAliases(ctx, client, aliasMove(cfg.Alias, cfg.WriteAlias, read, write, index)); err != nil {
+		return nil, fmt.Errorf("move aliases %s and %s to %s (someone else moved them meanwhile?): %w", cfg.Alias, cfg.WriteAlias, index, err)
+	}
+	if read == nil {
+		read = []string{} // moved, from no index
+	}
+	return read, nil
+}
+
+// Rollback moves both aliases back to the generation they left when they
+// last moved to the live one, in one _aliases call. Rolling back twice
+// rolls forward again. It refuses when there is no previous generation or
+// it was dropped.
+func Rollback(ctx context.Context, cfg Config) (from, into string, err error) {
+	cfg = cfg.withDefaults()
+	client, err := NewClient(cfg.URL)
+	if err != nil {
+		return "", "", err
+	}
+	read, err := AliasTargets(ctx, client, cfg.Alias)
+	if err != nil {
+		return "", "", err
+	}
+	if len(read) != 1 {
+		return "", "", fmt.Errorf("%w: read alias %s points at %v; want exactly one index", ErrUnsafeMove, cfg.Alias, read)
+	}
+	from = read[0]
+	gens, err := listGenerations(ctx, client, from)
+	if err != nil {
+		return from, "", err
+	}
+	if len(gens) != 1 || gens[0].Meta.Previous == "" {
+		return from, "", fmt.Errorf("%w: live generation %s records no previous generation to roll back to", ErrUnsafeMove, from)
+	}
+	into = gens[0].Meta.Previous
+	prev, err := listGenerations(ctx, client, into)
+	if err != nil {
+		return from, into, err
+	}
+	if len(prev) != 1 {
+		return from, into, fmt.Errorf("%w: previous generation %s of alias %s no longer exists (dropped)", ErrUnsafeMove, into, cfg.Alias)
+	}
+	if _, err := moveAliases(ctx, client, cfg, into); err != nil {
+		return from, into, err
+	}
+	return from, into, nil
+}
+
+// DropGeneration deletes a generation index that neither alias points at.
+func DropGeneration(ctx context.Context, cfg Config, index string) error {
+	cfg = cfg.withDefaults()
+	client, err := NewClient(cfg.URL)
+	if err != nil {
+		return err
+	}
+	gens, err := Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
+	if err != nil {
+		return err
+	}
+	i := slices.IndexFunc(gens, func(g Generation) bool { return g.Index == index })
+	if i < 0 {
+		return fmt.Errorf("%w: %s is not a generation of alias %s", ErrUnsafeMove, index, cfg.Alias)
+	}
+	if g := gens[i]; g.Live || g.Writes {
+		return fmt.Errorf("%w: %s is the live generation of alias %s (cut over or roll back first)", ErrUnsafeMove, index, cfg.Alias)
+	}
+	_, err = client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + url.PathEscape(index)})
+	if err != nil {
+		return fmt.Errorf("delete index %s: %w", index, err)
+	}
+	return nil
+}
+
+// NormalizedRowsByPV counts normalized_records rows per processor version
+// (all sources), for the progress of building generations in status.
+func NormalizedRowsByPV(ctx context.Context, db *pgxpool.Pool) (map[string]int64, error) {
+	rows, err := db.Query(ctx, `SELECT coalesce(processor_version, ''), count(*) FROM normalized_records GROUP BY 1`)
+	if err != nil {
+		return nil, fmt.Errorf("count normalized rows per processor version: %w", err)
+	}
+	out := map[string]int64{}
+	for rows.Next() {
+		var pv string
+		var n int64
+		if err := rows.Scan(&pv, &n); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		out[pv] = n
+	}
+	return out, rows.Err()
+}
