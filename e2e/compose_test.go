@@ -130,10 +130,14 @@ func TestComposeMatchesTheBinaries(t *testing.T) {
 						require.Contains(t, svc.DependsOn, host)
 					}
 				case "METRICS_ADDR":
-					_, port, err := net.SplitHostPort(val)
+					host, port, err := net.SplitHostPort(val)
 					require.NoError(t, err)
+					require.Equal(t, "0.0.0.0", host, "%s METRICS_ADDR: the binaries bind loopback by default, so compose must open it on purpose", name)
 					require.Contains(t, svc.Ports, fmt.Sprintf("%s:%s", port, port), "%s publishes its metrics port", name)
 				}
+			}
+			if slices.Contains(settings, "METRICS_ADDR") {
+				require.Contains(t, svc.Environment, "METRICS_ADDR", "%s: without it the metrics bind the container's loopback", name)
 			}
 			for _, required := range requiredSettings[bin] {
 				if slices.Contains(settings, required) {

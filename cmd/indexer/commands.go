@@ -21,7 +21,7 @@ type settings struct {
 	common      cli.Common
 	brokers     string
 	mappingFile string
-	metricsAddr string
+	metrics     cli.Metrics
 	cfg         sink.Config
 }
 
@@ -48,7 +48,7 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Duration(&s.cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", sink.DefaultRetryMaxElapsed, "give up (exit 1, nothing committed) when a batch is refused this long")
 	fs.Duration(&s.cfg.SessionTimeout, "session-timeout", "SESSION_TIMEOUT", sink.DefaultSessionTimeout, "consumer group session timeout (a dead member's partitions move after it)")
 	fs.Duration(&s.cfg.HeartbeatInterval, "heartbeat-interval", "HEARTBEAT_INTERVAL", sink.DefaultHeartbeat, "consumer group heartbeat interval")
-	fs.String(&s.metricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9103", `address for /metrics, /healthz and /readyz ("" disables)`)
+	s.metrics.RegisterMetrics(fs, "127.0.0.1:9103")
 }
 
 // load turns the parsed settings into a config and a logger.
@@ -105,6 +105,10 @@ func runCommand() cli.Command {
 			if err != nil {
 				return err
 			}
+			ep, err := s.metrics.Endpoint()
+			if err != nil {
+				return err
+			}
 			reg := metrics.NewRegistry()
 			s.cfg.Registerer = reg
 			ix, err := sink.New(s.cfg)
@@ -117,7 +121,7 @@ func runCommand() cli.Command {
 			defer stop()
 			health := metrics.NewHealth()
 			health.AddCheck("search engine", ix.Ping)
-			if err := metrics.Serve(soft, s.metricsAddr, reg, health, logger); err != nil {
+			if err := metrics.Serve(soft, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}
 			return ix.Run(soft)
