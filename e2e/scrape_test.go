@@ -225,6 +225,11 @@ func TestScrapedMetricsMatchTheRulesAndDashboard(t *testing.T) {
 	require.Len(t, prom.query(t, `max by (partition) (last_over_time(indexer_consumer_lag{job="indexer"}[1m]))`), 6)
 	s := p.waitSettled(ctx, 3*time.Minute, procs)
 	require.EqualValues(t, rows-bad, s.Report.IndexDocs)
+	// Both services can do their job now, and say so.
+	for _, svc := range []string{"publisher", "indexer"} {
+		code, body := httpGet(t, "http://"+addr[svc]+"/readyz")
+		require.Equal(t, http.StatusOK, code, "%s /readyz: %s", svc, body)
+	}
 
 	t.Logf("%s: indexer caught up", time.Since(start).Round(time.Second))
 	// Every selector of the rules and the dashboard finds series with the

@@ -120,7 +120,8 @@ func runCommand() cli.Command {
 			soft, _, stop := shutdown.Contexts(ctx, 0, logger)
 			defer stop()
 			health := metrics.NewHealth()
-			health.AddCheck("search engine", ix.Ping)
+			health.AddCheck("search engine", ix.EngineReady)
+			health.AddCheck("consumer group", ix.GroupReady)
 			if err := metrics.Serve(soft, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}

@@ -74,6 +74,7 @@ func runCommand() cli.Command {
 			if err != nil {
 				return cli.UsageError("%v", err)
 			}
+			health.AddCheck("shards", pub.Ready)
 			if err := metrics.Serve(hard, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}
