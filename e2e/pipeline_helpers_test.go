@@ -307,8 +307,8 @@ func (p *pipeline) readNormalized(ctx context.Context) map[string]normalized {
 // userDoc strips the fields the indexer adds for reconcile.
 func userDoc(src map[string]any) map[string]any {
 	out := maps.Clone(src)
-	delete(out, reconcile.FieldBucket)
-	delete(out, reconcile.FieldIDV)
+	delete(out, sink.FieldBucket)
+	delete(out, sink.FieldIDV)
 	return out
 }
 
@@ -429,7 +429,7 @@ FROM source_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.sour
 		require.Truef(tb, ok, "id %s (version %d) is not in the index", id, n.Version)
 		require.Equalf(tb, n.Version, d.Version, "id %s: index version", id)
 		if n.Deleted {
-			require.Equalf(tb, true, d.Source[reconcile.FieldDeleted], "id %s: deleted in the source, not a tombstone in the index", id)
+			require.Equalf(tb, true, d.Source[sink.FieldDeleted], "id %s: deleted in the source, not a tombstone in the index", id)
 			deleted = append(deleted, id)
 			continue
 		}

@@ -17,6 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
+
+	"github.com/outboxrelay/outboxrelay/internal/kafkakey"
 )
 
 // shardWorker publishes one leased shard: one batch at a time, so one key's
@@ -72,7 +74,7 @@ func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.D
 		// produce request (see doc.go).
 		writer: &kafka.Writer{
 			Addr:         kafka.TCP(p.cfg.Brokers...),
-			Balancer:     &kafka.Murmur2Balancer{},
+			Balancer:     kafkakey.Balancer(),
 			RequiredAcks: kafka.RequireAll,
 			BatchSize:    p.cfg.BatchSize,
 			BatchBytes:   int64(p.cfg.BatchBytes),

@@ -1,13 +1,13 @@
 // Package reconcile compares the read model in PostgreSQL
 // (normalized_records) with the search index and repairs the difference.
 //
-// Both sides are summarised per bucket — the id's hash modulo [Buckets] —
-// as a count and a sum of hash(id, version, deleted). PostgreSQL answers
-// with one GROUP BY over normalized_records; the engine with one terms
-// aggregation over the fields the indexer writes into every document
-// ([FieldBucket], [FieldIDV]). Only buckets whose summaries differ are read
-// id by id, from both sides, so a clean index of millions of documents
-// costs two aggregations and no scan of documents.
+// Both sides are summarised per bucket — the id's hash modulo
+// [sink.Buckets] — as a count and a sum of hash(id, version, deleted).
+// PostgreSQL answers with one GROUP BY over normalized_records; the engine
+// with one terms aggregation over the fields the indexer writes into every
+// document ([sink.FieldBucket], [sink.FieldIDV]). Only buckets whose
+// summaries differ are read id by id, from both sides, so a clean index of
+// millions of documents costs two aggregations and no scan of documents.
 //
 // A drifted id is one of:
 //   - missing: in normalized_records, not in the index;
@@ -33,8 +33,6 @@ package reconcile
 import (
 	"cmp"
 	"context"
-	"crypto/md5"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -51,40 +49,11 @@ import (
 	"github.com/olivere/elastic/v7"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
+	"github.com/outboxrelay/outboxrelay/sink"
 )
 
-// Buckets is the number of id ranges compared.
-const Buckets = 1024
-
-// Document fields the indexer writes next to the user's document.
-const (
-	// FieldBucket holds Bucket(id).
-	FieldBucket = "_bucket"
-	// FieldIDV holds IDV(id, version, deleted).
-	FieldIDV = "_idv"
-	// FieldDeleted marks a delete tombstone (see package sink).
-	FieldDeleted = "_deleted"
-)
-
-func hash31(s string) int64 {
-	sum := md5.Sum([]byte(s))
-	return int64(binary.BigEndian.Uint32(sum[:4]) & 0x7fffffff)
-}
-
-// Bucket returns the bucket of an id, 0 ≤ Bucket < Buckets. It equals
-// bucketSQL.
-func Bucket(id string) int { return int(hash31(id) % Buckets) }
-
-// IDV returns a 31-bit hash of (id, version, deleted). It equals idvSQL.
-func IDV(id string, version int64, deleted bool) int64 {
-	d := "0"
-	if deleted {
-		d = "1"
-	}
-	return hash31(id + ":" + strconv.FormatInt(version, 10) + ":" + d)
-}
-
-// The same hashes in SQL: the first 32 bits of md5 as a signed int, masked.
+// [sink.Bucket] and [sink.IDV] in SQL: the first 32 bits of md5 as a
+// signed int, masked.
 const (
 	bucketSQL = `((('x' || substr(md5(source_id), 1, 8))::bit(32)::int & 2147483647) % 1024)`
 	idvSQL    = `(('x' || substr(md5(source_id || ':' || source_version || ':' || deleted::int), 1, 8))::bit(32)::int & 2147483647)::bigint`
@@ -191,7 +160,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if err != nil {
 		return rep, err
 	}
-	for b := range Buckets {
+	for b := range sink.Buckets {
 		rep.SourceRows += dbSide[b].count
 		rep.IndexDocs += ixSide[b].count
 		if cfg.Full || dbSide[b] != ixSide[b] {
@@ -207,8 +176,8 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	return rep, nil
 }
 
-func sourceSummaries(ctx context.Context, cfg Config) ([Buckets]summary, error) {
-	var out [Buckets]summary
+func sourceSummaries(ctx context.Context, cfg Config) ([sink.Buckets]summary, error) {
+	var out [sink.Buckets]summary
 	rows, err := cfg.DB.Query(ctx, `SELECT `+bucketSQL+` AS b, count(*), coalesce(sum(`+idvSQL+`), 0)::bigint
 FROM normalized_records WHERE source = $1 GROUP BY 1`, cfg.Source)
 	if err != nil {
@@ -226,10 +195,10 @@ FROM normalized_records WHERE source = $1 GROUP BY 1`, cfg.Source)
 	return out, rows.Err()
 }
 
-func indexSummaries(ctx context.Context, cfg Config) ([Buckets]summary, error) {
-	var out [Buckets]summary
-	agg := elastic.NewTermsAggregation().Field(FieldBucket).Size(Buckets).
-		SubAggregation("idv", elastic.NewSumAggregation().Field(FieldIDV))
+func indexSummaries(ctx context.Context, cfg Config) ([sink.Buckets]summary, error) {
+	var out [sink.Buckets]summary
+	agg := elastic.NewTermsAggregation().Field(sink.FieldBucket).Size(sink.Buckets).
+		SubAggregation("idv", elastic.NewSumAggregation().Field(sink.FieldIDV))
 	res, err := cfg.Search.Search(cfg.Index).Size(0).TrackTotalHits(true).
 		Aggregation("buckets", agg).Do(ctx)
 	if err != nil {
@@ -264,16 +233,16 @@ func indexSummaries(ctx context.Context, cfg Config) ([Buckets]summary, error) {
 func bucketKey(k any) (int, error) {
 	switch v := k.(type) {
 	case float64:
-		if v >= 0 && v < Buckets {
+		if v >= 0 && v < sink.Buckets {
 			return int(v), nil
 		}
 	case json.Number:
 		n, err := v.Int64()
-		if err == nil && n >= 0 && n < Buckets {
+		if err == nil && n >= 0 && n < sink.Buckets {
 			return int(n), nil
 		}
 	}
-	return 0, fmt.Errorf("index holds a %s value %v outside 0..%d", FieldBucket, k, Buckets-1)
+	return 0, fmt.Errorf("index holds a %s value %v outside 0..%d", sink.FieldBucket, k, sink.Buckets-1)
 }
 
 type state struct {
@@ -304,14 +273,14 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 	}
 
 	idx := map[string]state{}
-	q := elastic.NewTermsQuery(FieldBucket, toAny(buckets)...)
+	q := elastic.NewTermsQuery(sink.FieldBucket, toAny(buckets)...)
 	var query elastic.Query = q
 	if slices.Contains(buckets, 0) {
 		// Bucket 0 also stands for documents without a bucket field.
-		query = elastic.NewBoolQuery().Should(q, elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(FieldBucket)))
+		query = elastic.NewBoolQuery().Should(q, elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(sink.FieldBucket)))
 	}
 	scroll := cfg.Search.Scroll(cfg.Index).Query(query).Size(2000).Version(true).
-		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(FieldDeleted)).KeepAlive("2m")
+		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(sink.FieldDeleted)).KeepAlive("2m")
 	defer scroll.Clear(context.WithoutCancel(ctx))
 	for {
 		res, err := scroll.Do(ctx)

@@ -18,9 +18,9 @@ func TestMain(m *testing.M) { stack.Main(m) }
 // indexDoc writes what the indexer writes: the document plus the reconcile
 // fields, at the source version (external).
 func indexDoc(id string, version int64, deleted bool) *elastic.BulkIndexRequest {
-	doc := map[string]any{"title": "doc " + id, reconcile.FieldBucket: reconcile.Bucket(id), reconcile.FieldIDV: reconcile.IDV(id, version, deleted)}
+	doc := map[string]any{"title": "doc " + id, sink.FieldBucket: sink.Bucket(id), sink.FieldIDV: sink.IDV(id, version, deleted)}
 	if deleted {
-		doc = map[string]any{reconcile.FieldDeleted: true, reconcile.FieldBucket: reconcile.Bucket(id), reconcile.FieldIDV: reconcile.IDV(id, version, deleted)}
+		doc = map[string]any{sink.FieldDeleted: true, sink.FieldBucket: sink.Bucket(id), sink.FieldIDV: sink.IDV(id, version, deleted)}
 	}
 	return elastic.NewBulkIndexRequest().Id(id).Version(version).VersionType("external").Doc(doc)
 }
@@ -134,7 +134,7 @@ FROM generate_series(1, $1) g`, n)
 	full.Full = true
 	rep, err = reconcile.Run(ctx, full)
 	require.NoError(t, err)
-	require.Len(t, rep.DifferingBuckets, reconcile.Buckets)
+	require.Len(t, rep.DifferingBuckets, sink.Buckets)
 	require.EqualValues(t, n, rep.DocsRead)
 	require.Equal(t, []string{"50"}, ids(rep.Stale))
 	require.True(t, rep.Stale[0].IndexAhead())

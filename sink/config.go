@@ -42,6 +42,17 @@ type Config struct {
 	// DeadLetterTopic receives poison messages and permanently rejected
 	// documents. Default "<Topic>.dlq".
 	DeadLetterTopic string
+	// DeadLetterRetention is the retention.ms the dead-letter topic is
+	// created with. 0 (default) means forever (retention.ms=-1): the main
+	// offsets are committed once a dead letter is written, so one that
+	// expires is lost unseen. An existing topic is not changed (a warning
+	// says when it differs).
+	DeadLetterRetention time.Duration
+	// DeadLetterMaxBytes is the largest dead letter (message plus error
+	// headers) the writer sends, and the max.message.bytes the dead-letter
+	// topic is created with. Keep it at least the main topic's
+	// max.message.bytes. Default MaxDocumentBytes + 1 MiB.
+	DeadLetterMaxBytes int
 
 	// URL is the search engine's HTTP address (ELASTICSEARCH_URL). Required.
 	URL string
@@ -51,6 +62,39 @@ type Config struct {
 	// WriteAlias is the alias the indexer writes through. Default
 	// "<Alias>-write".
 	WriteAlias string
+	// Routes maps aggregate types (header ce_aggregatetype) to read aliases
+	// (ROUTES=orders=orders_idx,customers=customers_idx): a record of a
+	// listed type is written through that alias's write alias
+	// "<alias>-write", created like Alias's when missing. Default: every
+	// record to Alias.
+	Routes map[string]string
+	// AggregateTypes, if set, are the only aggregate types indexed; a record
+	// of another type is skipped (committed, never sent, counted in
+	// indexer_skipped_total{reason="aggregate_type"}). A record without
+	// ce_aggregatetype is indexed. Default: every type.
+	AggregateTypes []string
+	// SkipEventTypes are event types (ce_type) other than
+	// "outboxrelay.upsert" and "outboxrelay.delete" to skip the same way:
+	// other producers' application events on the topic. "*" skips every
+	// other type. Default none: an unknown type is dead-lettered
+	// (unknown_type), which catches a typo.
+	SkipEventTypes []string
+	// NullValues says what a record with a null value (a Kafka tombstone)
+	// that is not a delete event means, as Kafka Connect's
+	// behavior.on.null.values: "fail" (default: dead-lettered as
+	// null_value, or missing_document for an upsert event), "ignore"
+	// (skipped, counted) or "delete" (a delete of the key: a tombstone at
+	// the ce_aggregateversion header's version, or, without one, at the
+	// version the index holds for the id with version_type=external_gte;
+	// see doc.go).
+	NullValues string
+	// IDFormat is "id" (default: _id = the Kafka key) or "type:id" (_id =
+	// "<ce_aggregatetype>:<key>", for deployments whose ids collide across
+	// aggregate types; a record without ce_aggregatetype is dead-lettered).
+	// Package reconcile compares normalized_records ids with _id, so it
+	// needs "id".
+	IDFormat string
+
 	// Mapping is the create-index body (settings and mappings) used when the
 	// aliases do not exist yet. Default: the embedded mapping.json.
 	Mapping []byte
@@ -101,6 +145,8 @@ func (c Config) withDefaults() Config {
 	c.Group = cmp.Or(c.Group, DefaultGroup)
 	c.DeadLetterTopic = cmp.Or(c.DeadLetterTopic, c.Topic+".dlq")
 	c.Alias = cmp.Or(c.Alias, DefaultAlias)
+	c.NullValues = cmp.Or(c.NullValues, NullValuesFail)
+	c.IDFormat = cmp.Or(c.IDFormat, IDFormatID)
 	c.WriteAlias = cmp.Or(c.WriteAlias, c.Alias+"-write")
 	if len(c.Mapping) == 0 {
 		c.Mapping = DefaultMapping
@@ -110,6 +156,7 @@ func (c Config) withDefaults() Config {
 	c.FlushInterval = cmp.Or(c.FlushInterval, DefaultFlushInterval)
 	c.Lanes = cmp.Or(c.Lanes, DefaultLanes)
 	c.MaxDocumentBytes = cmp.Or(c.MaxDocumentBytes, DefaultMaxDocumentBytes)
+	c.DeadLetterMaxBytes = cmp.Or(c.DeadLetterMaxBytes, c.MaxDocumentBytes+1<<20)
 	c.RetryInitial = cmp.Or(c.RetryInitial, DefaultRetryInitial)
 	c.RetryMax = cmp.Or(c.RetryMax, DefaultRetryMax)
 	c.RetryMaxElapsed = cmp.Or(c.RetryMaxElapsed, DefaultRetryMaxElapsed)
@@ -134,8 +181,31 @@ func (c Config) validate() error {
 	if c.Alias == c.WriteAlias {
 		bad("WRITE_ALIAS=%q: must differ from ALIAS", c.WriteAlias)
 	}
+	for typ, alias := range c.Routes {
+		if typ == "" || alias == "" {
+			bad("ROUTES: %q=%q: aggregate type and alias must not be empty", typ, alias)
+		} else if alias == c.WriteAlias || strings.HasSuffix(alias, "-write") {
+			bad("ROUTES: %s=%s: route to a read alias, not a write alias", typ, alias)
+		}
+	}
+	switch c.NullValues {
+	case NullValuesFail, NullValuesIgnore, NullValuesDelete:
+	default:
+		bad("NULL_VALUES=%q: want fail, ignore or delete", c.NullValues)
+	}
+	switch c.IDFormat {
+	case IDFormatID, IDFormatTypeID:
+	default:
+		bad("ID_FORMAT=%q: want id or type:id", c.IDFormat)
+	}
 	if c.Topic == c.DeadLetterTopic {
 		bad("DEAD_LETTER_TOPIC=%q: must differ from TOPIC", c.DeadLetterTopic)
+	}
+	if c.DeadLetterRetention < 0 {
+		bad("DEAD_LETTER_RETENTION=%s: must be 0 (forever) or positive", c.DeadLetterRetention)
+	}
+	if c.DeadLetterMaxBytes < 1<<20 {
+		bad("DEAD_LETTER_MAX_BYTES=%d: must be at least 1 MiB (1048576)", c.DeadLetterMaxBytes)
 	}
 	if c.BatchSize < 1 {
 		bad("BATCH_SIZE=%d: must be at least 1", c.BatchSize)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/olivere/elastic/v7"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/stack"
@@ -65,6 +66,10 @@ func runSuite(t *testing.T, e engineUnderTest) {
 		{name: "MappingErrorDeadLettered", run: testMappingErrorDeadLettered},
 		{name: "PoisonDeadLettered", run: testPoisonDeadLettered},
 		{name: "DeadLetterReplayAfterFix", run: testDeadLetterReplayAfterFix},
+		{name: "InvalidIDAndReservedFieldsDeadLettered", run: testInvalidIDAndReservedFields},
+		{name: "RequestLevel400Bisected", needs: func(f Features) bool { return f.InjectsFaults }, run: testRequestLevel400Bisected},
+		{name: "OtherProducersRecords", run: testOtherProducersRecords},
+		{name: "TypedIDs", run: testTypedIDs},
 		{name: "PartialBulkFailureRetriedItemByItem", needs: func(f Features) bool { return f.InjectsFaults }, run: testPartialBulkFailure},
 		{name: "WholeRequest429And503Retried", needs: func(f Features) bool { return f.InjectsFaults }, run: testWholeRequestFailures},
 	}
@@ -325,4 +330,118 @@ func testWholeRequestFailures(t *testing.T, f *fixture, fi *faultInjector) {
 	f.produce(upsert("c", 1, docN(3)))
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 	require.Len(t, f.search(f.cfg.Alias), 3)
+}
+
+// An _id over the engine's limit fails a whole bulk request on the engine;
+// a document field the indexer or the engine owns would hide the document
+// (_deleted) or fail it. They are dead-lettered before the request, and
+// the rest of the batch is indexed.
+func testInvalidIDAndReservedFields(t *testing.T, f *fixture, _ *faultInjector) {
+	long := strings.Repeat("k", MaxIDBytes+1)
+	cfg := f.cfg
+	cfg.FlushInterval = time.Second // one batch for all
+	f.produce(upsert("a", 1, docN(1)), upsert(long, 1, docN(2)), upsert("hidden", 1, `{"n":3,"_deleted":true}`),
+		upsert("meta", 1, `{"_id":"other","n":4}`), upsert("b", 1, docN(5)))
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	codes := map[string]string{}
+	for _, m := range f.deadLetters(3) {
+		codes[string(m.Key)] = headerMap(m)[HeaderDLQCode]
+	}
+	require.Equal(t, map[string]string{long: CodeIDTooLong, "hidden": CodeReservedField, "meta": CodeReservedField}, codes)
+	require.Equal(t, map[string]string{"a": "v1 " + docN(1), "b": "v1 " + docN(5)}, f.search(f.cfg.Alias))
+	require.False(t, f.get("hidden").Found)
+}
+
+// A bulk request the engine refuses as a whole (400) because of one item
+// is split in halves until that item is alone; it is dead-lettered with
+// the engine's error and every other document is indexed.
+func testRequestLevel400Bisected(t *testing.T, f *fixture, fi *faultInjector) {
+	fi.refuseRequestsHolding("bad", http.StatusBadRequest)
+	cfg := f.cfg
+	cfg.FlushInterval = time.Second // one batch for all eight
+	cfg.Lanes = 1
+	var recs []rec
+	for i := range 8 {
+		id := fmt.Sprintf("d%d", i)
+		if i == 5 {
+			id = "bad"
+		}
+		recs = append(recs, upsert(id, 1, docN(i)))
+	}
+	f.produce(recs...)
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	dl := f.deadLetters(1)
+	require.Equal(t, "bad", string(dl[0].Key))
+	h := headerMap(dl[0])
+	require.Equal(t, "illegal_argument_exception", h[HeaderDLQCode])
+	require.Equal(t, "400", h[HeaderDLQStatus])
+	require.Len(t, f.search(f.cfg.Alias), 7)
+	bulks := fi.bulkIDs()
+	require.Contains(t, bulks, []string{"bad"}, "the bad item sent alone")
+	require.LessOrEqual(t, len(bulks), 7, "bisection, not one request per item: %v", bulks)
+}
+
+func typed(r rec, aggregateType string) rec {
+	r.headers = map[string]string{outbox.HeaderAggregateType: aggregateType}
+	return r
+}
+
+// Records of other producers on the topic: application events of other
+// types and aggregate types the deployment does not index are skipped
+// (counted, committed, not dead-lettered); a null value is a delete
+// (NULL_VALUES=delete) — at its version header's version, or without one
+// at the version the index holds; records are routed to an alias by
+// aggregate type.
+func testOtherProducersRecords(t *testing.T, f *fixture, _ *faultInjector) {
+	orders := f.cfg.Alias + "-orders"
+	t.Cleanup(func() {
+		_, _ = f.client.PerformRequest(context.Background(), elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + orders + "_v1", IgnoreErrors: []int{404}})
+	})
+	cfg := f.cfg
+	cfg.SkipEventTypes = []string{"shop.order_shipped"}
+	cfg.AggregateTypes = []string{"records", "orders"}
+	cfg.NullValues = NullValuesDelete
+	cfg.Routes = map[string]string{"orders": orders}
+	shipped := rec{id: "s", version: 1, doc: docN(9), headers: map[string]string{outbox.HeaderType: "shop.order_shipped"}}
+	f.produce(typed(upsert("x", 3, docN(1)), "records"), upsert("keep", 1, docN(2)), upsert("y", 1, docN(3)),
+		typed(upsert("o1", 1, docN(4)), "orders"), typed(upsert("inv", 1, docN(5)), "invoices"), shipped)
+	ctx := context.Background()
+	require.NoError(t, f.writer.WriteMessages(ctx,
+		kafka.Message{Key: []byte("x")}, // another producer's tombstone: no headers at all
+		kafka.Message{Key: []byte("y"), Headers: []kafka.Header{{Key: outbox.HeaderAggregateVersion, Value: []byte("2")}}},
+	))
+	ix := f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+
+	require.Equal(t, map[string]string{"keep": "v1 " + docN(2)}, f.search(f.cfg.Alias))
+	require.Equal(t, map[string]string{"o1": "v1 " + docN(4)}, f.search(orders))
+	x := f.get("x")
+	require.Equal(t, int64(3), x.Version, "the tombstone takes the version the index held")
+	require.JSONEq(t, `{"_deleted":true}`, string(x.Source))
+	require.Equal(t, int64(2), f.get("y").Version)
+	st, err := GetStatus(ctx, f.cfg)
+	require.NoError(t, err)
+	require.Zero(t, st.DeadLettered, "nothing dead-lettered")
+	require.Equal(t, 1.0, counterValue(t, ix.m.skipped.WithLabelValues(SkipEventType)))
+	require.Equal(t, 1.0, counterValue(t, ix.m.skipped.WithLabelValues(SkipAggregateType)))
+
+	// A late replay of the deleted version stays deleted; a newer one shows.
+	f.produce(typed(upsert("x", 3, docN(1)), "records"), typed(upsert("y", 2, docN(6)), "records"))
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"keep": "v1 " + docN(2)}, f.search(f.cfg.Alias))
+	f.produce(typed(upsert("x", 4, docN(7)), "records"))
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"keep": "v1 " + docN(2), "x": "v4 " + docN(7)}, f.search(f.cfg.Alias))
+}
+
+// ID_FORMAT=type:id keeps ids that collide across aggregate types apart.
+func testTypedIDs(t *testing.T, f *fixture, _ *faultInjector) {
+	cfg := f.cfg
+	cfg.IDFormat = IDFormatTypeID
+	f.produce(typed(upsert("1", 1, docN(1)), "orders"), typed(upsert("1", 2, docN(2)), "users"))
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"orders:1": "v1 " + docN(1), "users:1": "v2 " + docN(2)}, f.search(f.cfg.Alias))
 }

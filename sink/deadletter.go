@@ -10,7 +10,10 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/segmentio/kafka-go"
+
+	"github.com/outboxrelay/outboxrelay/internal/kafkakey"
 )
 
 // Headers the indexer adds to a dead-lettered message, next to the
@@ -28,21 +31,35 @@ const (
 
 type deadLetterWriter struct {
 	w *kafka.Writer
+	// written is poked after every write, for the dead-letter gauges.
+	written chan struct{}
 }
 
 func newDeadLetterWriter(cfg Config) *deadLetterWriter {
-	return &deadLetterWriter{w: &kafka.Writer{
+	return &deadLetterWriter{written: make(chan struct{}, 1), w: &kafka.Writer{
 		Addr:         kafka.TCP(cfg.Brokers...),
 		Topic:        cfg.DeadLetterTopic,
-		Balancer:     &kafka.Hash{},
+		Balancer:     kafkakey.Balancer(),
 		RequiredAcks: kafka.RequireAll,
 		BatchTimeout: 5 * time.Millisecond,
-		MaxAttempts:  10,
+		// A dead letter is as large as the message it holds: kafka-go's
+		// default (1 MiB) refuses larger ones before sending, and the
+		// indexer would stop. The topic is created to take this much.
+		BatchBytes:   int64(cfg.DeadLetterMaxBytes),
+		WriteTimeout: cfg.RequestTimeout,
+		// write retries with backoff, which stops when the run ends;
+		// kafka-go's own retries would not.
+		MaxAttempts: 1,
 	}}
 }
 
 func (w *deadLetterWriter) Close() error { return w.w.Close() }
 
+// write sends dead to the dead-letter topic, retrying within the retry
+// budget. The batch's offsets are committed only after it returns, so a
+// failure loses nothing: the batch is replayed (and a dead letter written
+// by an attempt that then failed is written again, which replay handles).
+// It returns as soon as ctx ends: shutdown never waits on the broker.
 func (w *deadLetterWriter) write(ctx context.Context, cfg Config, dead []*doc) error {
 	now := time.Now().UTC().Format(time.RFC3339Nano)
 	msgs := make([]kafka.Message, len(dead))
@@ -65,50 +82,130 @@ func (w *deadLetterWriter) write(ctx context.Context, cfg Config, dead []*doc) e
 		)
 		msgs[i] = kafka.Message{Key: d.msg.Key, Value: d.msg.Value, Headers: h}
 	}
-	// The batch's offsets are committed only after this returns, so a
-	// failure here loses nothing: the batch is replayed.
-	if err := w.w.WriteMessages(context.WithoutCancel(ctx), msgs...); err != nil {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = cfg.RetryInitial, cfg.RetryMax, cfg.RetryMaxElapsed
+	attempt := 0
+	err := backoff.RetryNotify(func() error {
+		attempt++
+		err := w.w.WriteMessages(ctx, msgs...)
+		var werrs kafka.WriteErrors
+		if errors.As(err, &werrs) {
+			failed := msgs[:0:0]
+			for i, e := range werrs {
+				if e != nil {
+					failed = append(failed, msgs[i])
+				}
+				if dlqPermanent(e) {
+					return backoff.Permanent(e)
+				}
+			}
+			msgs = failed // the others are written
+		}
+		if dlqPermanent(err) {
+			return backoff.Permanent(err)
+		}
+		return err
+	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
+		cfg.Logger.Warn("dead-letter write failed; retrying", slog.String("topic", cfg.DeadLetterTopic),
+			slog.Int("messages", len(msgs)), slog.Int("attempt", attempt), slog.Duration("next", next), slog.String("error", err.Error()))
+	})
+	select {
+	case w.written <- struct{}{}:
+	default:
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			err = ctx.Err()
+		}
+		if dlqPermanent(err) {
+			return fmt.Errorf("write %d message(s) to dead-letter topic %s (DEAD_LETTER_MAX_BYTES=%d; the topic's max.message.bytes must be as large): %w",
+				len(msgs), cfg.DeadLetterTopic, cfg.DeadLetterMaxBytes, err)
+		}
 		return fmt.Errorf("write %d message(s) to dead-letter topic %s: %w", len(msgs), cfg.DeadLetterTopic, err)
 	}
 	return nil
 }
 
-// ensureTopic creates topic with the broker's default replication when it
-// does not exist.
-func ensureTopic(ctx context.Context, brokers []string, topic string, partitions int) error {
-	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
-	res, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
-		Topic: topic, NumPartitions: partitions, ReplicationFactor: -1,
-	}}})
-	if err != nil {
-		return fmt.Errorf("create topic %s: %w", topic, err)
+// dlqPermanent: a message too large for the writer or the topic.
+func dlqPermanent(err error) bool {
+	var tooLarge kafka.MessageTooLargeError
+	return errors.As(err, &tooLarge) || errors.Is(err, kafka.MessageSizeTooLarge)
+}
+
+// deadLetterTopicConfigs are the configs the dead-letter topic is created
+// with: it keeps its messages for DeadLetterRetention (forever by
+// default), because the main topic's offsets are committed once they are
+// written, and takes messages as large as the writer sends.
+func deadLetterTopicConfigs(cfg Config) []kafka.ConfigEntry {
+	retention := int64(-1)
+	if cfg.DeadLetterRetention > 0 {
+		retention = cfg.DeadLetterRetention.Milliseconds()
 	}
-	if err := res.Errors[topic]; err != nil && !errors.Is(err, kafka.TopicAlreadyExists) {
-		return fmt.Errorf("create topic %s: %w", topic, err)
+	return []kafka.ConfigEntry{
+		{ConfigName: "retention.ms", ConfigValue: strconv.FormatInt(retention, 10)},
+		{ConfigName: "max.message.bytes", ConfigValue: strconv.Itoa(cfg.DeadLetterMaxBytes)},
+	}
+}
+
+// ensureDeadLetterTopic creates the dead-letter topic when missing. An
+// existing one is left as it is (its configs are the operator's), with a
+// warning for each config that differs from what the indexer would set.
+func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
+	want := deadLetterTopicConfigs(ix.cfg)
+	if err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1, want...); err != nil {
+		return err
+	}
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 30 * time.Second}
+	names := make([]string, len(want))
+	for i, e := range want {
+		names[i] = e.ConfigName
+	}
+	have, err := topicConfig(ctx, c, ix.cfg.DeadLetterTopic, names...)
+	if err != nil {
+		ix.log.Warn("cannot read the dead-letter topic's configs", slog.String("topic", ix.cfg.DeadLetterTopic), slog.String("error", err.Error()))
+		return nil
+	}
+	for _, e := range want {
+		if v, ok := have[e.ConfigName]; ok && v != e.ConfigValue {
+			ix.log.Warn("dead-letter topic config differs from the indexer's setting; dead letters may expire or be refused",
+				slog.String("topic", ix.cfg.DeadLetterTopic), slog.String("config", e.ConfigName),
+				slog.String("topic_value", v), slog.String("wanted", e.ConfigValue))
+		}
+	}
+	// A topic that takes less (created before, or by hand) bounds the
+	// writer's batches too, or a batch of small dead letters would be
+	// refused as a whole. No write has happened yet: Run calls this first.
+	if n, err := strconv.Atoi(have["max.message.bytes"]); err == nil && n > 0 && int64(n) < ix.dlq.w.BatchBytes {
+		ix.dlq.w.BatchBytes = int64(n)
 	}
 	return nil
 }
 
-// topicPartitions lists the partition ids of topic.
-func topicPartitions(ctx context.Context, c *kafka.Client, topic string) ([]int, error) {
-	md, err := c.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
-	if err != nil {
-		return nil, fmt.Errorf("metadata of %s: %w", topic, err)
+// deadLetterRefresh is how often the dead-letter gauges are read from the
+// broker besides after every write (a replay lowers pending).
+const deadLetterRefresh = 30 * time.Second
+
+// watchDeadLetters keeps the indexer_dead_letter_topic_messages gauges
+// current until ctx ends.
+func (ix *Indexer) watchDeadLetters(ctx context.Context) {
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 15 * time.Second}
+	tick := time.NewTicker(deadLetterRefresh)
+	defer tick.Stop()
+	for {
+		stored, pending, err := deadLetterCounts(ctx, c, ix.cfg)
+		if err == nil {
+			ix.m.deadLetterTopic.WithLabelValues("stored").Set(float64(stored))
+			ix.m.deadLetterTopic.WithLabelValues("pending").Set(float64(pending))
+		} else if ctx.Err() == nil {
+			ix.log.Warn("cannot read the dead-letter topic's offsets", slog.String("topic", ix.cfg.DeadLetterTopic), slog.String("error", err.Error()))
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-ix.dlq.written:
+		}
 	}
-	for _, t := range md.Topics {
-		if t.Name != topic {
-			continue
-		}
-		if t.Error != nil {
-			return nil, fmt.Errorf("metadata of %s: %w", topic, t.Error)
-		}
-		ids := make([]int, len(t.Partitions))
-		for i, p := range t.Partitions {
-			ids[i] = p.ID
-		}
-		return ids, nil
-	}
-	return nil, fmt.Errorf("metadata of %s: %w", topic, kafka.UnknownTopicOrPartition)
 }
 
 // ReplayGroup is the consumer group whose committed offsets on the
@@ -137,7 +234,8 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 		return res, err
 	}
 	w := &kafka.Writer{
-		Addr: kafka.TCP(cfg.Brokers...), Balancer: &kafka.Hash{}, RequiredAcks: kafka.RequireAll,
+		// The publisher's partitioner: a replayed key joins its other events.
+		Addr: kafka.TCP(cfg.Brokers...), Balancer: kafkakey.Balancer(), RequiredAcks: kafka.RequireAll,
 		BatchTimeout: 5 * time.Millisecond, MaxAttempts: 10,
 	}
 	defer w.Close()
@@ -197,5 +295,3 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 	}
 	return res, nil
 }
-
-func isUnknownTopic(err error) bool { return errors.Is(err, kafka.UnknownTopicOrPartition) }

@@ -54,12 +54,47 @@
 // plus dlq_error_code, dlq_error_reason, dlq_error_status, dlq_topic,
 // dlq_partition, dlq_offset, dlq_group and dlq_time → done. Messages that
 // cannot be indexed at all (no key, no parsable ce_aggregateversion,
-// unknown ce_type, a non-object document) go to the same topic without
-// being sent. If the engine cannot be reached, the whole batch waits and
+// unknown ce_type, a non-object document, an _id over [MaxIDBytes], a
+// top-level field in [ReservedFields]) go to the same topic without being
+// sent. A request the engine refuses as a whole with 400 (what one invalid
+// action causes) or 413 is split in halves and sent again until the item
+// at fault is alone, and that item is dead-lettered; a 400 that every item
+// gets alone is not one item's fault and stops the indexer. If the engine cannot be reached, the whole batch waits and
 // retries: its offsets are not committed, so nothing is skipped; when the
 // retry budget runs out, [Indexer.Run] returns an error and a restart
 // replays the batch. `indexer dead-letter replay` re-publishes dead letters
-// to their topic after a fix ([ReplayDeadLetters]).
+// to their topic after a fix ([ReplayDeadLetters]), on the partition the
+// publisher puts the key on. The indexer creates the dead-letter topic
+// with retention.ms=-1 (Config.DeadLetterRetention) and a
+// max.message.bytes that takes any message it may have to dead-letter
+// (Config.DeadLetterMaxBytes); the gauge indexer_dead_letter_topic_messages
+// (state stored / pending) is what to alert on. A dead-letter write is
+// retried within the retry budget and gives up as soon as the run ends.
+//
+// # Other producers' records, routing and ids
+//
+// A topic may carry records the pipeline did not write. Config.SkipEventTypes
+// lists other event types (ce_type; "*" for all) and Config.AggregateTypes
+// the aggregate types indexed: the rest is skipped — committed, never sent,
+// counted in indexer_skipped_total{reason} and Batch.Skipped — instead of
+// dead-lettered as unknown_type. Config.NullValues says what a null value
+// (a Kafka tombstone) that is not a delete event means, as Kafka Connect's
+// behavior.on.null.values: fail (dead-letter), ignore (skip) or delete.
+// A delete needs a version (external versioning is what keeps a late
+// replay from resurrecting it): a null value with a ce_aggregateversion
+// header is a tombstone at that version; one without (a foreign tombstone
+// has no headers) is written at the version the index holds for the id
+// right now, read with one _mget per batch that has any, with
+// version_type=external_gte — it hides exactly what is indexed, a later
+// record with a higher version shows again, and a replay of an older or
+// equal version is a conflict. Its version never comes from the Kafka
+// offset (see the design's "version from the source row").
+//
+// A record goes to the read alias targetAlias returns — Config.Routes by
+// aggregate type, else Config.Alias — through that alias's write alias.
+// Config.IDFormat "type:id" makes the _id "<aggregate type>:<key>" where
+// ids collide across types; reconcile compares normalized_records ids with
+// _id and so needs the default "id".
 //
 // # Durable deletes
 //

@@ -76,11 +76,13 @@ const (
 )
 
 type bulkItemResult struct {
-	Status int `json:"status"`
-	Error  *struct {
-		Type   string `json:"type"`
-		Reason string `json:"reason"`
-	} `json:"error"`
+	Status int            `json:"status"`
+	Error  *bulkItemError `json:"error"`
+}
+
+type bulkItemError struct {
+	Type   string `json:"type"`
+	Reason string `json:"reason"`
 }
 
 func (r bulkItemResult) outcome() itemOutcome {
@@ -131,15 +133,20 @@ var bulkParams = url.Values{
 // costs the engine CPU time it would rather spend indexing.
 var bulkHeaders = http.Header{"Accept-Encoding": {"identity"}}
 
-// appendBulk appends one externally versioned index action and its body.
-func appendBulk(buf *bytes.Buffer, index string, d *doc) {
+// appendBulk appends one externally versioned index action and its body,
+// to the document's target alias.
+func appendBulk(buf *bytes.Buffer, d *doc) {
 	buf.WriteString(`{"index":{"_index":`)
-	appendJSONString(buf, index)
+	appendJSONString(buf, d.target)
 	buf.WriteString(`,"_id":`)
 	appendJSONString(buf, d.id)
 	buf.WriteString(`,"version":`)
 	buf.WriteString(strconv.FormatInt(d.version, 10))
-	buf.WriteString(`,"version_type":"external"}}` + "\n")
+	if d.versionFromIndex {
+		buf.WriteString(`,"version_type":"external_gte"}}` + "\n")
+	} else {
+		buf.WriteString(`,"version_type":"external"}}` + "\n")
+	}
 	buf.Write(appendDocument(buf.AvailableBuffer(), d))
 	buf.WriteByte('\n')
 }
@@ -164,10 +171,10 @@ func appendJSONString(buf *bytes.Buffer, s string) {
 
 // sendBulk sends docs in one bulk request and returns one result per doc,
 // in order. An error means no item result is known.
-func sendBulk(ctx context.Context, client *elastic.Client, index string, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
+func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
 	buf.Reset()
 	for _, d := range docs {
-		appendBulk(buf, index, d)
+		appendBulk(buf, d)
 	}
 	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
 		Method:      http.MethodPost,
@@ -196,7 +203,7 @@ func sendBulk(ctx context.Context, client *elastic.Client, index string, docs []
 
 // notDeletedFilter is the read alias filter that hides tombstones.
 var notDeletedFilter = map[string]any{
-	"bool": map[string]any{"must_not": []any{map[string]any{"term": map[string]any{DeletedField: true}}}},
+	"bool": map[string]any{"must_not": []any{map[string]any{"term": map[string]any{FieldDeleted: true}}}},
 }
 
 // AliasTargets returns the indices alias points at (none if it does not

@@ -36,6 +36,10 @@ type faultInjector struct {
 	// as a whole.
 	failRequests       int
 	failRequestsStatus int
+	// refuseRequestsWith: id → status of the answer to every bulk request
+	// that holds it, as a whole (as OpenSearch answers 400 to a bulk with one
+	// invalid action).
+	refuseRequestsWith map[string]int
 	// failItems: id → how many more times its bulk item fails, and how.
 	failItems map[string]*itemFault
 	// bulks records the ids of every bulk request that reached the engine.
@@ -46,7 +50,7 @@ func newFaultInjector(t testing.TB, target string) *faultInjector {
 	t.Helper()
 	u, err := url.Parse(target)
 	require.NoError(t, err)
-	fi := &faultInjector{target: u, failItems: map[string]*itemFault{}}
+	fi := &faultInjector{target: u, failItems: map[string]*itemFault{}, refuseRequestsWith: map[string]int{}}
 	proxy := httputil.NewSingleHostReverseProxy(u)
 	fi.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodPost && r.URL.Path == "/_bulk" {
@@ -67,15 +71,18 @@ func (fi *faultInjector) failNextRequests(n, status int) {
 	fi.failRequests, fi.failRequestsStatus = n, status
 }
 
+func (fi *faultInjector) refuseRequestsHolding(id string, status int) {
+	fi.mu.Lock()
+	defer fi.mu.Unlock()
+	fi.refuseRequestsWith[id] = status
+}
+
 func (fi *faultInjector) failItem(id string, times, status int, typ string) {
 	fi.mu.Lock()
 	defer fi.mu.Unlock()
 	f := &itemFault{times: times, answer: bulkItemResult{Status: status}}
 	fi.failItems[id] = f
-	f.answer.Error = &struct {
-		Type   string `json:"type"`
-		Reason string `json:"reason"`
-	}{typ, "injected by the test"}
+	f.answer.Error = &bulkItemError{typ, "injected by the test"}
 }
 
 func (fi *faultInjector) bulkIDs() [][]string {
@@ -130,6 +137,15 @@ func (fi *faultInjector) bulk(w http.ResponseWriter, r *http.Request) {
 		forwardIdx = append(forwardIdx, i)
 	}
 	fi.bulks = append(fi.bulks, ids)
+	for _, id := range ids {
+		if status := fi.refuseRequestsWith[id]; status != 0 {
+			fi.mu.Unlock()
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(status)
+			fmt.Fprintf(w, `{"error":{"type":"illegal_argument_exception","reason":"injected: refused for %s"},"status":%d}`, id, status)
+			return
+		}
+	}
 	fi.mu.Unlock()
 	if len(forwardIdx) > 0 {
 		u := *fi.target

@@ -37,6 +37,7 @@ type Indexer struct {
 	cfg      Config
 	log      *slog.Logger
 	client   *elastic.Client
+	rules    *recordRules
 	dlq      *deadLetterWriter
 	throttle *throttle
 	m        *metrics
@@ -49,8 +50,8 @@ type Indexer struct {
 
 // Batch describes one resolved batch, for [Config] observers and tests.
 type Batch struct {
-	Lane                                     int
-	Docs, Indexed, Conflicts, Dead, Attempts int
+	Lane                                              int
+	Docs, Indexed, Conflicts, Dead, Skipped, Attempts int
 }
 
 // New validates cfg and builds an Indexer. It does not touch the network.
@@ -68,6 +69,7 @@ func New(cfg Config) (*Indexer, error) {
 		cfg:      cfg,
 		log:      cfg.Logger,
 		client:   client,
+		rules:    newRecordRules(cfg),
 		dlq:      newDeadLetterWriter(cfg),
 		throttle: newThrottle(cfg.MaxRate, cfg.BatchSize, m.rateLimit.Set),
 		m:        m,
@@ -97,13 +99,13 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	var index string
 	err := backoff.RetryNotify(func() error {
 		var err error
-		if index, err = EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping); err != nil {
+		if index, err = ix.ensureIndexes(ctx); err != nil {
 			if !IsRetryable(err) {
 				return backoff.Permanent(err)
 			}
 			return err
 		}
-		return ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1)
+		return ix.ensureDeadLetterTopic(ctx)
 	}, ix.newBackOff(ctx), func(err error, next time.Duration) {
 		ix.log.Warn("indexer not ready: search engine or broker unavailable; retrying",
 			slog.String("error", err.Error()), slog.Duration("next", next))
@@ -176,7 +178,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 				continue
 			}
 			fetchRetry = nil
-			if bl.put(gctx, parse(m, ix.cfg.MaxDocumentBytes)) != nil {
+			if bl.put(gctx, ix.rules.parse(m)) != nil {
 				return nil
 			}
 		}
@@ -184,6 +186,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	for lane := range ix.cfg.Lanes {
 		g.Go(func() error { return ix.runLane(gctx, bl, lane, resolved) })
 	}
+	g.Go(func() error { ix.watchDeadLetters(gctx); return nil })
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
@@ -378,41 +381,34 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 			dead = append(dead, d)
 			continue
 		}
+		if d.skip != "" {
+			res.Skipped++
+			ix.m.docs.WithLabelValues("skipped").Inc()
+			ix.m.skipped.WithLabelValues(d.skip).Inc()
+			continue
+		}
 		pending = append(pending, d)
+	}
+	if err := ix.versionsFromIndex(ctx, pending); err != nil {
+		return res, err
 	}
 	if err := ix.throttle.wait(ctx, len(pending)); err != nil {
 		return res, err
 	}
 	bo := ix.newBackOff(ctx)
 	var buf bytes.Buffer
-	oneByOne := false // after a 413: the request, not an item, was too large
 	for len(pending) > 0 {
 		res.Attempts++
-		step := len(pending)
-		if oneByOne {
-			step = 1
-		}
 		var retry []*doc
 		var reqErr error
 		saw429 := false
 		started := time.Now()
 		sent := 0
-		for lo := 0; lo < len(pending); lo += step {
-			chunk := pending[lo:min(lo+step, len(pending))]
-			results, err := ix.bulk(ctx, chunk, &buf)
+		for _, part := range ix.bulkBisect(ctx, pending, &buf) {
+			chunk, results, err := part.docs, part.results, part.err
 			if err != nil {
 				if ctx.Err() != nil {
 					return res, ctx.Err()
-				}
-				if elastic.IsStatusCode(err, http.StatusRequestEntityTooLarge) {
-					if len(chunk) > 1 {
-						oneByOne = true
-						retry = append(retry, pending[lo:]...)
-						break
-					}
-					chunk[0].poison = &itemError{Code: CodeDocumentTooLarge, Reason: "the engine refused the request as too large", Status: http.StatusRequestEntityTooLarge}
-					dead = append(dead, chunk[0])
-					continue
 				}
 				if !IsRetryable(err) {
 					return res, fmt.Errorf("bulk request to %s refused: %w", ix.cfg.WriteAlias, err)
@@ -505,7 +501,7 @@ func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]
 	ctx, cancel := context.WithTimeout(ctx, ix.cfg.RequestTimeout)
 	defer cancel()
 	start := time.Now()
-	res, err := sendBulk(ctx, ix.client, ix.cfg.WriteAlias, docs, buf)
+	res, err := sendBulk(ctx, ix.client, docs, buf)
 	took := time.Since(start)
 	ix.m.bulkSeconds.Observe(took.Seconds())
 	if ix.cfg.BulkObserver != nil {

@@ -1,6 +1,9 @@
 package sink
 
-import "encoding/binary"
+import (
+	"bytes"
+	"encoding/binary"
+)
 
 // validJSON reports whether data is valid JSON exactly as json.Valid does:
 // the same grammar, the same nesting limit, and no UTF-8 check inside
@@ -18,12 +21,30 @@ func validJSON(data []byte) bool {
 	return v.i == len(v.data)
 }
 
+// validDocument is validJSON that also returns the top-level member names
+// of data that start with an underscore (or contain an escape, which may
+// spell one), raw as they appear in data, without the quotes. They are
+// rare, so this costs one byte comparison per top-level member.
+func validDocument(data []byte) (ok bool, underscored [][]byte) {
+	v := jsonValidator{data: data, collect: true}
+	v.skipSpace()
+	if !v.value(0) {
+		return false, nil
+	}
+	v.skipSpace()
+	return v.i == len(v.data), v.underscored
+}
+
 // maxJSONDepth is encoding/json's limit on nested objects and arrays.
 const maxJSONDepth = 10000
 
 type jsonValidator struct {
 	data []byte
 	i    int
+	// collect: gather the top-level member names that start with '_' or
+	// hold a backslash into underscored.
+	collect     bool
+	underscored [][]byte
 }
 
 // peek returns the next byte, or 0 (never valid where a byte is
@@ -78,8 +99,14 @@ func (v *jsonValidator) object(depth int) bool {
 		return true
 	}
 	for {
+		start := v.i
 		if v.peek() != '"' || !v.string() {
 			return false
+		}
+		if v.collect && depth == 1 {
+			if name := v.data[start+1 : v.i-1]; len(name) > 0 && (name[0] == '_' || bytes.IndexByte(name, '\\') >= 0) {
+				v.underscored = append(v.underscored, name)
+			}
 		}
 		v.skipSpace()
 		if v.peek() != ':' {

@@ -19,7 +19,6 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
-	"github.com/outboxrelay/outboxrelay/reconcile"
 )
 
 func TestMain(m *testing.M) { stack.Main(m) }
@@ -215,14 +214,14 @@ func stripReconcileFields(t testing.TB, id string, version int64, src json.RawMe
 	t.Helper()
 	var m map[string]json.RawMessage
 	require.NoError(t, json.Unmarshal(src, &m))
-	if _, byIndexer := m[reconcile.FieldBucket]; !byIndexer {
+	if _, byIndexer := m[FieldBucket]; !byIndexer {
 		return src // written by the test itself, not through the indexer
 	}
-	deleted := string(m[DeletedField]) == "true"
-	require.Equal(t, strconv.Itoa(reconcile.Bucket(id)), string(m[reconcile.FieldBucket]), "%s of %s", reconcile.FieldBucket, id)
-	require.Equal(t, strconv.FormatInt(reconcile.IDV(id, version, deleted), 10), string(m[reconcile.FieldIDV]), "%s of %s", reconcile.FieldIDV, id)
-	delete(m, reconcile.FieldBucket)
-	delete(m, reconcile.FieldIDV)
+	deleted := string(m[FieldDeleted]) == "true"
+	require.Equal(t, strconv.Itoa(Bucket(id)), string(m[FieldBucket]), "%s of %s", FieldBucket, id)
+	require.Equal(t, strconv.FormatInt(IDV(id, version, deleted), 10), string(m[FieldIDV]), "%s of %s", FieldIDV, id)
+	delete(m, FieldBucket)
+	delete(m, FieldIDV)
 	out, err := json.Marshal(m)
 	require.NoError(t, err)
 	return out

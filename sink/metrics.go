@@ -8,22 +8,26 @@ import (
 
 // metrics are the indexer's Prometheus series. Names start with indexer_.
 type metrics struct {
-	docs        *prometheus.CounterVec // result = indexed | deleted | conflict | dead_lettered
+	docs        *prometheus.CounterVec // result = indexed | deleted | conflict | dead_lettered | skipped
 	retries     *prometheus.CounterVec // reason = item_429 | item_5xx | item_other | request
 	deadLetters *prometheus.CounterVec // code
+	skipped     *prometheus.CounterVec // reason = aggregate_type | event_type | null_value
 	bulkSeconds prometheus.Histogram
 	bulkDocs    prometheus.Histogram
 	bulkBytes   prometheus.Histogram
 	lag         *prometheus.GaugeVec // partition
 	rateLimit   prometheus.Gauge
 	commitErrs  prometheus.Counter
+	// deadLetterTopic: state = stored (in the dead-letter topic) | pending
+	// (not re-published by `dead-letter replay` yet).
+	deadLetterTopic *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
 		docs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "indexer_docs_total",
-			Help: "Documents resolved, by result: indexed, deleted (tombstone written), conflict (stale or duplicate, counted as success), dead_lettered.",
+			Help: "Documents resolved, by result: indexed, deleted (tombstone written), conflict (stale or duplicate, counted as success), dead_lettered, skipped (not indexed by this deployment; see indexer_skipped_total).",
 		}, []string{"result"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "indexer_retries_total",
@@ -33,6 +37,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "indexer_dead_lettered_total",
 			Help: "Messages written to the dead-letter topic, by error code.",
 		}, []string{"code"}),
+		skipped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "indexer_skipped_total",
+			Help: "Messages the deployment does not index (committed, never sent), by reason: aggregate_type (AGGREGATE_TYPES), event_type (SKIP_EVENT_TYPES), null_value (NULL_VALUES=ignore).",
+		}, []string{"reason"}),
 		bulkSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "indexer_bulk_duration_seconds",
 			Help:    "Latency of one bulk request.",
@@ -60,9 +68,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "indexer_commit_errors_total",
 			Help: "Offset commits that failed (the messages are replayed, harmlessly).",
 		}),
+		deadLetterTopic: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "indexer_dead_letter_topic_messages",
+			Help: "Messages in the dead-letter topic (state=stored) and those of them not re-published by `indexer dead-letter replay` yet (state=pending); alert on pending > 0.",
+		}, []string{"state"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs)
+		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.skipped, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs, m.deadLetterTopic)
 	}
 	return m
 }

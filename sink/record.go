@@ -10,16 +10,7 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
-	"github.com/outboxrelay/outboxrelay/reconcile"
 )
-
-// DeletedField marks a delete tombstone document. The read alias filters
-// documents with DeletedField = true out of searches.
-const DeletedField = "_deleted"
-
-// tombstoneDoc is the body written for a delete: a real document, so the
-// engine keeps its external version forever (see doc.go).
-var tombstoneDoc = []byte(`{"` + DeletedField + `":true}`)
 
 // Error codes written in the dead-letter header ErrorHeaderCode for
 // messages that never reached the engine.
@@ -30,7 +21,51 @@ const (
 	CodeMissingDocument  = "missing_document"
 	CodeInvalidJSON      = "invalid_json"
 	CodeDocumentTooLarge = "document_too_large"
+	CodeIDTooLong        = "id_too_long" // the _id would exceed MaxIDBytes
+	CodeNullValue        = "null_value"  // a null value that is not a delete event, with NullValues "fail"
+	// CodeMissingAggregateType: IDFormat "type:id" and no ce_aggregatetype.
+	CodeMissingAggregateType = "missing_aggregate_type"
+	CodeReservedField        = "reserved_field" // the document has a top-level field the indexer or the engine owns
 )
+
+// MaxIDBytes is the engine's limit on an _id, in bytes of UTF-8: a longer
+// one makes Elasticsearch and OpenSearch refuse the whole bulk request.
+const MaxIDBytes = 512
+
+// ReservedFields are top-level document fields an upsert may not carry:
+// the indexer's own (a document with _deleted would be hidden as a
+// tombstone; _bucket or _idv would be written twice) and the engine's
+// metadata fields, which fail the item.
+var ReservedFields = []string{
+	FieldDeleted, FieldBucket, FieldIDV,
+	"_id", "_index", "_routing", "_source", "_version", "_seq_no", "_primary_term", "_type",
+	"_field_names", "_ignored", "_doc_count", "_data_stream_timestamp", "_nested_path", "_tier",
+}
+
+var reservedField = func() map[string]bool {
+	m := map[string]bool{}
+	for _, f := range ReservedFields {
+		m[f] = true
+	}
+	return m
+}()
+
+// firstReserved returns the first of names (raw JSON string contents) that
+// is a reserved field, or "".
+func firstReserved(names [][]byte) string {
+	for _, raw := range names {
+		name := string(raw)
+		if bytes.IndexByte(raw, '\\') >= 0 {
+			if err := json.Unmarshal([]byte(`"`+name+`"`), &name); err != nil {
+				continue
+			}
+		}
+		if reservedField[name] {
+			return name
+		}
+	}
+	return ""
+}
 
 type op int
 
@@ -39,13 +74,31 @@ const (
 	opDelete
 )
 
+// Why a message is skipped: counted, committed, never sent
+// (indexer_skipped_total{reason}).
+const (
+	SkipAggregateType = "aggregate_type" // not in Config.AggregateTypes
+	SkipEventType     = "event_type"     // in Config.SkipEventTypes
+	SkipNullValue     = "null_value"     // Config.NullValues "ignore"
+)
+
+var (
+	typeUpsert = outbox.TypePrefix + "upsert"
+	typeDelete = outbox.TypePrefix + "delete"
+)
+
 // doc is one Kafka message on its way into a bulk request.
 type doc struct {
 	msg     kafka.Message
 	id      string
+	target  string // the write alias it goes through
 	version int64
-	op      op
-	body    []byte // document or tombstone, without the reconcile fields
+	// versionFromIndex: a delete without a version (a null value from
+	// another producer); version is filled in from the index and the
+	// tombstone written with version_type=external_gte.
+	versionFromIndex bool
+	op               op
+	body             []byte // document or tombstone, without the reconcile fields
 	// bucket and idv are the reconcile fields, computed by the fetch loop,
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
 	bucket  int
@@ -54,6 +107,9 @@ type doc struct {
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.
 	poison *itemError
+	// skip is set (to a Skip* reason) when the deployment does not index
+	// the message.
+	skip string
 }
 
 // itemError is why a document was dead-lettered.
@@ -82,17 +138,62 @@ func headerBytes(m kafka.Message, key string) ([]byte, bool) {
 }
 
 // parse turns a message into a doc. It never fails: a message that cannot
-// be indexed comes back with poison set.
-func parse(m kafka.Message, maxDocBytes int) *doc {
-	d := &doc{msg: m, id: string(m.Key)}
+// be indexed comes back with poison set, one the deployment does not index
+// with skip set.
+func (r *recordRules) parse(m kafka.Message) *doc {
+	d := &doc{msg: m}
 	poison := func(code, format string, args ...any) *doc {
 		d.poison = &itemError{Code: code, Reason: fmt.Sprintf(format, args...)}
 		return d
 	}
-	if d.id == "" {
+	if len(m.Key) == 0 {
 		return poison(CodeMissingKey, "message has no key (the aggregate id)")
 	}
+	aggType, hasAggType := headerBytes(m, outbox.HeaderAggregateType)
+	if r.aggregateTypes != nil && hasAggType && !r.aggregateTypes[string(aggType)] {
+		d.skip = SkipAggregateType
+		return d
+	}
+	typ, hasType := headerBytes(m, outbox.HeaderType)
+	isUpsert, isDelete := string(typ) == typeUpsert, string(typ) == typeDelete
+	if hasType && !isUpsert && !isDelete && r.skipsEventType(typ) {
+		d.skip = SkipEventType
+		return d
+	}
+	d.target = r.writeAliasOf(r.targetAlias(m))
+	if r.typedIDs {
+		if len(aggType) == 0 {
+			return poison(CodeMissingAggregateType, "ID_FORMAT=type:id and header %s is missing", outbox.HeaderAggregateType)
+		}
+		d.id = string(aggType) + ":" + string(m.Key)
+	} else {
+		d.id = string(m.Key)
+	}
+	if len(d.id) > MaxIDBytes {
+		return poison(CodeIDTooLong, "_id of %d bytes exceeds the engine's limit of %d", len(d.id), MaxIDBytes)
+	}
+	if m.Value == nil && (isUpsert || !hasType) { // a typed record of another kind is unknown_type below
+		switch r.nullValues {
+		case NullValuesIgnore:
+			d.skip = SkipNullValue
+			return d
+		case NullValuesDelete:
+			isUpsert, isDelete = false, true
+		default:
+			if !isUpsert {
+				return poison(CodeNullValue, "null value (a Kafka tombstone) without %s; NULL_VALUES=fail", outbox.HeaderType)
+			}
+		}
+	}
 	v, ok := headerBytes(m, outbox.HeaderAggregateVersion)
+	if !ok && isDelete && !hasType {
+		// A null value from another producer: no version to write the
+		// tombstone at. It takes the version the index holds for the id
+		// when the batch is resolved (see versionsFromIndex).
+		d.op, d.body, d.versionFromIndex = opDelete, tombstoneDoc, true
+		d.bucket = Bucket(d.id)
+		return d
+	}
 	if !ok {
 		return poison(CodeBadVersion, "header %s is missing", outbox.HeaderAggregateVersion)
 	}
@@ -101,19 +202,25 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 		return poison(CodeBadVersion, "header %s=%q is not a non-negative decimal", outbox.HeaderAggregateVersion, v)
 	}
 	d.version = ver
-	typ, _ := headerBytes(m, outbox.HeaderType)
-	switch string(typ) {
-	case outbox.TypePrefix + "upsert":
+	switch {
+	case isUpsert:
 		d.op = opUpsert
 		if m.Value == nil {
 			return poison(CodeMissingDocument, "upsert without a document")
 		}
-		if len(m.Value) > maxDocBytes {
-			return poison(CodeDocumentTooLarge, "document of %d bytes exceeds the limit of %d", len(m.Value), maxDocBytes)
+		if len(m.Value) > r.maxDocBytes {
+			return poison(CodeDocumentTooLarge, "document of %d bytes exceeds the limit of %d", len(m.Value), r.maxDocBytes)
 		}
 		trimmed := bytes.TrimSpace(m.Value)
-		if len(trimmed) == 0 || trimmed[0] != '{' || !validJSON(trimmed) {
+		if len(trimmed) == 0 || trimmed[0] != '{' {
 			return poison(CodeInvalidJSON, "document is not a JSON object")
+		}
+		valid, underscored := validDocument(trimmed)
+		if !valid {
+			return poison(CodeInvalidJSON, "document is not a JSON object")
+		}
+		if name := firstReserved(underscored); name != "" {
+			return poison(CodeReservedField, "document has the reserved top-level field %q", name)
 		}
 		if bytes.IndexByte(trimmed, '\n') >= 0 || bytes.IndexByte(trimmed, '\r') >= 0 {
 			// A bulk body is newline-delimited: a pretty-printed document
@@ -125,38 +232,13 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 			trimmed = buf.Bytes()
 		}
 		d.body = trimmed
-	case outbox.TypePrefix + "delete":
+	case isDelete:
 		d.op = opDelete
 		d.body = tombstoneDoc
 	default:
-		return poison(CodeUnknownType, "header %s=%q: want %supsert or %sdelete", outbox.HeaderType, typ, outbox.TypePrefix, outbox.TypePrefix)
+		return poison(CodeUnknownType, "header %s=%q: want %s or %s (SKIP_EVENT_TYPES skips others)", outbox.HeaderType, typ, typeUpsert, typeDelete)
 	}
-	d.bucket = reconcile.Bucket(d.id)
-	d.idv = reconcile.IDV(d.id, d.version, d.op == opDelete)
+	d.bucket = Bucket(d.id)
+	d.idv = IDV(d.id, d.version, d.op == opDelete)
 	return d
-}
-
-// appendDocument appends the document as indexed: the body plus the fields
-// package reconcile aggregates on (the id's bucket and a hash of id,
-// version and deleted-ness), so reconciliation compares summaries instead
-// of scanning documents. _bucket and _idv are reserved names in indexed
-// documents. They are added while the bulk body is written, which saves
-// copying every document once more.
-func appendDocument(dst []byte, d *doc) []byte {
-	return appendReconcileFields(dst, d.body, d.bucket, d.idv)
-}
-
-// appendReconcileFields appends obj, a JSON object, with the reconcile
-// fields added.
-func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
-	start := len(dst)
-	dst = append(dst, obj[:len(obj)-1]...) // without the closing brace
-	if len(bytes.TrimSpace(dst[start+1:])) > 0 {
-		dst = append(dst, ',')
-	}
-	dst = append(dst, `"`+reconcile.FieldBucket+`":`...)
-	dst = strconv.AppendInt(dst, int64(bucket), 10)
-	dst = append(dst, `,"`+reconcile.FieldIDV+`":`...)
-	dst = strconv.AppendInt(dst, idv, 10)
-	return append(dst, '}')
 }

@@ -4,78 +4,11 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"sort"
 	"text/tabwriter"
 	"time"
 
 	"github.com/segmentio/kafka-go"
 )
-
-// PartitionOffsets is one partition as a consumer group sees it.
-type PartitionOffsets struct {
-	Partition int
-	First     int64 // oldest offset still in the log
-	End       int64 // high watermark: the next offset to be written
-	// Committed is the group's committed offset, -1 when it has none.
-	Committed int64
-}
-
-// Lag is how many messages the group has not resolved yet.
-func (p PartitionOffsets) Lag() int64 {
-	from := p.Committed
-	if from < p.First {
-		from = p.First // a group without a commit starts at the earliest offset
-	}
-	return max(p.End-from, 0)
-}
-
-// topicOffsets returns first, end and committed offsets of every partition
-// of topic for group.
-func topicOffsets(ctx context.Context, c *kafka.Client, topic, group string) ([]PartitionOffsets, error) {
-	ids, err := topicPartitions(ctx, c, topic)
-	if err != nil {
-		return nil, err
-	}
-	reqs := make([]kafka.OffsetRequest, 0, 2*len(ids))
-	for _, id := range ids {
-		reqs = append(reqs, kafka.FirstOffsetOf(id), kafka.LastOffsetOf(id))
-	}
-	lo, err := c.ListOffsets(ctx, &kafka.ListOffsetsRequest{Topics: map[string][]kafka.OffsetRequest{topic: reqs}})
-	if err != nil {
-		return nil, fmt.Errorf("list offsets of %s: %w", topic, err)
-	}
-	byID := map[int]*PartitionOffsets{}
-	out := make([]PartitionOffsets, len(ids))
-	for i, id := range ids {
-		out[i] = PartitionOffsets{Partition: id, Committed: -1}
-		byID[id] = &out[i]
-	}
-	for _, po := range lo.Topics[topic] {
-		if po.Error != nil {
-			return nil, fmt.Errorf("list offsets of %s/%d: %w", topic, po.Partition, po.Error)
-		}
-		if p := byID[po.Partition]; p != nil {
-			p.First, p.End = po.FirstOffset, po.LastOffset
-		}
-	}
-	of, err := c.OffsetFetch(ctx, &kafka.OffsetFetchRequest{GroupID: group, Topics: map[string][]int{topic: ids}})
-	if err != nil {
-		return nil, fmt.Errorf("committed offsets of group %s: %w", group, err)
-	}
-	if of.Error != nil {
-		return nil, fmt.Errorf("committed offsets of group %s: %w", group, of.Error)
-	}
-	for _, p := range of.Topics[topic] {
-		if p.Error != nil {
-			return nil, fmt.Errorf("committed offset of group %s on %s/%d: %w", group, topic, p.Partition, p.Error)
-		}
-		if q := byID[p.Partition]; q != nil {
-			q.Committed = p.CommittedOffset
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Partition < out[j].Partition })
-	return out, nil
-}
 
 // Status is what `indexer status` prints.
 type Status struct {
@@ -109,13 +42,7 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 	if st.Partitions, err = topicOffsets(ctx, c, cfg.Topic, cfg.Group); err != nil {
 		return nil, err
 	}
-	dl, err := topicOffsets(ctx, c, cfg.DeadLetterTopic, ReplayGroup(cfg))
-	if err == nil {
-		for _, p := range dl {
-			st.DeadLettered += p.End - p.First
-			st.DeadLetterPending += p.Lag()
-		}
-	} else if !isUnknownTopic(err) {
+	if st.DeadLettered, st.DeadLetterPending, err = deadLetterCounts(ctx, c, cfg); err != nil {
 		return nil, err
 	}
 	if cfg.URL != "" {
@@ -131,6 +58,24 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 		}
 	}
 	return st, nil
+}
+
+// deadLetterCounts returns how many messages the dead-letter topic holds
+// and how many of them `dead-letter replay` has not re-published; both 0
+// when the topic does not exist yet.
+func deadLetterCounts(ctx context.Context, c *kafka.Client, cfg Config) (stored, pending int64, err error) {
+	dl, err := topicOffsets(ctx, c, cfg.DeadLetterTopic, ReplayGroup(cfg))
+	if err != nil {
+		if isUnknownTopic(err) {
+			return 0, 0, nil
+		}
+		return 0, 0, err
+	}
+	for _, p := range dl {
+		stored += p.End - p.First
+		pending += p.Lag()
+	}
+	return stored, pending, nil
 }
 
 // Write prints the status as a table.

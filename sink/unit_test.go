@@ -1,6 +1,7 @@
 package sink
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -11,8 +12,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
-	"github.com/outboxrelay/outboxrelay/reconcile"
 )
+
+// parse parses with the default rules and a document limit.
+func parse(m kafka.Message, maxDocBytes int) *doc {
+	return newRecordRules(Config{MaxDocumentBytes: maxDocBytes}.withDefaults()).parse(m)
+}
 
 func TestParse(t *testing.T) {
 	t.Parallel()
@@ -27,6 +32,7 @@ func TestParse(t *testing.T) {
 		wantOp   op
 		wantBody string
 		wantVer  int64
+		wantID   string // default "a"
 	}{
 		{name: "upsert", msg: upsert("a", 3, `{"x":1}`).message(), wantOp: opUpsert, wantBody: `{"x":1}`, wantVer: 3},
 		{name: "delete becomes a tombstone document", msg: del("a", 7).message(), wantOp: opDelete, wantBody: `{"_deleted":true}`, wantVer: 7},
@@ -39,12 +45,19 @@ func TestParse(t *testing.T) {
 		{name: "upsert without value", msg: func() kafka.Message { m := upsert("a", 1, "").message(); m.Value = nil; return m }(), wantCode: CodeMissingDocument},
 		{name: "array document", msg: upsert("a", 1, `[1]`).message(), wantCode: CodeInvalidJSON},
 		{name: "broken JSON", msg: upsert("a", 1, `{"x":`).message(), wantCode: CodeInvalidJSON},
-		{name: "too large", msg: upsert("a", 1, `{"x":"`+strings.Repeat("y", 100)+`"}`).message(), wantCode: CodeDocumentTooLarge},
+		{name: "id too long for the engine", msg: upsert(strings.Repeat("é", MaxIDBytes/2+1), 1, `{}`).message(), wantCode: CodeIDTooLong},
+		{name: "id at the engine's limit", msg: upsert(strings.Repeat("k", MaxIDBytes), 1, `{}`).message(), wantBody: `{}`, wantVer: 1, wantID: strings.Repeat("k", MaxIDBytes)},
+		{name: "reserved tombstone field", msg: upsert("a", 1, `{"n":1,"_deleted":true}`).message(), wantCode: CodeReservedField},
+		{name: "reserved reconcile field", msg: upsert("a", 1, `{"_bucket":3}`).message(), wantCode: CodeReservedField},
+		{name: "engine metadata field", msg: upsert("a", 1, `{"_id":"b"}`).message(), wantCode: CodeReservedField},
+		{name: "escaped reserved field", msg: upsert("a", 1, `{"\u005fdeleted":true}`).message(), wantCode: CodeReservedField},
+		{name: "nested underscore fields are the user's", msg: upsert("a", 1, `{"x":{"_deleted":true},"_private":1}`).message(), wantBody: `{"x":{"_deleted":true},"_private":1}`, wantVer: 1},
+		{name: "too large", msg: upsert("a", 1, `{"x":"`+strings.Repeat("y", 1000)+`"}`).message(), wantCode: CodeDocumentTooLarge},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			d := parse(tt.msg, 100)
+			d := parse(tt.msg, 1000)
 			if tt.wantCode != "" {
 				require.NotNil(t, d.poison)
 				require.Equal(t, tt.wantCode, d.poison.Code)
@@ -53,7 +66,9 @@ func TestParse(t *testing.T) {
 			require.Nil(t, d.poison)
 			require.Equal(t, tt.wantOp, d.op)
 			require.Equal(t, tt.wantBody, string(d.body))
-			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), reconcile.Bucket("a"), reconcile.IDV("a", tt.wantVer, tt.wantOp == opDelete))), string(appendDocument(nil, d)))
+			id := cmp.Or(tt.wantID, "a")
+			require.Equal(t, id, d.id)
+			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), Bucket(id), IDV(id, tt.wantVer, tt.wantOp == opDelete))), string(appendDocument(nil, d)))
 			require.Equal(t, tt.wantVer, d.version)
 		})
 	}
@@ -66,8 +81,8 @@ func TestAppendReconcileFields(t *testing.T) {
 		{"object", `{"x":1}`, `{"x":1,"_bucket":%d,"_idv":%d}`},
 		{"spaces inside", `{ }`, `{ "_bucket":%d,"_idv":%d}`},
 	} {
-		want := fmt.Sprintf(tc.want, reconcile.Bucket("42"), reconcile.IDV("42", 3, false))
-		bucket, idv := reconcile.Bucket("42"), reconcile.IDV("42", 3, false)
+		want := fmt.Sprintf(tc.want, Bucket("42"), IDV("42", 3, false))
+		bucket, idv := Bucket("42"), IDV("42", 3, false)
 		got := appendReconcileFields(nil, []byte(tc.in), bucket, idv)
 		require.Equal(t, want, string(got), tc.name)
 		require.True(t, json.Valid(got), tc.name)
@@ -132,4 +147,79 @@ func TestThrottleAIMD(t *testing.T) {
 		capped.healthy(1e6)
 	}
 	require.Equal(t, 200.0, capped.limit(), "recovers to the configured cap, not above")
+}
+
+// The settings for other producers' records, and routing.
+func TestParseRules(t *testing.T) {
+	t.Parallel()
+	typed := func(r rec, aggType string) kafka.Message {
+		m := r.message()
+		m.Headers = append(m.Headers, kafka.Header{Key: outbox.HeaderAggregateType, Value: []byte(aggType)})
+		return m
+	}
+	event := func(typ string) kafka.Message { // another producer's application event, through outbox.Enqueue
+		m := upsert("a", 1, `{}`).message()
+		for i, h := range m.Headers {
+			if h.Key == outbox.HeaderType {
+				m.Headers[i].Value = []byte(typ)
+			}
+		}
+		return m
+	}
+	foreignTombstone := kafka.Message{Key: []byte("a")}
+	versionedTombstone := kafka.Message{Key: []byte("a"), Headers: []kafka.Header{{Key: outbox.HeaderAggregateVersion, Value: []byte("5")}}}
+	nullUpsert := upsert("a", 2, "").message()
+	nullUpsert.Value = nil
+	tests := []struct {
+		name       string
+		cfg        Config
+		msg        kafka.Message
+		wantCode   string
+		wantSkip   string
+		wantID     string
+		wantTarget string
+		wantOp     op
+		wantVer    int64
+		fromIndex  bool
+	}{
+		{name: "other event type dead-lettered by default", msg: event("shop.order_shipped"), wantCode: CodeUnknownType},
+		{name: "listed event type skipped", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_shipped"), wantSkip: SkipEventType},
+		{name: "unlisted event type still dead-lettered", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_paid"), wantCode: CodeUnknownType},
+		{name: "star skips every other event type", cfg: Config{SkipEventTypes: []string{"*"}}, msg: event("shop.order_paid"), wantSkip: SkipEventType},
+		{name: "star keeps upserts", cfg: Config{SkipEventTypes: []string{"*"}}, msg: upsert("a", 1, `{}`).message(), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "aggregate type not indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "invoices"), wantSkip: SkipAggregateType},
+		{name: "aggregate type indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "records"), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "foreign tombstone fails by default", msg: foreignTombstone, wantCode: CodeNullValue},
+		{name: "foreign tombstone ignored", cfg: Config{NullValues: NullValuesIgnore}, msg: foreignTombstone, wantSkip: SkipNullValue},
+		{name: "foreign tombstone deletes at the index's version", cfg: Config{NullValues: NullValuesDelete}, msg: foreignTombstone, wantID: "a", wantTarget: "records-write", wantOp: opDelete, fromIndex: true},
+		{name: "versioned tombstone deletes at its version", cfg: Config{NullValues: NullValuesDelete}, msg: versionedTombstone, wantID: "a", wantTarget: "records-write", wantOp: opDelete, wantVer: 5},
+		{name: "upsert without value still missing_document", msg: nullUpsert, wantCode: CodeMissingDocument},
+		{name: "upsert without value deletes with NULL_VALUES=delete", cfg: Config{NullValues: NullValuesDelete}, msg: nullUpsert, wantID: "a", wantTarget: "records-write", wantOp: opDelete, wantVer: 2},
+		{name: "routed by aggregate type", cfg: Config{Routes: map[string]string{"orders": "orders_idx"}}, msg: typed(upsert("a", 1, `{}`), "orders"), wantID: "a", wantTarget: "orders_idx-write", wantVer: 1},
+		{name: "unrouted type to the default alias", cfg: Config{Routes: map[string]string{"orders": "orders_idx"}}, msg: typed(upsert("a", 1, `{}`), "users"), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "typed id", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert("a", 1, `{}`), "orders"), wantID: "orders:a", wantTarget: "records-write", wantVer: 1},
+		{name: "typed id needs the type", cfg: Config{IDFormat: IDFormatTypeID}, msg: upsert("a", 1, `{}`).message(), wantCode: CodeMissingAggregateType},
+		{name: "typed id length checked", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert(strings.Repeat("k", MaxIDBytes-3), 1, `{}`), "orders"), wantCode: CodeIDTooLong},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			d := newRecordRules(tt.cfg.withDefaults()).parse(tt.msg)
+			if tt.wantCode != "" {
+				require.NotNil(t, d.poison)
+				require.Equal(t, tt.wantCode, d.poison.Code)
+				return
+			}
+			require.Nil(t, d.poison)
+			require.Equal(t, tt.wantSkip, d.skip)
+			if tt.wantSkip != "" {
+				return
+			}
+			require.Equal(t, tt.wantID, d.id)
+			require.Equal(t, tt.wantTarget, d.target)
+			require.Equal(t, tt.wantOp, d.op)
+			require.Equal(t, tt.wantVer, d.version)
+			require.Equal(t, tt.fromIndex, d.versionFromIndex)
+		})
+	}
 }

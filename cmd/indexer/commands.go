@@ -22,7 +22,9 @@ type settings struct {
 	brokers     string
 	mappingFile string
 	metrics     cli.Metrics
-	cfg         sink.Config
+	// record settings, parsed into cfg by load
+	routes, aggregateTypes, skipEventTypes string
+	cfg                                    sink.Config
 }
 
 func (s *settings) registerKafka(fs *cli.FlagSet) {
@@ -39,6 +41,24 @@ func (s *settings) registerEngine(fs *cli.FlagSet) {
 	fs.String(&s.mappingFile, "mapping-file", "MAPPING_FILE", "", `create-index body (settings, mappings) used when the index is created ("" = built-in mapping.json)`)
 }
 
+func (s *settings) registerRecords(fs *cli.FlagSet) {
+	fs.String(&s.routes, "routes", "ROUTES", "", `aggregate type → read alias, e.g. "orders=orders_idx,users=users_idx", written through "<alias>-write" ("" = everything to ALIAS)`)
+	fs.String(&s.aggregateTypes, "aggregate-types", "AGGREGATE_TYPES", "", `comma-separated aggregate types (ce_aggregatetype) to index; others are skipped, counted ("" = all)`)
+	fs.String(&s.skipEventTypes, "skip-event-types", "SKIP_EVENT_TYPES", "", `comma-separated event types (ce_type) of other producers to skip, counted ("*" = every type but upsert/delete; "" = dead-letter them as unknown_type)`)
+	fs.String(&s.cfg.NullValues, "null-values", "NULL_VALUES", sink.NullValuesFail, "a null value (Kafka tombstone) that is not a delete event: fail (dead-letter), ignore (skip, counted) or delete")
+	fs.String(&s.cfg.IDFormat, "id-format", "ID_FORMAT", sink.IDFormatID, `_id of a document: id (the key) or type:id ("<aggregate type>:<key>", where ids collide across types; reconcile needs id)`)
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
 func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Int(&s.cfg.BatchSize, "batch-size", "BATCH_SIZE", sink.DefaultBatchSize, "documents per bulk request at most")
 	fs.Int(&s.cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", sink.DefaultBatchBytes, "document bytes per bulk request at most")
@@ -48,6 +68,8 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Duration(&s.cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", sink.DefaultRetryMaxElapsed, "give up (exit 1, nothing committed) when a batch is refused this long")
 	fs.Duration(&s.cfg.SessionTimeout, "session-timeout", "SESSION_TIMEOUT", sink.DefaultSessionTimeout, "consumer group session timeout (a dead member's partitions move after it)")
 	fs.Duration(&s.cfg.HeartbeatInterval, "heartbeat-interval", "HEARTBEAT_INTERVAL", sink.DefaultHeartbeat, "consumer group heartbeat interval")
+	fs.Duration(&s.cfg.DeadLetterRetention, "dead-letter-retention", "DEAD_LETTER_RETENTION", 0, "retention.ms the dead-letter topic is created with (0 = forever, retention.ms=-1)")
+	fs.Int(&s.cfg.DeadLetterMaxBytes, "dead-letter-max-bytes", "DEAD_LETTER_MAX_BYTES", 0, "largest dead letter, and the dead-letter topic's max.message.bytes at creation (0 = 11 MiB; keep ≥ the topic's max.message.bytes)")
 	s.metrics.RegisterMetrics(fs, "127.0.0.1:9103")
 }
 
@@ -58,9 +80,12 @@ func (s *settings) load(needEngine bool) (*slog.Logger, error) {
 		return nil, err
 	}
 	s.cfg.Logger = logger
-	for _, b := range strings.Split(s.brokers, ",") {
-		if b = strings.TrimSpace(b); b != "" {
-			s.cfg.Brokers = append(s.cfg.Brokers, b)
+	s.cfg.Brokers = splitList(s.brokers)
+	s.cfg.AggregateTypes = splitList(s.aggregateTypes)
+	s.cfg.SkipEventTypes = splitList(s.skipEventTypes)
+	if s.routes != "" {
+		if s.cfg.Routes, err = sink.ParseRoutes(s.routes); err != nil {
+			return nil, cli.UsageError("%v", err)
 		}
 	}
 	if len(s.cfg.Brokers) == 0 {
@@ -96,6 +121,7 @@ func runCommand() cli.Command {
 			fs := cli.NewFlagSet("indexer run", "Consumes the topic in a consumer group, bulk-indexes by aggregate id and version\n(version_type=external), commits offsets only after every item is resolved.")
 			s.registerKafka(fs)
 			s.registerEngine(fs)
+			s.registerRecords(fs)
 			s.registerRun(fs)
 			s.common.RegisterLogging(fs)
 			if _, err := fs.Parse(args); err != nil {

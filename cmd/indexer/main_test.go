@@ -24,6 +24,10 @@ func TestBadSettingsExitWithUsage(t *testing.T) {
 		{name: "lanes out of range", args: []string{"run", "--lanes", "1000"}, want: "LANES=1000"},
 		{name: "bad env duration", args: []string{"run"}, env: map[string]string{"FLUSH_INTERVAL": "soon"}, want: `FLUSH_INTERVAL="soon"`},
 		{name: "missing mapping file", args: []string{"run", "--mapping-file", "/nonexistent.json"}, want: `MAPPING_FILE="/nonexistent.json"`},
+		{name: "bad route", args: []string{"run", "--routes", "orders"}, want: `"orders" is not aggregate_type=alias`},
+		{name: "bad null-values", args: []string{"run"}, env: map[string]string{"NULL_VALUES": "drop"}, want: `NULL_VALUES="drop"`},
+		{name: "bad id-format", args: []string{"run", "--id-format", "uuid"}, want: `ID_FORMAT="uuid"`},
+		{name: "dead-letter topic too small", args: []string{"run", "--dead-letter-max-bytes", "1000"}, want: "DEAD_LETTER_MAX_BYTES=1000"},
 		{name: "reindex without --into", args: []string{"reindex"}, want: "--into is required"},
 		{name: "unknown command", args: []string{"frobnicate"}, want: "unknown command"},
 	}

@@ -98,7 +98,7 @@ func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResul
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "source rows\t%d\n", rep.SourceRows)
 	fmt.Fprintf(tw, "index documents\t%d\t(tombstones included)\n", rep.IndexDocs)
-	fmt.Fprintf(tw, "buckets differing\t%d of %d\n", len(rep.DifferingBuckets), reconcile.Buckets)
+	fmt.Fprintf(tw, "buckets differing\t%d of %d\n", len(rep.DifferingBuckets), sink.Buckets)
 	fmt.Fprintf(tw, "documents read\t%d\t(only in differing buckets)\n", rep.DocsRead)
 	fmt.Fprintf(tw, "missing\t%d\n", rep.MissingCount)
 	fmt.Fprintf(tw, "stale\t%d\n", rep.StaleCount)

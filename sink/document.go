@@ -1,0 +1,70 @@
+package sink
+
+import (
+	"bytes"
+	"crypto/md5"
+	"encoding/binary"
+	"strconv"
+)
+
+// The document format: what the indexer writes next to the user's
+// document. Package reconcile reads these fields; it imports them from here.
+const (
+	// FieldDeleted marks a delete tombstone document. The read alias filters
+	// documents with FieldDeleted = true out of searches.
+	FieldDeleted = "_deleted"
+	// FieldBucket holds Bucket(id).
+	FieldBucket = "_bucket"
+	// FieldIDV holds IDV(id, version, deleted).
+	FieldIDV = "_idv"
+)
+
+// Buckets is the number of id ranges reconciliation compares.
+const Buckets = 1024
+
+// tombstoneDoc is the body written for a delete: a real document, so the
+// engine keeps its external version forever (see doc.go).
+var tombstoneDoc = []byte(`{"` + FieldDeleted + `":true}`)
+
+func hash31(s string) int64 {
+	sum := md5.Sum([]byte(s))
+	return int64(binary.BigEndian.Uint32(sum[:4]) & 0x7fffffff)
+}
+
+// Bucket returns the bucket of an id, 0 ≤ Bucket < Buckets. Package
+// reconcile computes the same hash in SQL.
+func Bucket(id string) int { return int(hash31(id) % Buckets) }
+
+// IDV returns a 31-bit hash of (id, version, deleted). Package reconcile
+// computes the same hash in SQL.
+func IDV(id string, version int64, deleted bool) int64 {
+	d := "0"
+	if deleted {
+		d = "1"
+	}
+	return hash31(id + ":" + strconv.FormatInt(version, 10) + ":" + d)
+}
+
+// appendDocument appends the document as indexed: the body plus the fields
+// package reconcile aggregates on (the id's bucket and a hash of id,
+// version and deleted-ness), so reconciliation compares summaries instead
+// of scanning documents. They are added while the bulk body is written,
+// which saves copying every document once more.
+func appendDocument(dst []byte, d *doc) []byte {
+	return appendReconcileFields(dst, d.body, d.bucket, d.idv)
+}
+
+// appendReconcileFields appends obj, a JSON object, with the reconcile
+// fields added.
+func appendReconcileFields(dst, obj []byte, bucket int, idv int64) []byte {
+	start := len(dst)
+	dst = append(dst, obj[:len(obj)-1]...) // without the closing brace
+	if len(bytes.TrimSpace(dst[start+1:])) > 0 {
+		dst = append(dst, ',')
+	}
+	dst = append(dst, `"`+FieldBucket+`":`...)
+	dst = strconv.AppendInt(dst, int64(bucket), 10)
+	dst = append(dst, `,"`+FieldIDV+`":`...)
+	dst = strconv.AppendInt(dst, idv, 10)
+	return append(dst, '}')
+}

@@ -1,0 +1,208 @@
+package sink
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/olivere/elastic/v7"
+	"github.com/segmentio/kafka-go"
+
+	"github.com/outboxrelay/outboxrelay/outbox"
+)
+
+// What a null value (a Kafka tombstone) that is not a delete event means:
+// Config.NullValues, as the Kafka Connect Elasticsearch sink's
+// behavior.on.null.values.
+const (
+	NullValuesFail   = "fail"   // dead-lettered (null_value, or missing_document for an upsert event)
+	NullValuesIgnore = "ignore" // skipped, counted
+	NullValuesDelete = "delete" // a delete of the key
+)
+
+// _id formats: Config.IDFormat.
+const (
+	IDFormatID     = "id"      // _id = the Kafka key (the aggregate id)
+	IDFormatTypeID = "type:id" // _id = "<ce_aggregatetype>:<key>"
+)
+
+// recordRules are the parts of the configuration that decide what a
+// record becomes: which alias, which _id, skipped or not.
+type recordRules struct {
+	maxDocBytes    int
+	alias          string
+	writeAlias     string
+	routes         map[string]string // aggregate type → read alias
+	aggregateTypes map[string]bool   // nil: every type
+	skipEventTypes map[string]bool
+	skipAllOthers  bool // SkipEventTypes has "*"
+	nullValues     string
+	typedIDs       bool
+}
+
+func newRecordRules(cfg Config) *recordRules {
+	r := &recordRules{
+		maxDocBytes: cfg.MaxDocumentBytes, alias: cfg.Alias, writeAlias: cfg.WriteAlias,
+		routes: cfg.Routes, nullValues: cfg.NullValues, typedIDs: cfg.IDFormat == IDFormatTypeID,
+		skipEventTypes: map[string]bool{},
+	}
+	if len(cfg.AggregateTypes) > 0 {
+		r.aggregateTypes = map[string]bool{}
+		for _, t := range cfg.AggregateTypes {
+			r.aggregateTypes[t] = true
+		}
+	}
+	for _, t := range cfg.SkipEventTypes {
+		r.skipEventTypes[t] = true
+		r.skipAllOthers = r.skipAllOthers || t == "*"
+	}
+	return r
+}
+
+// targetAlias returns the read alias a record belongs to: the route of its
+// aggregate type (ce_aggregatetype) in Config.Routes, else Config.Alias.
+// It is the one place that decides it; which index an alias writes to is
+// decided after it, from the alias.
+func (r *recordRules) targetAlias(m kafka.Message) string {
+	if len(r.routes) == 0 {
+		return r.alias
+	}
+	if t, ok := headerBytes(m, outbox.HeaderAggregateType); ok {
+		if a, ok := r.routes[string(t)]; ok {
+			return a
+		}
+	}
+	return r.alias
+}
+
+// writeAliasOf returns the alias the indexer writes through for a read
+// alias: Config.WriteAlias for Config.Alias, "<alias>-write" for a route.
+func (r *recordRules) writeAliasOf(alias string) string {
+	if alias == r.alias {
+		return r.writeAlias
+	}
+	return alias + "-write"
+}
+
+// aliases returns every read alias records may go to, Config.Alias first.
+func (r *recordRules) aliases() []string {
+	out := []string{r.alias}
+	for _, a := range r.routes {
+		if !slices.Contains(out, a) {
+			out = append(out, a)
+		}
+	}
+	slices.Sort(out[1:])
+	return out
+}
+
+func (r *recordRules) skipsEventType(typ []byte) bool {
+	return r.skipAllOthers || r.skipEventTypes[string(typ)]
+}
+
+// ParseRoutes parses ROUTES: "type=alias,type=alias".
+func ParseRoutes(s string) (map[string]string, error) {
+	out := map[string]string{}
+	for _, kv := range strings.Split(s, ",") {
+		if kv = strings.TrimSpace(kv); kv == "" {
+			continue
+		}
+		typ, alias, ok := strings.Cut(kv, "=")
+		typ, alias = strings.TrimSpace(typ), strings.TrimSpace(alias)
+		if !ok || typ == "" || alias == "" {
+			return nil, fmt.Errorf("ROUTES=%q: %q is not aggregate_type=alias", s, kv)
+		}
+		if prev, dup := out[typ]; dup && prev != alias {
+			return nil, fmt.Errorf("ROUTES=%q: aggregate type %q routed twice", s, typ)
+		}
+		out[typ] = alias
+	}
+	return out, nil
+}
+
+// ensureIndexes makes sure every alias records may go to exists (see
+// [EnsureIndex]) and returns the index behind Config.WriteAlias.
+func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
+	var first string
+	for i, alias := range ix.rules.aliases() {
+		index, err := EnsureIndex(ctx, ix.client, alias, ix.rules.writeAliasOf(alias), ix.cfg.Mapping)
+		if err != nil {
+			return "", err
+		}
+		if i == 0 {
+			first = index
+		}
+	}
+	return first, nil
+}
+
+// versionsFromIndex gives the deletes that carry no version (null values
+// from other producers, with NullValues "delete") the version their id has
+// in the index now, or that of an earlier record of the same id in the
+// batch when higher; they are written with version_type=external_gte. So
+// the tombstone hides exactly what is indexed, a later record of the key
+// with a higher version still goes through, and a late replay of an older
+// or equal one is a conflict. An id not in the index gets version 0.
+func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
+	var need []*doc
+	for _, d := range batch {
+		if d.versionFromIndex {
+			need = append(need, d)
+		}
+	}
+	if len(need) == 0 {
+		return nil
+	}
+	type mgetDoc struct {
+		Index   string `json:"_index"`
+		ID      string `json:"_id"`
+		Source  bool   `json:"_source"`
+		Found   bool   `json:"found,omitempty"`
+		Version int64  `json:"_version,omitempty"`
+	}
+	req := struct {
+		Docs []mgetDoc `json:"docs"`
+	}{}
+	for _, d := range need {
+		req.Docs = append(req.Docs, mgetDoc{Index: d.target, ID: d.id})
+	}
+	var res *elastic.Response
+	err := backoff.Retry(func() error {
+		var err error
+		res, err = ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/_mget", Body: req})
+		if err != nil && !IsRetryable(err) {
+			return backoff.Permanent(err)
+		}
+		return err
+	}, ix.newBackOff(ctx))
+	if err != nil {
+		return fmt.Errorf("read the versions of %d null-value delete(s): %w", len(need), err)
+	}
+	var got struct {
+		Docs []mgetDoc `json:"docs"`
+	}
+	if err := json.NewDecoder(bytes.NewReader(res.Body)).Decode(&got); err != nil || len(got.Docs) != len(need) {
+		return fmt.Errorf("read the versions of %d null-value delete(s): bad _mget answer (%v)", len(need), err)
+	}
+	current := map[[2]string]int64{}
+	for i, d := range need {
+		if got.Docs[i].Found {
+			current[[2]string{d.target, d.id}] = got.Docs[i].Version
+		}
+	}
+	for _, d := range batch { // in order: an earlier record of the id counts
+		k := [2]string{d.target, d.id}
+		if d.versionFromIndex {
+			d.version = current[k]
+			d.idv = IDV(d.id, d.version, true)
+		} else if d.poison == nil && d.skip == "" {
+			current[k] = max(current[k], d.version)
+		}
+	}
+	return nil
+}
