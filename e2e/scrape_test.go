@@ -134,10 +134,11 @@ func (p *prometheus) waitFor(t *testing.T, q string, ok func(float64) bool, time
 }
 
 // needsAFault are the vectors whose series appear only when something
-// goes wrong that this test does not provoke (a lock wait, a transient
-// chunk error, an engine 429/5xx): a scrape before that has no line for
-// them. deploy_test.go checks them against the registered metrics.
-var needsAFault = []string{"batch_retry_total", "batch_lock_wait_seconds_bucket", "indexer_retries_total"}
+// happens that this test does not provoke (a lock wait, a transient chunk
+// error, an engine 429/5xx, a message the deployment skips): a scrape
+// before that has no line for them. deploy_test.go checks them against the
+// registered metrics.
+var needsAFault = []string{"batch_retry_total", "batch_lock_wait_seconds_bucket", "indexer_retries_total", "indexer_skipped_total"}
 
 // TestScrapedMetricsMatchTheRulesAndDashboard runs the pipeline under a
 // real Prometheus and checks, through its HTTP API, that the series the
@@ -220,6 +221,7 @@ func TestScrapedMetricsMatchTheRulesAndDashboard(t *testing.T) {
 	// Every document resolved, no lag left on any of the six partitions.
 	prom.waitFor(t, `sum(indexer_docs_total{job="indexer",result="indexed"})`, func(v float64) bool { return v >= rows-bad }, 3*time.Minute, procs)
 	prom.waitFor(t, `sum(indexer_dead_lettered_total{job="indexer",code="bad_version"})`, func(v float64) bool { return v == 1 }, 2*time.Minute, procs)
+	prom.waitFor(t, `max(indexer_dead_letter_topic_messages{job="indexer",state="pending"})`, func(v float64) bool { return v == 1 }, 2*time.Minute, procs)
 	prom.waitFor(t, `count(ALERTS{alertname="IndexerDeadLetters",alertstate="firing",code="bad_version"})`, func(v float64) bool { return v == 1 }, time.Minute, procs)
 	prom.waitFor(t, `max(max by (partition) (indexer_consumer_lag{job="indexer"}))`, func(v float64) bool { return v == 0 }, 2*time.Minute, procs)
 	require.Len(t, prom.query(t, `max by (partition) (last_over_time(indexer_consumer_lag{job="indexer"}[1m]))`), 6)
