@@ -35,7 +35,14 @@ ensure_installed() {
   log "prometheus not found; installing Debian's prometheus package (binaries only)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >&2
-  apt-get install -y -qq --no-install-recommends prometheus >&2
+  # Deny service starts during the install (the package would start a
+  # system Prometheus on :9090), unless a policy is in place already.
+  local own_policy=false
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && own_policy=true
+  fi
+  apt-get install -y -qq --no-install-recommends prometheus >&2 || { $own_policy && rm -f /usr/sbin/policy-rc.d; exit 1; }
+  if $own_policy; then rm -f /usr/sbin/policy-rc.d; fi
   # The package enables a system service on machines with systemd; ours
   # runs privately.
   if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
