@@ -36,6 +36,7 @@ type composeService struct {
 	Ports       []string                  `yaml:"ports"`
 	DependsOn   map[string]map[string]any `yaml:"depends_on"`
 	Healthcheck map[string]any            `yaml:"healthcheck"`
+	Volumes     []string                  `yaml:"volumes"`
 }
 
 func loadCompose(t *testing.T, name string) composeFile {
@@ -152,6 +153,37 @@ func TestComposeMatchesTheBinaries(t *testing.T) {
 			}
 		})
 	}
+
+	// Prometheus scrapes each service where compose opens its metrics, with
+	// the job names the alert rules expect, and loads the rules.
+	prom := f.Services["prometheus"]
+	require.Contains(t, prom.Volumes, "./deploy/prometheus:/etc/prometheus:ro")
+	b, err := os.ReadFile(filepath.Join(stack.RepoRoot(), "deploy/prometheus/prometheus.yml"))
+	require.NoError(t, err)
+	var promCfg struct {
+		RuleFiles     []string `yaml:"rule_files"`
+		ScrapeConfigs []struct {
+			JobName       string `yaml:"job_name"`
+			StaticConfigs []struct {
+				Targets []string `yaml:"targets"`
+			} `yaml:"static_configs"`
+		} `yaml:"scrape_configs"`
+	}
+	require.NoError(t, yaml.Unmarshal(b, &promCfg))
+	require.Equal(t, []string{"alerts.yml"}, promCfg.RuleFiles)
+	scraped := map[string][]string{}
+	for _, sc := range promCfg.ScrapeConfigs {
+		for _, st := range sc.StaticConfigs {
+			scraped[sc.JobName] = append(scraped[sc.JobName], st.Targets...)
+		}
+	}
+	want := map[string][]string{}
+	for _, svc := range []string{"batcher", "publisher", "indexer"} {
+		_, port, err := net.SplitHostPort(f.Services[svc].Environment["METRICS_ADDR"])
+		require.NoError(t, err)
+		want[svc] = []string{svc + ":" + port}
+	}
+	require.Equal(t, want, scraped)
 
 	es := loadCompose(t, "docker-compose.elasticsearch.yml")
 	require.Contains(t, es.Services, "search")
