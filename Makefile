@@ -19,10 +19,15 @@ build: ## build the three binaries into bin/
 	$(GO) build -o bin/ ./cmd/batcher ./cmd/publisher ./cmd/indexer
 
 .PHONY: test
-test: ## run every test against the real stack (starts it when needed)
+test: test-alerts ## run every test against the real stack (starts it when needed)
 	@$(WITH_STACK) $(STACK) versions && \
 	$(GO) test $(TEST_FLAGS) -v -run 'Smoke' ./internal/stack/ && \
 	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v '/internal/stack$$')
+
+.PHONY: test-alerts
+test-alerts: ## check the Prometheus alert rules and run their unit tests (promtool)
+	promtool check rules deploy/prometheus/alerts.yml
+	cd deploy/prometheus && promtool test rules alerts_test.yml
 
 .PHONY: test-short
 test-short: ## run the tests that need no server

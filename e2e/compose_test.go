@@ -36,6 +36,7 @@ type composeService struct {
 	Ports       []string                  `yaml:"ports"`
 	DependsOn   map[string]map[string]any `yaml:"depends_on"`
 	Healthcheck map[string]any            `yaml:"healthcheck"`
+	Volumes     []string                  `yaml:"volumes"`
 }
 
 func loadCompose(t *testing.T, name string) composeFile {
@@ -130,10 +131,14 @@ func TestComposeMatchesTheBinaries(t *testing.T) {
 						require.Contains(t, svc.DependsOn, host)
 					}
 				case "METRICS_ADDR":
-					_, port, err := net.SplitHostPort(val)
+					host, port, err := net.SplitHostPort(val)
 					require.NoError(t, err)
+					require.Equal(t, "0.0.0.0", host, "%s METRICS_ADDR: the binaries bind loopback by default, so compose must open it on purpose", name)
 					require.Contains(t, svc.Ports, fmt.Sprintf("%s:%s", port, port), "%s publishes its metrics port", name)
 				}
+			}
+			if slices.Contains(settings, "METRICS_ADDR") {
+				require.Contains(t, svc.Environment, "METRICS_ADDR", "%s: without it the metrics bind the container's loopback", name)
 			}
 			for _, required := range requiredSettings[bin] {
 				if slices.Contains(settings, required) {
@@ -148,6 +153,37 @@ func TestComposeMatchesTheBinaries(t *testing.T) {
 			}
 		})
 	}
+
+	// Prometheus scrapes each service where compose opens its metrics, with
+	// the job names the alert rules expect, and loads the rules.
+	prom := f.Services["prometheus"]
+	require.Contains(t, prom.Volumes, "./deploy/prometheus:/etc/prometheus:ro")
+	b, err := os.ReadFile(filepath.Join(stack.RepoRoot(), "deploy/prometheus/prometheus.yml"))
+	require.NoError(t, err)
+	var promCfg struct {
+		RuleFiles     []string `yaml:"rule_files"`
+		ScrapeConfigs []struct {
+			JobName       string `yaml:"job_name"`
+			StaticConfigs []struct {
+				Targets []string `yaml:"targets"`
+			} `yaml:"static_configs"`
+		} `yaml:"scrape_configs"`
+	}
+	require.NoError(t, yaml.Unmarshal(b, &promCfg))
+	require.Equal(t, []string{"alerts.yml"}, promCfg.RuleFiles)
+	scraped := map[string][]string{}
+	for _, sc := range promCfg.ScrapeConfigs {
+		for _, st := range sc.StaticConfigs {
+			scraped[sc.JobName] = append(scraped[sc.JobName], st.Targets...)
+		}
+	}
+	want := map[string][]string{}
+	for _, svc := range []string{"batcher", "publisher", "indexer"} {
+		_, port, err := net.SplitHostPort(f.Services[svc].Environment["METRICS_ADDR"])
+		require.NoError(t, err)
+		want[svc] = []string{svc + ":" + port}
+	}
+	require.Equal(t, want, scraped)
 
 	es := loadCompose(t, "docker-compose.elasticsearch.yml")
 	require.Contains(t, es.Services, "search")

@@ -45,6 +45,8 @@ type Indexer struct {
 	// onBatch, if set, is called after every resolved and committed batch
 	// (tests).
 	onBatch func(Batch)
+
+	clientIdentity // GroupReady (ready.go)
 }
 
 // Batch describes one resolved batch, for [Config] observers and tests.
@@ -123,6 +125,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 		Brokers:           ix.cfg.Brokers,
 		GroupID:           ix.cfg.Group,
 		Topic:             ix.cfg.Topic,
+		Dialer:            &kafka.Dialer{ClientID: ix.clientID(), Timeout: 10 * time.Second, DualStack: true},
 		MinBytes:          1,
 		MaxBytes:          16 << 20,
 		MaxWait:           250 * time.Millisecond,

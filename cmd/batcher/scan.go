@@ -37,19 +37,20 @@ func scanCommands(stdout io.Writer) []cli.Command {
 
 type runConfig struct {
 	cli.Common
-	Spec        string
-	Job         string
-	RunID       string
-	Partition   string
-	Restart     bool
-	Resume      bool
-	MaxChunks   int
-	Workers     int
-	WorkerID    string
-	LeaseTTL    time.Duration
-	Grace       time.Duration
-	MetricsAddr string
-	Progress    string
+	cli.Metrics
+	Spec      string
+	Job       string
+	RunID     string
+	Partition string
+	Restart   bool
+	Resume    bool
+	MaxChunks int
+	Workers   int
+	WorkerID  string
+	LeaseTTL  time.Duration
+	Grace     time.Duration
+	Linger    time.Duration // METRICS_LINGER
+	Progress  string
 }
 
 func (c runConfig) validate() error {
@@ -86,12 +87,17 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	fs.String(&c.WorkerID, "worker-id", "WORKER_ID", "", "name of this worker in leases (default host-pid)")
 	fs.Duration(&c.LeaseTTL, "lease-ttl", "LEASE_TTL", 30*time.Second, "a lease without heartbeat for this long may be taken by another worker; a stalled worker's open chunk transaction is ended after as long (a chunk may take longer)")
 	fs.Duration(&c.Grace, "grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first signal, wait this long for the chunk in flight before cancelling it")
-	fs.String(&c.MetricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9101", "serve /metrics, /healthz, /readyz here (\"\" disables)")
+	c.RegisterMetrics(fs, "127.0.0.1:9101")
+	fs.Duration(&c.Linger, "metrics-linger", "METRICS_LINGER", 0, "after the run ends, keep serving /metrics this long (or until a signal) so a last scrape sees the final numbers (0 = exit at once)")
 	fs.String(&c.Progress, "progress", "PROGRESS", "auto", "progress line on stderr: auto (on a terminal), on or off")
 	if _, err := fs.Parse(args); err != nil {
 		return err
 	}
 	if err := c.validate(); err != nil {
+		return err
+	}
+	ep, err := c.Endpoint()
+	if err != nil {
 		return err
 	}
 	logger, err := c.Logger()
@@ -114,8 +120,11 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	reg := metrics.NewRegistry()
 	health := metrics.NewHealth()
 	health.AddCheck("postgres", pool.Ping)
-	if err := metrics.Serve(hard, c.MetricsAddr, reg, health, logger); err != nil {
+	if err := metrics.Serve(hard, ep, reg, health, logger); err != nil {
 		return cli.UsageError("%v", err)
+	}
+	if ep.Addr != "" && c.Linger > 0 {
+		defer lingerMetrics(soft, c.Linger, logger)
 	}
 	cfg := batch.Config{
 		StartOptions: batch.StartOptions{RunID: c.RunID, Restart: c.Restart, Resume: c.Resume},
@@ -153,6 +162,19 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 			spec.Job, sum.RunID, state, sum.Chunks, sum.Rows, sum.Changed, sum.Quarantined)
 	}
 	return nil
+}
+
+// lingerMetrics keeps the process (and its metrics endpoint) up for d after
+// the run, or until the first signal: a batcher exits when its run ends,
+// and a Prometheus scraping every 15s would miss the last chunks' numbers.
+func lingerMetrics(soft context.Context, d time.Duration, logger *slog.Logger) {
+	logger.Info("run ended; serving metrics a while longer", slog.Duration("metrics_linger", d))
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-soft.Done():
+	}
 }
 
 func classify(err error) error {

@@ -22,7 +22,7 @@ type settings struct {
 	common      cli.Common
 	brokers     string
 	mappingFile string
-	metricsAddr string
+	metrics     cli.Metrics
 	// record settings, parsed into cfg by load
 	routes, aggregateTypes, skipEventTypes string
 	cfg                                    sink.Config
@@ -71,7 +71,7 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Duration(&s.cfg.HeartbeatInterval, "heartbeat-interval", "HEARTBEAT_INTERVAL", sink.DefaultHeartbeat, "consumer group heartbeat interval")
 	fs.Duration(&s.cfg.DeadLetterRetention, "dead-letter-retention", "DEAD_LETTER_RETENTION", 0, "retention.ms the dead-letter topic is created with (0 = forever, retention.ms=-1)")
 	fs.Int(&s.cfg.DeadLetterMaxBytes, "dead-letter-max-bytes", "DEAD_LETTER_MAX_BYTES", 0, "largest dead letter, and the dead-letter topic's max.message.bytes at creation (0 = 11 MiB; keep ≥ the topic's max.message.bytes)")
-	fs.String(&s.metricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9103", `address for /metrics, /healthz and /readyz ("" disables)`)
+	s.metrics.RegisterMetrics(fs, "127.0.0.1:9103")
 }
 
 // load turns the parsed settings into a config and a logger.
@@ -132,6 +132,10 @@ func runCommand() cli.Command {
 			if err != nil {
 				return err
 			}
+			ep, err := s.metrics.Endpoint()
+			if err != nil {
+				return err
+			}
 			reg := metrics.NewRegistry()
 			s.cfg.Registerer = reg
 			ix, err := sink.New(s.cfg)
@@ -143,8 +147,9 @@ func runCommand() cli.Command {
 			soft, _, stop := shutdown.Contexts(ctx, 0, logger)
 			defer stop()
 			health := metrics.NewHealth()
-			health.AddCheck("search engine", ix.Ping)
-			if err := metrics.Serve(soft, s.metricsAddr, reg, health, logger); err != nil {
+			health.AddCheck("search engine", ix.EngineReady)
+			health.AddCheck("consumer group", ix.GroupReady)
+			if err := metrics.Serve(soft, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}
 			return ix.Run(soft)

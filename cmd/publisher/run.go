@@ -18,18 +18,18 @@ func runCommand() cli.Command {
 		Summary: "publish outbox events to Kafka until SIGTERM/SIGINT (run as many as you like)",
 		Run: func(ctx context.Context, args []string) error {
 			var (
-				c           cli.Common
-				cfg         outbox.Config
-				brokers     string
-				metricsAddr string
-				maxConns    int
-				grace       time.Duration
+				c        cli.Common
+				cfg      outbox.Config
+				brokers  string
+				m        cli.Metrics
+				maxConns int
+				grace    time.Duration
 			)
 			fs := cli.NewFlagSet("publisher run", "Leases outbox shards, sends their events to Kafka (acks=all, key = aggregate id),\nthen deletes them, fenced by the lease epoch. Several publishers share the 64 shards.")
 			c.RegisterDatabase(fs)
 			c.RegisterLogging(fs)
 			fs.String(&brokers, "kafka-brokers", "KAFKA_BROKERS", "", "Kafka bootstrap brokers, comma-separated host:port (required)")
-			fs.String(&metricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9102", `address for /metrics, /healthz and /readyz ("" disables)`)
+			m.RegisterMetrics(fs, "127.0.0.1:9102")
 			fs.String(&cfg.ID, "publisher-id", "PUBLISHER_ID", "", "name of this publisher in the lease table (default hostname-pid-random; must be unique)")
 			fs.Duration(&cfg.LeaseTTL, "lease-ttl", "LEASE_TTL", outbox.DefaultLeaseTTL, "shard lease lifetime; heartbeats every third of it; a dead publisher's shards move after this")
 			fs.Duration(&cfg.PollInterval, "poll-interval", "POLL_INTERVAL", outbox.DefaultPollInterval, "polling fallback interval when no NOTIFY arrives")
@@ -44,6 +44,10 @@ func runCommand() cli.Command {
 			fs.Int(&maxConns, "database-max-conns", "DATABASE_MAX_CONNS", outbox.DefaultMaxConns, "most PostgreSQL connections for shard work (one per lane, 64/N shards to a lane); heartbeats, LISTEN, polling and the backlog gauge use a few more")
 			fs.Duration(&grace, "shutdown-grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGTERM/SIGINT, how long to finish batches in flight before exiting anyway")
 			if _, err := fs.Parse(args); err != nil {
+				return err
+			}
+			ep, err := m.Endpoint()
+			if err != nil {
 				return err
 			}
 			logger, err := c.Logger()
@@ -70,7 +74,8 @@ func runCommand() cli.Command {
 			if err != nil {
 				return cli.UsageError("%v", err)
 			}
-			if err := metrics.Serve(hard, metricsAddr, reg, health, logger); err != nil {
+			health.AddCheck("shards", pub.Ready)
+			if err := metrics.Serve(hard, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}
 			done := make(chan error, 1)

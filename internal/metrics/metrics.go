@@ -4,11 +4,14 @@ package metrics
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -77,30 +80,39 @@ func (h *Health) ready(ctx context.Context) error {
 		degraded[k] = v
 	}
 	h.mu.Unlock()
+	// Sorted, so the body of /readyz reads the same on every request.
 	var errs []error
-	for name, check := range checks {
-		if err := check(ctx); err != nil {
+	for _, name := range slices.Sorted(maps.Keys(checks)) {
+		if err := checks[name](ctx); err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", name, err))
 		}
 	}
-	for part, reason := range degraded {
-		errs = append(errs, fmt.Errorf("%s degraded: %s", part, reason))
+	for _, part := range slices.Sorted(maps.Keys(degraded)) {
+		errs = append(errs, fmt.Errorf("%s degraded: %s", part, degraded[part]))
 	}
 	return errors.Join(errs...)
 }
 
-// Serve listens on addr ("" disables the server) and serves until ctx ends.
-// It returns once the listener is bound, so a bad address fails at start.
-func Serve(ctx context.Context, addr string, reg *prometheus.Registry, health *Health, logger *slog.Logger) error {
-	if addr == "" {
-		return nil
-	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("METRICS_ADDR=%q: %w", addr, err)
-	}
+// Endpoint says where and how Serve answers.
+type Endpoint struct {
+	// Addr is the listen address, e.g. 127.0.0.1:9102; "" disables the
+	// server. The services default to loopback: a remote Prometheus needs
+	// 0.0.0.0:PORT (or the host's address) set on purpose.
+	Addr string
+	// Username and Password, when both set, require HTTP basic auth on
+	// /metrics. /healthz and /readyz stay open for probes. Default: none.
+	Username, Password string
+}
+
+// Handler serves /metrics (behind basic auth when ep has credentials),
+// /healthz and /readyz.
+func Handler(ep Endpoint, reg *prometheus.Registry, health *Health) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	var m http.Handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg})
+	if ep.Username != "" || ep.Password != "" {
+		m = basicAuth(ep.Username, ep.Password, m)
+	}
+	mux.Handle("/metrics", m)
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, "ok")
 	})
@@ -113,7 +125,40 @@ func Serve(ctx context.Context, addr string, reg *prometheus.Registry, health *H
 		}
 		fmt.Fprintln(w, "ready")
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	return mux
+}
+
+func basicAuth(user, pass string, next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		u, p, ok := r.BasicAuth()
+		// Both compared, always, so the time taken says nothing about
+		// which one was wrong.
+		userOK := subtle.ConstantTimeCompare([]byte(u), []byte(user)) == 1
+		passOK := subtle.ConstantTimeCompare([]byte(p), []byte(pass)) == 1
+		if !ok || !userOK || !passOK {
+			w.Header().Set("WWW-Authenticate", `Basic realm="metrics", charset="UTF-8"`)
+			http.Error(w, "unauthorized", http.StatusUnauthorized)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// Serve listens on ep.Addr ("" disables the server) and serves [Handler]
+// until ctx ends. It returns once the listener is bound, so a bad address
+// fails at start.
+func Serve(ctx context.Context, ep Endpoint, reg *prometheus.Registry, health *Health, logger *slog.Logger) error {
+	if ep.Addr == "" {
+		return nil
+	}
+	if (ep.Username == "") != (ep.Password == "") {
+		return errors.New("METRICS_USERNAME and METRICS_PASSWORD (or METRICS_PASSWORD_FILE): set both or neither")
+	}
+	ln, err := net.Listen("tcp", ep.Addr)
+	if err != nil {
+		return fmt.Errorf("METRICS_ADDR=%q: %w", ep.Addr, err)
+	}
+	srv := &http.Server{Handler: Handler(ep, reg, health), ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		<-ctx.Done()
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
@@ -125,6 +170,6 @@ func Serve(ctx context.Context, addr string, reg *prometheus.Registry, health *H
 			logger.Error("metrics server stopped", slog.String("error", err.Error()))
 		}
 	}()
-	logger.Info("serving metrics", slog.String("addr", ln.Addr().String()))
+	logger.Info("serving metrics", slog.String("addr", ln.Addr().String()), slog.Bool("basic_auth", ep.Username != ""))
 	return nil
 }
