@@ -51,6 +51,9 @@
 // passing the changed rows through a temp table), so after_upsert and
 // after_outbox both fire after that statement, inside the open transaction.
 //
+// Manifest jobs (seed 003: finish a batch over a frozen, approved list)
+// are a different kind of job and live in package manifest.
+//
 // Example:
 //
 //	spec, err := batch.LoadSpec("records.yaml")

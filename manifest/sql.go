@@ -1,4 +1,4 @@
-package batch
+package manifest
 
 import (
 	"context"
@@ -9,57 +9,57 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// ManifestDB is what the manifest functions need: a *pgxpool.Pool or a
+// DB is what the manifest functions need: a *pgxpool.Pool or a
 // *pgx.Conn.
-type ManifestDB interface {
+type DB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// manifestQuerier is a ManifestDB or a pgx.Tx.
-type manifestQuerier interface {
+// querier is a DB or a pgx.Tx.
+type querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 // Statements on outboxrelay's own tables. Statements on the user's table are
-// built by manifestTargetSQL from quoted identifiers; every value is a bind
+// built by targetSQL from quoted identifiers; every value is a bind
 // parameter.
 const (
-	manifestInsertJobSQL = `
+	insertJobSQL = `
 INSERT INTO manifest_jobs (job_id, tenant, spec, chunk_size, item_count, items_hash, content_hash)
 VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (job_id) DO NOTHING
 RETURNING job_id`
 
-	manifestInsertItemsSQL = `
+	insertItemsSQL = `
 INSERT INTO manifest_items (job_id, seq, item_id, revision, fields)
 SELECT $1, u.seq, u.item_id, u.revision, u.fields
 FROM unnest($2::int[], $3::text[], $4::bigint[], $5::jsonb[]) AS u(seq, item_id, revision, fields)`
 
-	manifestSelectJobSQL = `
+	selectJobSQL = `
 SELECT job_id, tenant, spec, chunk_size, item_count, items_hash, content_hash, next_index, state,
        conflict, chunks_done, created_at, updated_at, finished_at
 FROM manifest_jobs WHERE job_id = $1`
 
-	manifestLockJobSQL = manifestSelectJobSQL + ` FOR UPDATE`
+	lockJobSQL = selectJobSQL + ` FOR UPDATE`
 
-	manifestListJobsSQL = `
+	listJobsSQL = `
 SELECT job_id, tenant, spec, chunk_size, item_count, items_hash, content_hash, next_index, state,
        conflict, chunks_done, created_at, updated_at, finished_at
 FROM manifest_jobs ORDER BY created_at, job_id`
 
-	manifestSelectItemsSQL = `
+	selectItemsSQL = `
 SELECT item_id, revision, fields FROM manifest_items WHERE job_id = $1 ORDER BY seq`
 
-	// manifestVerifySQL lists the disagreements between the frozen items
+	// verifySQL lists the disagreements between the frozen items
 	// [$2, $3) (= [verified, next_index)) and the audit rows from $2 on: an
 	// item without audit, an audit row past next_index, or an audit row whose
 	// id, revisions or fields differ from its item.
-	manifestVerifySQL = `
+	verifySQL = `
 WITH i AS (
     SELECT seq, item_id, revision, fields FROM manifest_items
     WHERE job_id = $1 AND seq >= $2 AND seq < $3
@@ -78,41 +78,41 @@ WHERE i.seq IS NULL OR a.seq IS NULL
 ORDER BY 1
 LIMIT 20`
 
-	manifestInsertAuditSQL = `
+	insertAuditSQL = `
 INSERT INTO manifest_audit (job_id, seq, item_id, chunk, before_revision, after_revision, before_status, after_status, fields)
 SELECT $1, u.seq, u.item_id, $2, u.before_revision, u.after_revision, $3, $4, u.fields
 FROM unnest($5::int[], $6::text[], $7::bigint[], $8::bigint[], $9::jsonb[])
      AS u(seq, item_id, before_revision, after_revision, fields)`
 
-	// manifestAdvanceSQL is fenced by the next_index the chunk started
+	// advanceSQL is fenced by the next_index the chunk started
 	// from: zero rows means someone moved the job under our lock, which
 	// cannot happen unless the lock was lost.
-	manifestAdvanceSQL = `
+	advanceSQL = `
 UPDATE manifest_jobs
 SET next_index = $3, state = $4, chunks_done = chunks_done + 1, updated_at = now(),
     finished_at = CASE WHEN $4 = 'succeeded' THEN now() END
 WHERE job_id = $1 AND next_index = $2`
 
-	manifestMarkConflictedSQL = `
+	markConflictedSQL = `
 UPDATE manifest_jobs
 SET state = 'conflicted', conflict = $2, updated_at = now(), finished_at = now()
 WHERE job_id = $1`
 
-	// manifestColumnsSQL resolves the target's columns and their types;
+	// columnsSQL resolves the target's columns and their types;
 	// $1 is the quoted table name, so to_regclass resolves it exactly as
 	// the statements will.
-	manifestColumnsSQL = `
+	columnsSQL = `
 SELECT a.attname, a.atttypid::regtype::text
 FROM pg_attribute a
 WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY($2)`
 
-	manifestTableExistsSQL = `SELECT to_regclass($1) IS NOT NULL`
+	tableExistsSQL = `SELECT to_regclass($1) IS NOT NULL`
 )
 
-// manifestTargetSQL holds the statements on the user's table of one job,
+// targetSQL holds the statements on the user's table of one job,
 // built from quoted identifiers and the id column's type as the catalog
 // names it (so the id comparison uses the table's index).
-type manifestTargetSQL struct {
+type targetSQL struct {
 	table  string // quoted, maybe schema-qualified
 	fields []string
 
@@ -121,23 +121,23 @@ type manifestTargetSQL struct {
 	report  string // args: job, field keys...
 }
 
-// resolveManifestTarget checks that the table and columns exist and builds
+// resolveTarget checks that the table and columns exist and builds
 // the statements.
-func resolveManifestTarget(ctx context.Context, q manifestQuerier, t ManifestTarget) (*manifestTargetSQL, error) {
+func resolveTarget(ctx context.Context, q querier, t Target) (*targetSQL, error) {
 	ident := pgx.Identifier{t.Table}
 	if t.Schema != "" {
 		ident = pgx.Identifier{t.Schema, t.Table}
 	}
 	table := ident.Sanitize()
 	var exists bool
-	if err := q.QueryRow(ctx, manifestTableExistsSQL, table).Scan(&exists); err != nil {
+	if err := q.QueryRow(ctx, tableExistsSQL, table).Scan(&exists); err != nil {
 		return nil, fmt.Errorf("look up target table %s: %w", table, err)
 	}
 	if !exists {
 		return nil, fmt.Errorf("target table %s does not exist", table)
 	}
 	want := append([]string{t.IDColumn, t.TenantColumn, t.RevisionColumn, t.StatusColumn}, t.MatchFields...)
-	rows, err := q.Query(ctx, manifestColumnsSQL, table, want)
+	rows, err := q.Query(ctx, columnsSQL, table, want)
 	if err != nil {
 		return nil, fmt.Errorf("look up columns of %s: %w", table, err)
 	}
@@ -176,7 +176,7 @@ func resolveManifestTarget(ctx context.Context, q manifestQuerier, t ManifestTar
 		return "jsonb_build_object(" + strings.Join(parts, ", ") + ")"
 	}
 
-	s := &manifestTargetSQL{table: table, fields: t.MatchFields}
+	s := &targetSQL{table: table, fields: t.MatchFields}
 	// One set-based conditional UPDATE for the chunk: every condition of the
 	// approval in the WHERE clause, the chunk taken from the frozen items by
 	// position. RETURNING says which items changed.
@@ -225,7 +225,7 @@ ORDER BY i.seq`,
 
 // keyArgs appends the match field names, which the statements take as the
 // jsonb keys.
-func (s *manifestTargetSQL) keyArgs(args ...any) []any {
+func (s *targetSQL) keyArgs(args ...any) []any {
 	for _, f := range s.fields {
 		args = append(args, f)
 	}
