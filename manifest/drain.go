@@ -30,6 +30,9 @@ const (
 // itself (another drain running a chunk) is not bounded by it.
 const DefaultLockTimeout = 5 * time.Second
 
+// DefaultIdleTimeout is DrainOptions.IdleTimeout's default.
+const DefaultIdleTimeout = 30 * time.Second
+
 // DrainOptions tune Drain.
 type DrainOptions struct {
 	// MaxChunks is how many chunks this call may commit. 0 means until the
@@ -39,6 +42,12 @@ type DrainOptions struct {
 	// (default DefaultLockTimeout; negative means wait forever). A
 	// timeout rolls the chunk back and ends the drain with the error.
 	LockTimeout time.Duration
+	// IdleTimeout bounds how long a chunk transaction, which holds the job
+	// row, may sit idle between two statements (a drainer stuck outside the
+	// server). Past it the server ends the session: the chunk rolls back,
+	// the job row is free for another drainer, and the stuck one cannot
+	// commit. Default DefaultIdleTimeout; negative means no bound.
+	IdleTimeout time.Duration
 	// Stop, when closed, lets the chunk in flight finish and starts no
 	// other (a soft stop). Cancel ctx to abort the chunk in flight.
 	Stop <-chan struct{}
@@ -167,6 +176,7 @@ func (e *ProgressError) Unwrap() error { return ErrProgressMismatch }
 func Drain(ctx context.Context, db DB, jobID string, opts DrainOptions) (DrainResult, error) {
 	d := &drainer{db: db, jobID: jobID, opts: opts}
 	d.opts.LockTimeout = cmp.Or(opts.LockTimeout, DefaultLockTimeout)
+	d.opts.IdleTimeout = cmp.Or(opts.IdleTimeout, DefaultIdleTimeout)
 	if d.opts.Logger == nil {
 		d.opts.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -233,6 +243,13 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 	// After a commit this is a no-op; on any error it ends the transaction
 	// even if ctx was cancelled.
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	idle := "0"
+	if d.opts.IdleTimeout > 0 {
+		idle = fmt.Sprintf("%dms", max(d.opts.IdleTimeout.Milliseconds(), 1))
+	}
+	if _, err := tx.Exec(ctx, chunkSettingsSQL, idle); err != nil {
+		return nil, Job{}, fmt.Errorf("manifest job %s: set idle_in_transaction_session_timeout=%s: %w", d.jobID, idle, err)
+	}
 
 	job, err := loadJob(ctx, tx, lockJobSQL, d.jobID)
 	if err != nil {
@@ -304,10 +321,11 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 	}
 
 	n := len(changed)
-	seqs, ids, befores, afters, fields := make([]int32, n), make([]string, n), make([]int64, n), make([]int64, n), make([]string, n)
+	seqs, ids, befores, afters, fields, afterFields := make([]int32, n), make([]string, n), make([]int64, n), make([]int64, n), make([]string, n), make([]string, n)
 	events := make([]outbox.Event, n)
 	for i, c := range changed {
-		seqs[i], ids[i], befores[i], afters[i], fields[i] = int32(c.seq), c.id, c.before, c.after, string(c.fields)
+		seqs[i], ids[i], befores[i], afters[i] = int32(c.seq), c.id, c.before, c.after
+		fields[i], afterFields[i] = string(c.fields), string(c.afterFields)
 		events[i] = outbox.Event{
 			ID:               outbox.EventID("manifest:"+d.jobID, c.id, c.after, "manifest"),
 			Topic:            job.Topic,
@@ -318,7 +336,7 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 			Payload:          c.doc,
 		}
 	}
-	if _, err := tx.Exec(ctx, insertAuditSQL, d.jobID, chunkNo, job.Transition.From, job.Transition.To, seqs, ids, befores, afters, fields); err != nil {
+	if _, err := tx.Exec(ctx, insertAuditSQL, d.jobID, chunkNo, job.Transition.From, job.Transition.To, seqs, ids, befores, afters, fields, afterFields); err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: insert audit: %w", d.jobID, chunkNo, err)
 	}
 	failpoint.Hit(FailpointAfterAudit)
@@ -357,7 +375,9 @@ type changedRow struct {
 	seq           int
 	id            string
 	before, after int64
-	fields, doc   json.RawMessage
+	// fields are the approved fields the UPDATE matched; afterFields the
+	// match fields as the row holds them after it (and its triggers).
+	fields, afterFields, doc json.RawMessage
 }
 
 func (d *drainer) update(ctx context.Context, tx pgx.Tx, job Job, from, to int) ([]changedRow, error) {
@@ -368,7 +388,7 @@ func (d *drainer) update(ctx context.Context, tx pgx.Tx, job Job, from, to int) 
 	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (changedRow, error) {
 		var c changedRow
 		var seq int32
-		err := r.Scan(&seq, &c.id, &c.before, &c.after, &c.fields, &c.doc)
+		err := r.Scan(&seq, &c.id, &c.before, &c.after, &c.fields, &c.afterFields, &c.doc)
 		c.seq = int(seq)
 		return c, err
 	})

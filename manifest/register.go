@@ -125,7 +125,8 @@ func Register(ctx context.Context, db DB, spec Spec) (Registration, error) {
 	if spec.Topic == "" || spec.IDType == "" {
 		return Registration{}, fmt.Errorf("%w: register a spec returned by Parse", ErrInvalid)
 	}
-	if _, err := resolveTarget(ctx, db, spec.Target); err != nil {
+	target, err := resolveTarget(ctx, db, spec.Target)
+	if err != nil {
 		return Registration{}, fmt.Errorf("register manifest job %s: %w", spec.JobID, err)
 	}
 	itemsHash, contentHash := spec.hashes()
@@ -141,6 +142,12 @@ func Register(ctx context.Context, db DB, spec Spec) (Registration, error) {
 			return Registration{}, fmt.Errorf("items[%d] (id %s): fields: %w", i, it.ID, err)
 		}
 		seqs[i], ids[i], revs[i], fields[i] = int32(i), it.ID, it.Revision, string(f)
+	}
+
+	var bad int
+	if err := db.QueryRow(ctx, target.checkFields, fields).Scan(&bad); err != nil {
+		return Registration{}, fmt.Errorf("%w: register manifest job %s: the items' fields %v do not compare as the types of %s's columns: %v",
+			ErrInvalid, spec.JobID, spec.Target.MatchFields, target.table, err)
 	}
 
 	var reg Registration

@@ -46,9 +46,30 @@ type Drift struct {
 	Differences []string `json:"differences"`
 }
 
-// ReadReport builds the report of a job. Progress, audit and the current
-// target rows are read by one statement, so they come from one snapshot.
+// reportHook, when set by a test, runs between the report's statements.
+var reportHook func(jobID string)
+
+// ReadReport builds the report of a job. The progress, the audit, its
+// verification and the current target rows are read in one REPEATABLE READ
+// read-only transaction, so they come from one snapshot: a chunk that
+// commits meanwhile is in none of them.
 func ReadReport(ctx context.Context, db DB, jobID string) (Report, error) {
+	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return Report{}, fmt.Errorf("manifest job %s: report: begin: %w", jobID, err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, reportSettingsSQL); err != nil {
+		return Report{}, fmt.Errorf("manifest job %s: report: %w", jobID, err)
+	}
+	rep, err := readReport(ctx, tx, jobID)
+	if err != nil {
+		return rep, err
+	}
+	return rep, tx.Commit(ctx)
+}
+
+func readReport(ctx context.Context, db querier, jobID string) (Report, error) {
 	job, err := loadJob(ctx, db, selectJobSQL, jobID)
 	if err != nil {
 		return Report{}, err
@@ -76,8 +97,6 @@ func ReadReport(ctx context.Context, db DB, jobID string) (Report, error) {
 		badKeys              []string
 	)
 	_, err = pgx.ForEachRow(rows, []any{&nextIndex, &state, &seq, &id, &audited, &wantRev, &wantFields, &found, &curTenant, &rev, &curStatus, &cur, &badKeys}, func() error {
-		// The statement's snapshot, not the earlier read of the job row.
-		job.NextIndex, job.State = int(nextIndex), state
 		rep.Approved = append(rep.Approved, id)
 		if int(seq) >= job.NextIndex {
 			rep.Unprocessed = append(rep.Unprocessed, id)
@@ -104,6 +123,9 @@ func ReadReport(ctx context.Context, db DB, jobID string) (Report, error) {
 	}
 	rep.Job = job
 	rep.ReadAt = time.Now().UTC()
+	if reportHook != nil {
+		reportHook(jobID)
+	}
 	problems, err := verifyProgress(ctx, db, job, 0)
 	if err != nil {
 		return rep, err

@@ -91,8 +91,11 @@ type Target struct {
 	RevisionColumn string `json:"revision_column,omitempty"`
 	StatusColumn   string `json:"status_column,omitempty"`
 	// MatchFields are the columns whose approved values each item carries
-	// and that must still be equal (compared as PostgreSQL's to_jsonb
-	// renders them), e.g. ["qty"].
+	// and that must still be equal, e.g. ["qty"]. Values are compared as
+	// the column's type (the JSON value converted as jsonb_populate_record
+	// does), so a timestamptz is the same instant whatever offset the file
+	// or a session's TimeZone writes; a column type without equality is
+	// refused at registration.
 	MatchFields []string `json:"match_fields"`
 }
 

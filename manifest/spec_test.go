@@ -143,6 +143,15 @@ func TestRegisterChecksTheTarget(t *testing.T) {
 		_, err := manifest.Register(ctx, f.pool, parseFile(t, f.writeFile(t, s)))
 		require.ErrorContains(t, err, tc.want, tc.name)
 	}
+	// A value that does not convert to its column's type is refused at
+	// registration, not at the first drain.
+	s := cloneSpec(f.spec)
+	items := []map[string]any{{"id": 1, "revision": 2, "fields": map[string]any{"qty": "two"}}}
+	s["items"] = items
+	_, err := manifest.Register(ctx, f.pool, parseFile(t, f.writeFile(t, s)))
+	require.ErrorIs(t, err, manifest.ErrInvalid)
+	require.ErrorContains(t, err, `invalid input syntax for type integer: "two"`)
+
 	var jobs int
 	require.NoError(t, f.pool.QueryRow(ctx, `SELECT count(*) FROM manifest_jobs`).Scan(&jobs))
 	require.Zero(t, jobs)

@@ -107,7 +107,7 @@ func manifestDrain(ctx context.Context, args []string, stdout io.Writer) error {
 	var c cli.Common
 	var job string
 	var maxChunks int
-	var lockTimeout, grace time.Duration
+	var lockTimeout, idleTimeout, grace time.Duration
 	var asJSON bool
 	fs := cli.NewFlagSet("batcher manifest drain", `Applies the next chunks of a manifest job. Each chunk is one transaction: lock the job,
 verify progress against the audit, conditionally update the chunk's rows, audit them,
@@ -121,6 +121,7 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 	fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
 	fs.Int(&maxChunks, "max-chunks", "MANIFEST_MAX_CHUNKS", 0, "commit at most this many chunks (0 = until the job completes)")
 	fs.Duration(&lockTimeout, "lock-timeout", "MANIFEST_LOCK_TIMEOUT", manifest.DefaultLockTimeout, "how long a chunk waits for a target row another writer locked (0 = default, negative = forever)")
+	fs.Duration(&idleTimeout, "idle-timeout", "MANIFEST_IDLE_TIMEOUT", manifest.DefaultIdleTimeout, "how long a chunk transaction may sit idle holding the job row before the server ends it, so a stuck drainer cannot block the job (negative = forever)")
 	fs.Duration(&grace, "grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGINT/SIGTERM, how long the chunk in flight may take before it is aborted")
 	fs.Bool(&asJSON, "json", "", false, "print the result as JSON at the end instead of text lines")
 	if _, err := fs.Parse(args); err != nil {
@@ -143,7 +144,7 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 		return err
 	}
 	defer pool.Close()
-	opts := manifest.DrainOptions{MaxChunks: maxChunks, LockTimeout: lockTimeout, Stop: soft.Done(), Logger: logger}
+	opts := manifest.DrainOptions{MaxChunks: maxChunks, LockTimeout: lockTimeout, IdleTimeout: idleTimeout, Stop: soft.Done(), Logger: logger}
 	if !asJSON {
 		opts.OnChunk = func(ch manifest.Chunk) {
 			fmt.Fprintf(stdout, "chunk %d committed: positions %d..%d, %d item(s) changed, %d event(s); next_index %d of %d\n",
@@ -171,7 +172,8 @@ func manifestReport(ctx context.Context, args []string, stdout io.Writer) error 
 	var asJSON bool
 	fs := cli.NewFlagSet("batcher manifest report", `Prints the approved, committed and unprocessed ids of a manifest job and, for each
 committed id, whether its row is matching (as the chunk left it), drifted (changed since)
-or missing (deleted). Progress and rows are read in one statement (one snapshot).`)
+or missing (deleted). Progress, audit and rows are read in one snapshot (a REPEATABLE READ
+read-only transaction), so a drain committing meanwhile cannot make it disagree with itself.`)
 	c.RegisterDatabase(fs)
 	fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
 	fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")

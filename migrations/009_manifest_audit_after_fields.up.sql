@@ -1,0 +1,11 @@
+-- 009: a manifest audit row keeps both sides of its match fields.
+--
+-- manifest_audit.fields now holds the approved fields the chunk's UPDATE
+-- matched (copied from manifest_items), so verifying the audit against the
+-- approved list compares like with like even when a trigger on the target
+-- rewrites a match field or the drainer's TimeZone renders it otherwise.
+-- after_fields holds the match fields as the row held them after the UPDATE
+-- and its triggers: what the report compares the current row with. Rows
+-- written before 009 have after_fields NULL and their fields were read back
+-- after the UPDATE, as before.
+ALTER TABLE manifest_audit ADD COLUMN after_fields jsonb;
