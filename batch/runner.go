@@ -235,6 +235,18 @@ func (r *Runner) Run(soft, hard context.Context) (*Summary, error) {
 	if hard.Err() != nil {
 		return sum, context.Cause(hard)
 	}
+	if sum.Done && soft.Err() == nil && !r.maxReached.Load() {
+		done, err := r.sweep(soft, hard)
+		sum.Done = done
+		if err != nil {
+			return sum, err
+		}
+	} else if sum.Done {
+		sum.Done = false // the sweep is still to come
+		if done, err := r.sweepDone(context.WithoutCancel(hard)); err == nil {
+			sum.Done = done
+		}
+	}
 	return sum, nil
 }
 

@@ -65,7 +65,38 @@ type Spec struct {
 	Chunk ChunkSettings `json:"chunk,omitempty" yaml:"chunk,omitempty"`
 	// Errors is the bad-row policy.
 	Errors ErrorPolicy `json:"errors,omitempty" yaml:"errors,omitempty"`
+	// Vanished says what a full run does, once every partition succeeded,
+	// with the live rows of normalized_records (this SourceName) whose
+	// source row no longer exists or no longer matches the filter (or,
+	// with an explicit source.partitions list, lies outside it): "delete"
+	// (default for full runs) turns each into a tombstone and a delete
+	// event, "keep" leaves them. Incremental runs do not see every row:
+	// only "keep". See [VanishedDelete] for the tombstone's version.
+	Vanished string `json:"vanished,omitempty" yaml:"vanished,omitempty"`
 }
+
+// What a full run does with rows that vanished from its scope
+// (Spec.Vanished).
+const (
+	// VanishedDelete sweeps normalized_records after a full run, in
+	// chunks, each one transaction with its checkpoint (batch_sweeps) and
+	// fenced by a lease like a partition. A vanished row's tombstone
+	// (deleted, no document) and its delete event carry the last normalized
+	// source version + 1: the smallest version the index's external
+	// versioning accepts over the last upsert, so a replay of any earlier
+	// event cannot resurrect the row, and a row that comes back with any
+	// later change (a version column that keeps growing, as the demo
+	// trigger's) wins over the tombstone. A row that comes back with a
+	// version at or below the tombstone's (re-inserted with the version
+	// reset, restored from a backup) stays deleted until its version grows
+	// past it: the version column must keep growing across a delete, as
+	// external versioning requires anyway. The sweep treats every live row
+	// of the job's SourceName as the job's: two jobs that write one source
+	// name with different filters need distinct source names (or "keep").
+	VanishedDelete = "delete"
+	// VanishedKeep leaves vanished rows as they are.
+	VanishedKeep = "keep"
+)
 
 // Source names the user's table and the roles of its columns. Identifiers
 // are quoted, never spliced raw.
@@ -285,6 +316,12 @@ func (s Spec) withDefaults() Spec {
 	}
 	s.Errors.InitialBackoff = cmp.Or(s.Errors.InitialBackoff, defaultInitialBackoff)
 	s.Errors.MaxBackoff = cmp.Or(s.Errors.MaxBackoff, defaultMaxBackoff)
+	if s.Vanished == "" {
+		s.Vanished = VanishedKeep
+		if s.Mode == ModeFull {
+			s.Vanished = VanishedDelete
+		}
+	}
 	for i := range s.Document.Fields {
 		s.Document.Fields[i].From = cmp.Or(s.Document.Fields[i].From, s.Document.Fields[i].Name)
 	}
@@ -313,6 +350,12 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: chunk.pipeline %d: want 1..4", s.Job, s.Chunk.Pipeline)
 	case s.Chunk.Concurrency < 1 || s.Chunk.Concurrency > 256:
 		return fmt.Errorf("spec %s: chunk.concurrency %d: want 1..256", s.Job, s.Chunk.Concurrency)
+	}
+	switch {
+	case s.Vanished != VanishedDelete && s.Vanished != VanishedKeep:
+		return fmt.Errorf("spec %s: vanished %q: want delete or keep", s.Job, s.Vanished)
+	case s.Vanished == VanishedDelete && s.Mode != ModeFull:
+		return fmt.Errorf("spec %s: vanished delete needs mode full (an incremental run does not see every row); set vanished: keep", s.Job)
 	}
 	switch s.Errors.Policy {
 	case PolicyStrict, PolicyQuarantine, PolicyRetry:

@@ -69,6 +69,13 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
 		}
+		if runID == "" {
+			// The newest run's partitions are done, its sweep may not be.
+			err := tx.QueryRow(ctx, unfinishedSweepRunSQL, s.Job).Scan(&runID)
+			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+				return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
+			}
+		}
 	}
 	var parts []storedPartition
 	if runID != "" {
@@ -87,8 +94,11 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 			return "", fmt.Errorf("load run %s/%s: %w", s.Job, runID, err)
 		}
 	}
-	if len(parts) > 0 && opts.Restart {
+	if (len(parts) > 0 || (runID != "" && opts.RunID == "")) && opts.Restart {
 		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, s.Job, runID); err != nil {
+			return "", err
+		}
+		if _, err := tx.Exec(ctx, supersedeSweepSQL, s.Job, runID); err != nil {
 			return "", err
 		}
 		parts, runID = nil, ""
@@ -120,6 +130,17 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 			}
 		}
 		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
+			return "", err
+		}
+		if _, err := tx.Exec(ctx, retrySweepSQL, s.Job, runID); err != nil {
+			return "", err
+		}
+		return runID, tx.Commit(ctx)
+	}
+	if runID != "" && opts.RunID == "" {
+		// A run without partitions (none in scope at start) whose sweep is
+		// not over.
+		if _, err := tx.Exec(ctx, retrySweepSQL, s.Job, runID); err != nil {
 			return "", err
 		}
 		return runID, tx.Commit(ctx)
@@ -190,6 +211,11 @@ VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 's
 			s.Job, runID, key, state, s.Mode, start, boundary, s.ProcessorVersion, scope.Hash(), scope.JSON(), estimate, s.Chunk.Size)
 		if err != nil {
 			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
+		}
+	}
+	if s.Vanished == VanishedDelete {
+		if _, err := tx.Exec(ctx, createSweepSQL, s.Job, runID); err != nil {
+			return "", fmt.Errorf("create the sweep of run %s/%s: %w", s.Job, runID, err)
 		}
 	}
 	return runID, tx.Commit(ctx)
