@@ -51,6 +51,12 @@
 // lease; the next start resumes an unfinished sweep. The tombstone's version
 // is the last normalized version + 1 (see [VanishedDelete]).
 //
+// A partition that fails (a chunk's retries ran out, or its error is not
+// transient) goes back to pending and is retried automatically by any
+// worker after errors.partition_backoff, doubling, up to
+// errors.partition_attempts attempts in all; `batcher status` shows the
+// attempts, the failures and the last error.
+//
 // Crash tests can kill the process at named points with
 // OUTBOXRELAY_FAILPOINT (see internal/failpoint): batch.before_tx,
 // batch.after_upsert, batch.after_outbox, batch.after_checkpoint (before

@@ -485,10 +485,16 @@ func (r *Runner) partition(soft, hard context.Context, conns []*pgx.Conn, cl *cl
 			log.Error("lease lost; stopping without writing", slog.String("error", why.Error()), slog.String("chunk_error", err.Error()))
 			return why
 		}
-		if ferr := failPartition(cleanup(), r.pool, job, run, cl.key, cl.token, err); ferr != nil {
+		retryAt, failures, ferr := r.failOrRetry(cleanup(), cl, err)
+		if ferr != nil {
 			log.Error("record failure", slog.String("error", ferr.Error()))
 		}
-		log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor))
+		if retryAt != nil {
+			log.Warn("partition failed; it will be retried automatically", slog.String("error", err.Error()), slog.Any("cursor", cursor),
+				slog.Int("failures", failures), slog.Int("attempts", r.spec.Errors.PartitionAttempts), slog.Time("retry_at", *retryAt))
+			return nil
+		}
+		log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor), slog.Int("failures", failures))
 		return fmt.Errorf("job %s run %s partition %q: %w", job, run, cl.key, err)
 	}
 	ok, err := finishPartition(cleanup(), r.pool, job, run, cl.key, cl.token)

@@ -200,6 +200,18 @@ type ErrorPolicy struct {
 	// jitter). Defaults 100ms and 5s.
 	InitialBackoff Duration `json:"initial_backoff,omitempty" yaml:"initial_backoff,omitempty"`
 	MaxBackoff     Duration `json:"max_backoff,omitempty" yaml:"max_backoff,omitempty"`
+	// PartitionAttempts bounds how many times a partition is attempted
+	// when it fails (a chunk failed for good: its retries ran out, or its
+	// error is not transient). After a failure the partition goes back to
+	// pending and any worker retries it from its last checkpoint once
+	// PartitionBackoff has passed, doubling per failure up to 10m; after
+	// the last attempt it stays failed until an operator reruns the job. A
+	// bad row under the strict policy fails at once (it would fail the
+	// same way). Default 3; 1 turns automatic retries off.
+	PartitionAttempts int `json:"partition_attempts,omitempty" yaml:"partition_attempts,omitempty"`
+	// PartitionBackoff is the wait before the first automatic retry of a
+	// failed partition. Default 10s.
+	PartitionBackoff Duration `json:"partition_backoff,omitempty" yaml:"partition_backoff,omitempty"`
 }
 
 // Duration is a time.Duration written as "1.5s" in specs.
@@ -285,6 +297,9 @@ const (
 	defaultMaxRetries     = 5
 	defaultInitialBackoff = Duration(100 * time.Millisecond)
 	defaultMaxBackoff     = Duration(5 * time.Second)
+
+	defaultPartitionAttempts = 3
+	defaultPartitionBackoff  = Duration(10 * time.Second)
 )
 
 // withDefaults fills every default in one place.
@@ -316,6 +331,8 @@ func (s Spec) withDefaults() Spec {
 	}
 	s.Errors.InitialBackoff = cmp.Or(s.Errors.InitialBackoff, defaultInitialBackoff)
 	s.Errors.MaxBackoff = cmp.Or(s.Errors.MaxBackoff, defaultMaxBackoff)
+	s.Errors.PartitionAttempts = cmp.Or(s.Errors.PartitionAttempts, defaultPartitionAttempts)
+	s.Errors.PartitionBackoff = cmp.Or(s.Errors.PartitionBackoff, defaultPartitionBackoff)
 	if s.Vanished == "" {
 		s.Vanished = VanishedKeep
 		if s.Mode == ModeFull {
@@ -352,6 +369,10 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: chunk.concurrency %d: want 1..256", s.Job, s.Chunk.Concurrency)
 	}
 	switch {
+	case s.Errors.PartitionAttempts < 1:
+		return fmt.Errorf("spec %s: errors.partition_attempts %d: want >= 1 (1 = no automatic retry)", s.Job, s.Errors.PartitionAttempts)
+	case s.Errors.PartitionBackoff < 0:
+		return fmt.Errorf("spec %s: errors.partition_backoff %s: want >= 0", s.Job, time.Duration(s.Errors.PartitionBackoff))
 	case s.Vanished != VanishedDelete && s.Vanished != VanishedKeep:
 		return fmt.Errorf("spec %s: vanished %q: want delete or keep", s.Job, s.Vanished)
 	case s.Vanished == VanishedDelete && s.Mode != ModeFull:

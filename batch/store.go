@@ -129,7 +129,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 				return "", err
 			}
 		}
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
+		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, failures = 0, retry_at = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
 			return "", err
 		}
 		if _, err := tx.Exec(ctx, retrySweepSQL, s.Job, runID); err != nil {
@@ -332,7 +332,7 @@ UPDATE batch_runs r SET state = 'running', lease_owner = $4, lease_token = gen_r
 FROM (
   SELECT job, logical_run_id, partition_key FROM batch_runs
   WHERE job = $1 AND logical_run_id = $2 AND ($3::text IS NULL OR partition_key = $3)
-    AND (state = 'pending' OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
+    AND ((state = 'pending' AND (retry_at IS NULL OR retry_at <= now())) OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
   ORDER BY partition_key
   FOR UPDATE SKIP LOCKED
   LIMIT 1

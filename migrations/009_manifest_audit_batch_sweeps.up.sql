@@ -40,3 +40,13 @@ CREATE TABLE batch_sweeps (
     updated_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (job, logical_run_id)
 );
+
+-- 009 (batcher): automatic retries of a failed partition (spec
+-- errors.partition_attempts / partition_backoff). failures counts the
+-- partition's failed attempts; retry_at is when a worker may claim it again
+-- after one; last_error keeps the newest failure's message (error is
+-- cleared when a worker claims the partition).
+ALTER TABLE batch_runs
+    ADD COLUMN failures   integer NOT NULL DEFAULT 0 CHECK (failures >= 0),
+    ADD COLUMN retry_at   timestamptz,
+    ADD COLUMN last_error text;

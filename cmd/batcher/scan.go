@@ -213,7 +213,7 @@ func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
 		return enc.Encode(st)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSTATE\tCURSOR\tPROCESSED\tRATE\tCKPT AGE\tQUARANTINED\tRETRIES\tOWNER\tERROR")
+	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSTATE\tCURSOR\tPROCESSED\tRATE\tCKPT AGE\tQUARANTINED\tRETRIES\tATTEMPTS\tOWNER\tLAST ERROR")
 	for _, s := range st {
 		processed := fmt.Sprint(s.Processed)
 		if s.Estimated != nil {
@@ -223,8 +223,15 @@ func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
 		if s.CheckpointAt != nil {
 			age = s.CheckpointAge.Round(time.Second).String()
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.0f/s\t%s\t%d\t%d\t%s\t%s\n", s.Job, s.RunID, orDash(s.Partition), s.State,
-			orDash(strings.Join(s.Cursor, ",")), processed, s.Rate, age, s.Quarantined, s.Retries, deref(s.LeaseOwner), deref(s.Error))
+		// Attempts: claims, and how many of them failed; a failed partition
+		// waiting for its automatic retry says when.
+		attempts := fmt.Sprintf("%d (%d failed)", s.Attempt, s.Failures)
+		if s.RetryAt != nil && s.State == "pending" {
+			attempts += ", retry at " + s.RetryAt.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.0f/s\t%s\t%d\t%d\t%s\t%s\t%s\n", s.Job, s.RunID, orDash(s.Partition), s.State,
+			orDash(strings.Join(s.Cursor, ",")), processed, s.Rate, age, s.Quarantined, s.Retries, attempts, deref(s.LeaseOwner),
+			strings.ReplaceAll(deref(s.LastError), "\t", " "))
 	}
 	if len(st) == 0 {
 		fmt.Fprintln(tw, "(no runs)")
