@@ -44,5 +44,5 @@ func (r *Runner) failOrRetry(ctx context.Context, cl *claim, cause error) (retry
 func permanentFailure(err error) bool {
 	var bad *BadRowError
 	return errors.As(err, &bad) || errors.Is(err, ErrSpec) || errors.Is(err, ErrCheckpointIncompatible) ||
-		errors.Is(err, ErrCheckpointInvariant)
+		errors.Is(err, ErrCheckpointInvariant) || errors.Is(err, ErrSkipLimit)
 }

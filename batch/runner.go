@@ -733,6 +733,9 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	// The events were inserted by the upsert's statement (a CTE step over
 	// the rows it RETURNed); no document crosses the wire twice.
 	failpoint.Hit("batch.after_outbox")
+	if err := r.checkSkipLimit(ctx, tx, res); err != nil {
+		return res, err
+	}
 	vals["next"], vals["prev"], vals["token"] = res.next, cursor, cl.token
 	vals["n"], vals["changed"], vals["bad"], vals["size"], vals["retries"] = int64(res.n), res.changed, res.bad, size, retries
 	if f.pred != nil {

@@ -206,12 +206,20 @@ type ErrorPolicy struct {
 	// pending and any worker retries it from its last checkpoint once
 	// PartitionBackoff has passed, doubling per failure up to 10m; after
 	// the last attempt it stays failed until an operator reruns the job. A
-	// bad row under the strict policy fails at once (it would fail the
-	// same way). Default 3; 1 turns automatic retries off.
+	// bad row under the strict policy and an exceeded skip limit fail at
+	// once (they would fail the same way). Default 3; 1 turns automatic retries off.
 	PartitionAttempts int `json:"partition_attempts,omitempty" yaml:"partition_attempts,omitempty"`
 	// PartitionBackoff is the wait before the first automatic retry of a
 	// failed partition. Default 10s.
 	PartitionBackoff Duration `json:"partition_backoff,omitempty" yaml:"partition_backoff,omitempty"`
+	// SkipLimit bounds how many rows one run may quarantine (open rows in
+	// batch_quarantine; resolved ones do not count). The chunk that
+	// crosses it rolls back and the run fails with [ErrSkipLimit], naming
+	// the most frequent error code. 0 means no limit.
+	SkipLimit int `json:"skip_limit,omitempty" yaml:"skip_limit,omitempty"`
+	// SkipRatio bounds the quarantined share of the rows the run processed
+	// so far (the crossing chunk included), e.g. 0.01. 0 means no limit.
+	SkipRatio float64 `json:"skip_ratio,omitempty" yaml:"skip_ratio,omitempty"`
 }
 
 // Duration is a time.Duration written as "1.5s" in specs.
@@ -371,6 +379,10 @@ func (s Spec) validate() error {
 	switch {
 	case s.Errors.PartitionAttempts < 1:
 		return fmt.Errorf("spec %s: errors.partition_attempts %d: want >= 1 (1 = no automatic retry)", s.Job, s.Errors.PartitionAttempts)
+	case s.Errors.SkipLimit < 0:
+		return fmt.Errorf("spec %s: errors.skip_limit %d: want >= 0 (0 = no limit)", s.Job, s.Errors.SkipLimit)
+	case s.Errors.SkipRatio < 0 || s.Errors.SkipRatio > 1:
+		return fmt.Errorf("spec %s: errors.skip_ratio %g: want 0..1 (0 = no limit)", s.Job, s.Errors.SkipRatio)
 	case s.Errors.PartitionBackoff < 0:
 		return fmt.Errorf("spec %s: errors.partition_backoff %s: want >= 0", s.Job, time.Duration(s.Errors.PartitionBackoff))
 	case s.Vanished != VanishedDelete && s.Vanished != VanishedKeep:
