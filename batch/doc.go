@@ -51,6 +51,14 @@
 // lease; the next start resumes an unfinished sweep. The tombstone's version
 // is the last normalized version + 1 (see [VanishedDelete]).
 //
+// A custom [Processor] reads from its context which chunk it works on
+// ([ChunkInfoFrom]; [ChunkInfo.IdempotencyKey] is the run id and attempt,
+// for its external calls), calls [Wait] before each external call (the
+// job's token bucket, [Config].RateLimit, metered by
+// batch_rate_limit_wait_seconds), and returns a [*RetryAfterError] when a
+// service answers 429 with Retry-After: the chunk is retried no sooner and
+// the bucket pauses until then.
+//
 // A partition that fails (a chunk's retries ran out, or its error is not
 // transient) goes back to pending and is retried automatically by any
 // worker after errors.partition_backoff, doubling, up to

@@ -68,6 +68,13 @@ type Config struct {
 	// Progress, when set (a terminal), receives a progress line: processed /
 	// estimated, rate, ETA.
 	Progress io.Writer
+	// RateLimit bounds a custom Processor's external calls: each [Wait]
+	// takes a token of a bucket refilled at RateLimit per second, shared by
+	// this process's workers (a limit per process: N processes make N
+	// times as many calls). 0 means no limit.
+	RateLimit float64
+	// RateBurst is the bucket's size. Default 1.
+	RateBurst int
 }
 
 func (c Config) withDefaults() Config {
@@ -138,6 +145,7 @@ type Runner struct {
 	progress   *progress
 	maxReached atomic.Bool
 	reserved   atomic.Int64 // chunks committed or in flight, against MaxChunks
+	limiter    *limiter     // a custom Processor's external calls (Config.RateLimit)
 }
 
 // Summary says what a [Runner.Run] did.
@@ -165,7 +173,7 @@ func NewRunner(pool *pgxpool.Pool, spec Spec, cfg Config) (*Runner, error) {
 	if err := cfg.validateFor(spec); err != nil {
 		return nil, err
 	}
-	return &Runner{pool: pool, spec: spec, cfg: cfg}, nil
+	return &Runner{pool: pool, spec: spec, cfg: cfg, limiter: newLimiter(cfg.RateLimit, cfg.RateBurst)}, nil
 }
 
 // Prepare checks the spec against the database (table and columns exist),
@@ -588,7 +596,8 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
 	expo.RandomizationFactor = 0.5 // jitter
 	expo.MaxElapsedTime = 0        // bounded by attempts instead
-	bo := backoff.WithContext(backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries)), ctx)
+	ra := &retryAfterBackOff{inner: backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries))}
+	bo := backoff.WithContext(ra, ctx)
 	var (
 		res     chunkResult
 		retries int64
@@ -600,9 +609,20 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		if f.upto == nil {
 			size = sizer.Size() // cut by a retry; a planned range keeps its size
 		}
-		res, err = r.chunk(ctx, f, cl, size, retries)
+		pctx := withProcEnv(ctx, &procEnv{
+			info:    ChunkInfo{Job: r.spec.Job, RunID: r.runID, Partition: cl.key, Attempt: cl.attempt, Retry: retries},
+			limiter: r.limiter, metrics: r.cfg.Metrics,
+		})
+		res, err = r.chunk(pctx, f, cl, size, retries)
 		if err == nil {
 			return nil
+		}
+		if d, ok := retryAfter(err); ok && ctx.Err() == nil {
+			// The service asked for a pause: every call of this process
+			// waits for it, and the retry comes no sooner.
+			r.limiter.pause(d)
+			ra.next = d
+			return err
 		}
 		if isIdleTimeout(err) {
 			err = fmt.Errorf("%w (%s, idle_in_transaction_session_timeout): this worker sent no statement for that long "+
@@ -622,6 +642,8 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		reason := "transient"
 		if isLockTimeout(err) {
 			reason = "lock_timeout"
+		} else if _, ok := retryAfter(err); ok {
+			reason = "retry_after"
 		}
 		// A lock wait or an error is a strong signal: cut the size at once.
 		sizer.Backoff()
@@ -653,7 +675,6 @@ func (r *Runner) observe(cl *claim, res chunkResult, log *slog.Logger, nextSize 
 		m.Rows.WithLabelValues(job, "changed").Add(float64(res.changed))
 		m.Rows.WithLabelValues(job, "unchanged").Add(float64(int64(res.n) - res.changed - res.bad))
 		m.Rows.WithLabelValues(job, "quarantined").Add(float64(res.bad))
-		m.checkpointed(job)
 	}
 	level := slog.LevelInfo
 	if r.progress != nil {
@@ -716,6 +737,8 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 			return res, parseBadRow(*firstBad)
 		}
 		res.fetch = time.Since(t0)
+		r.cfg.Metrics.inflight(r.spec.Job, res.n)
+		defer r.cfg.Metrics.inflight(r.spec.Job, -res.n)
 	} else {
 		if err := r.goChunk(ctx, tx, cursor, vals, &res); err != nil {
 			return res, err
@@ -871,6 +894,8 @@ func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, cursor []string, vals m
 	}
 	res.n = len(src)
 	res.fetch = time.Since(t0)
+	r.cfg.Metrics.inflight(r.spec.Job, len(src))
+	defer r.cfg.Metrics.inflight(r.spec.Job, -len(src))
 	if len(src) == 0 {
 		return nil
 	}

@@ -120,7 +120,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	cfg := batch.Config{
 		StartOptions: batch.StartOptions{RunID: c.RunID, Restart: c.Restart, Resume: c.Resume},
 		WorkerID:     c.WorkerID, Workers: c.Workers, LeaseTTL: c.LeaseTTL, MaxChunks: c.MaxChunks, Partition: c.Partition,
-		Logger: logger, Metrics: batch.NewMetrics(reg),
+		Logger: logger, Metrics: batch.NewMetrics(reg, pool),
 	}
 	if c.Progress == "on" || (c.Progress == "auto" && logging.IsTerminal(os.Stderr)) {
 		cfg.Progress = os.Stderr
