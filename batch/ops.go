@@ -250,6 +250,15 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, m.Job, m.RunID, out.New
 	if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, finished_at = now(), updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, m.Job, m.RunID); err != nil {
 		return nil, err
 	}
+	// The new run sweeps instead of the old one.
+	if _, err := tx.Exec(ctx, supersedeSweepSQL, m.Job, m.RunID); err != nil {
+		return nil, err
+	}
+	if spec.Vanished == VanishedDelete {
+		if _, err := tx.Exec(ctx, createSweepSQL, m.Job, out.NewRunID); err != nil {
+			return nil, err
+		}
+	}
 	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed, new_logical_run_id) VALUES ($1, $2, $3, $4, $5, 'backward-new-run', $6, $7, $8, $9)`,
 		m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed, out.NewRunID); err != nil {
 		return nil, err

@@ -186,7 +186,9 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 		}
 	}
 	st := r.c.sweepSQL(len(r.spec.Source.Partitions) > 0)
-	size := r.spec.Chunk.Size
+	// A sweep chunk does little per row (an index probe of the source):
+	// the largest chunk size keeps the transactions few.
+	size := r.spec.Chunk.Max
 	var swept, deleted int64
 	for {
 		if soft.Err() != nil {
@@ -303,4 +305,38 @@ func (r *Runner) sweepDone(ctx context.Context) (bool, error) {
 		return true, nil
 	}
 	return state == "succeeded" || state == "superseded", err
+}
+
+// SweepStatus is the sweep of a full run, as `batcher status` shows it.
+type SweepStatus struct {
+	Job, RunID, State string
+	// Cursor is the last normalized_records.source_id swept (nil: none).
+	Cursor *string
+	// Swept counts the live rows checked, Deleted the tombstones written.
+	Swept, Deleted int64
+	Attempt        int
+	LeaseOwner     *string
+	Error          *string
+	CheckpointAt   *time.Time
+	FinishedAt     *time.Time
+}
+
+const sweepStatusSQL = `
+SELECT job, logical_run_id, state, cursor, swept_count, deleted_count, attempt, lease_owner, error, checkpoint_at, finished_at
+FROM (SELECT *, row_number() OVER (PARTITION BY job ORDER BY created_at DESC) AS rn FROM batch_sweeps WHERE $1 = '' OR job = $1) w
+WHERE rn <= $2
+ORDER BY job, created_at DESC`
+
+// Sweeps lists the sweeps of the newest runs (at most runs per job; job ""
+// = every job), newest first.
+func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatus, error) {
+	rows, err := db.Query(ctx, sweepStatusSQL, job, runs)
+	if err != nil {
+		return nil, fmt.Errorf("read sweeps: %w", err)
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (SweepStatus, error) {
+		var s SweepStatus
+		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
+		return s, err
+	})
 }

@@ -173,6 +173,11 @@ func TestVanishedSweepCrashAndResume(t *testing.T) {
 			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE NOT deleted AND source_version = 1`))
 			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs`), "the rerun resumed the killed run")
 			require.Equal(t, int64(300), queryInt(t, pool, `SELECT deleted_count FROM batch_sweeps WHERE state = 'succeeded' AND logical_run_id = (SELECT max(logical_run_id) FROM batch_runs)`))
+
+			p = testproc.Run(t, time.Minute, bin, env(url), "status", "--job", "records")
+			require.Equal(t, 0, p.ExitCode(), p.Stderr())
+			require.Regexp(t, `SWEEP +CURSOR +CHECKED +DELETED`, p.Stdout())
+			require.Regexp(t, `succeeded +\S+ +600 +300 +2 `, p.Stdout(), "the resumed sweep: 600 rows checked, 300 deleted, in 2 attempts")
 		})
 	}
 }

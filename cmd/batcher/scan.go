@@ -236,6 +236,21 @@ func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	if len(st) == 0 {
 		fmt.Fprintln(tw, "(no runs)")
 	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	// A full run's sweep of rows that vanished from its scope.
+	sweeps, err := batch.Sweeps(ctx, pool, job, runs)
+	if err != nil || len(sweeps) == 0 {
+		return err
+	}
+	fmt.Fprintln(stdout)
+	tw = tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "JOB\tRUN\tSWEEP\tCURSOR\tCHECKED\tDELETED\tATTEMPTS\tOWNER\tERROR")
+	for _, w := range sweeps {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", w.Job, w.RunID, w.State, deref(w.Cursor), w.Swept, w.Deleted, w.Attempt,
+			deref(w.LeaseOwner), strings.ReplaceAll(deref(w.Error), "\t", " "))
+	}
 	return tw.Flush()
 }
 
