@@ -132,7 +132,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, failures = 0, retry_at = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
 			return "", err
 		}
-		if _, err := tx.Exec(ctx, retrySweepSQL, s.Job, runID); err != nil {
+		if _, err := tx.Exec(ctx, sweepOnResumeSQL(s), s.Job, runID); err != nil {
 			return "", err
 		}
 		return runID, tx.Commit(ctx)
@@ -140,7 +140,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 	if runID != "" && opts.RunID == "" {
 		// A run without partitions (none in scope at start) whose sweep is
 		// not over.
-		if _, err := tx.Exec(ctx, retrySweepSQL, s.Job, runID); err != nil {
+		if _, err := tx.Exec(ctx, sweepOnResumeSQL(s), s.Job, runID); err != nil {
 			return "", err
 		}
 		return runID, tx.Commit(ctx)

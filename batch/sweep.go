@@ -71,6 +71,15 @@ UPDATE batch_sweeps SET cursor = $5, swept_count = swept_count + $6, deleted_cou
 	sweepPartitionsSQL = `SELECT coalesce(array_agg(partition_key), '{}') FROM batch_runs WHERE job = $1 AND logical_run_id = $2`
 )
 
+// sweepOnResumeSQL is what resuming a run does to its sweep: retry it if
+// it failed, or, when the spec now says vanished: keep, drop it.
+func sweepOnResumeSQL(s Spec) string {
+	if s.Vanished == VanishedKeep {
+		return supersedeSweepSQL
+	}
+	return retrySweepSQL
+}
+
 // sweepSQL is one sweep chunk: the next live rows of the source name after
 // the cursor, those whose source row is not in scope any more, their
 // tombstones (version + 1, guarded by the version the chunk read, so a

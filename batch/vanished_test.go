@@ -119,6 +119,27 @@ func TestVanishedKeepProducesNoDeletes(t *testing.T) {
 	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE deleted`))
 }
 
+// A run whose sweep did not finish, resumed with vanished: keep, drops the
+// sweep and finishes; the next run is a new one.
+func TestVanishedKeepDropsAnUnfinishedSweep(t *testing.T) {
+	t.Parallel()
+	_, pool := newDB(t)
+	seed(t, pool, 1, 100, 1, 3)
+	s := vanishedSpec()
+	_, err := run(t, pool, s, batch.Config{MaxChunks: 2}) // partitions not done: no sweep yet
+	require.NoError(t, err)
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'pending'`))
+	s.Vanished = batch.VanishedKeep
+	sum, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'superseded'`))
+	sum2, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum2.Done)
+	require.NotEqual(t, sum.RunID, sum2.RunID, "a new run")
+}
+
 // The batcher is killed in the middle of the sweep (SIGKILL at a
 // failpoint of its third chunk): the tombstones of the committed sweep
 // chunks are there (as the sweep's checkpoint counts them), nothing of the
