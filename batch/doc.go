@@ -43,13 +43,40 @@
 // another processor version or scope is refused with [ErrCheckpointIncompatible]
 // unless the operator restarts or declares the version compatible.
 //
+// A full run (Spec.Vanished = delete, the default) ends with a sweep: once
+// every partition succeeded, the live rows of normalized_records for the
+// job's source name whose source row is gone or out of scope become
+// tombstones and delete events, in chunks by source_id, each one
+// transaction with its checkpoint in batch_sweeps and fenced by the sweep's
+// lease; the next start resumes an unfinished sweep. The tombstone's version
+// is the last normalized version + 1 (see [VanishedDelete]).
+//
+// A custom [Processor] reads from its context which chunk it works on
+// ([ChunkInfoFrom]; [ChunkInfo.IdempotencyKey] is the run id and attempt,
+// for its external calls), calls [Wait] before each external call (the
+// job's token bucket, [Config].RateLimit, metered by
+// batch_rate_limit_wait_seconds), and returns a [*RetryAfterError] when a
+// service answers 429 with Retry-After: the chunk is retried no sooner and
+// the bucket pauses until then.
+//
+// A partition that fails (a chunk's retries ran out, or its error is not
+// transient) goes back to pending and is retried automatically by any
+// worker after errors.partition_backoff, doubling, up to
+// errors.partition_attempts attempts in all; `batcher status` shows the
+// attempts, the failures and the last error.
+//
 // Crash tests can kill the process at named points with
 // OUTBOXRELAY_FAILPOINT (see internal/failpoint): batch.before_tx,
 // batch.after_upsert, batch.after_outbox, batch.after_checkpoint (before
-// COMMIT) and batch.after_commit (before the log line). The upsert and the
+// COMMIT) and batch.after_commit (before the log line); in the sweep,
+// batch.sweep_after_delete, batch.sweep_after_checkpoint and
+// batch.sweep_after_commit. The upsert and the
 // outbox insert are two CTE steps of one statement (measured 25% faster than
 // passing the changed rows through a temp table), so after_upsert and
 // after_outbox both fire after that statement, inside the open transaction.
+//
+// Manifest jobs (seed 003: finish a batch over a frozen, approved list)
+// are a different kind of job and live in package manifest.
 //
 // Example:
 //

@@ -41,6 +41,9 @@ func spec(mut ...func(*batch.Spec)) batch.Spec {
 	s := batch.DemoSpec()
 	s.Errors.Policy = batch.PolicyStrict
 	s.Chunk = batch.ChunkSettings{Size: 500, Min: 500, Max: 500}
+	// A failed partition fails the run at once, as these tests check;
+	// attempts_test.go tests the automatic retries.
+	s.Errors.PartitionAttempts = 1
 	for _, m := range mut {
 		m(&s)
 	}

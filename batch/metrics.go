@@ -1,7 +1,7 @@
 package batch
 
 import (
-	"sync"
+	"context"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -12,14 +12,18 @@ type Metrics struct {
 	ChunkDuration *prometheus.HistogramVec // batch_chunk_duration_seconds{job,phase}
 	ChunkSize     *prometheus.GaugeVec     // batch_chunk_size{job}
 	Rows          *prometheus.CounterVec   // batch_rows_processed_total{job,status}
+	Inflight      *prometheus.GaugeVec     // batch_items_inflight{job}
 	Retries       *prometheus.CounterVec   // batch_retry_total{job,reason}
+	RateLimitWait *prometheus.HistogramVec // batch_rate_limit_wait_seconds{job}
 	LockWait      *prometheus.HistogramVec // batch_lock_wait_seconds{job}
 	age           *checkpointAge           // batch_checkpoint_age_seconds{job}
 }
 
 // NewMetrics registers the series on reg (nil: not registered, still
-// usable).
-func NewMetrics(reg prometheus.Registerer) *Metrics {
+// usable). batch_checkpoint_age_seconds is read from db (the batch_runs
+// table) at each scrape, so it is the same whichever process serves it and
+// covers the partitions other processes run; db nil leaves it out.
+func NewMetrics(reg prometheus.Registerer, db querier) *Metrics {
 	m := &Metrics{
 		ChunkDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "batch_chunk_duration_seconds", Help: "Duration of each phase of a chunk: fetch (SQL path: the one select-normalize-upsert-outbox statement; Go path: the read), process (Go path: the processor), commit (Go path: the unnest upsert-outbox statement; both: checkpoint UPDATE and COMMIT), total.",
@@ -29,40 +33,74 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Rows: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "batch_rows_processed_total", Help: "Source rows committed, by status: changed (new event), unchanged (same version, no event), quarantined.",
 		}, []string{"job", "status"}),
+		Inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "batch_items_inflight", Help: "Source rows this process has read into chunks that are not committed or rolled back yet.",
+		}, []string{"job"}),
 		Retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "batch_retry_total", Help: "Chunk retries after transient errors, by reason."}, []string{"job", "reason"}),
+		RateLimitWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "batch_rate_limit_wait_seconds", Help: "Time a custom processor's external calls waited for the job's rate limiter (Config.RateLimit, Retry-After pauses included).",
+			Buckets: prometheus.ExponentialBuckets(0.001, 3, 12),
+		}, []string{"job"}),
 		LockWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "batch_lock_wait_seconds", Help: "Time chunks spent before failing on a lock wait (lock_timeout).",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2.5, 10),
 		}, []string{"job"}),
-		age: &checkpointAge{last: map[string]time.Time{}, desc: prometheus.NewDesc("batch_checkpoint_age_seconds", "Seconds since this process last committed a checkpoint of the job.", []string{"job"}, nil)},
+	}
+	if db != nil {
+		m.age = &checkpointAge{db: db, desc: prometheus.NewDesc("batch_checkpoint_age_seconds",
+			"Seconds since the last checkpoint of the job's oldest running partition, read from batch_runs (any process's).", []string{"job"}, nil)}
 	}
 	if reg != nil {
-		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Retries, m.LockWait, m.age)
+		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Inflight, m.Retries, m.RateLimitWait, m.LockWait)
+		if m.age != nil {
+			reg.MustRegister(m.age)
+		}
 	}
 	return m
 }
 
-func (m *Metrics) checkpointed(job string) {
-	if m == nil {
-		return
+// inflight moves batch_items_inflight by n rows.
+func (m *Metrics) inflight(job string, n int) {
+	if m != nil && n != 0 {
+		m.Inflight.WithLabelValues(job).Add(float64(n))
 	}
-	m.age.mu.Lock()
-	m.age.last[job] = time.Now()
-	m.age.mu.Unlock()
 }
 
+// checkpointAgeSQL: per job, the age of the oldest last checkpoint among
+// its running partitions (a partition without one counts from its start).
+const checkpointAgeSQL = `
+SELECT job, extract(epoch FROM max(now() - coalesce(checkpoint_at, started_at, created_at)))::float8
+FROM batch_runs WHERE state = 'running' GROUP BY job`
+
+// checkpointAgeTimeout bounds the scrape's query.
+const checkpointAgeTimeout = 2 * time.Second
+
 type checkpointAge struct {
-	mu   sync.Mutex
-	last map[string]time.Time
+	db   querier
 	desc *prometheus.Desc
 }
 
 func (c *checkpointAge) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c *checkpointAge) Collect(ch chan<- prometheus.Metric) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for job, t := range c.last {
-		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, time.Since(t).Seconds(), job)
+	ctx, cancel := context.WithTimeout(context.Background(), checkpointAgeTimeout)
+	defer cancel()
+	rows, err := c.db.Query(ctx, checkpointAgeSQL)
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.desc, err)
+		return
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var job string
+		var age float64
+		if err := rows.Scan(&job, &age); err != nil {
+			ch <- prometheus.NewInvalidMetric(c.desc, err)
+			return
+		}
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, age, job)
+	}
+	if err := rows.Err(); err != nil {
+		ch <- prometheus.NewInvalidMetric(c.desc, err)
 	}
 }

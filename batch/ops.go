@@ -36,6 +36,16 @@ type RunStatus struct {
 	Error                              *string
 	StartedAt, CheckpointAt            *time.Time
 	CreatedAt                          time.Time
+
+	// Attempt above counts the claims of the partition (each worker that
+	// took it up, after a failure, a crash or a stop); Failures the
+	// attempts that failed; LastError the newest failure's message (kept
+	// after a successful retry); RetryAt when a failed partition may be
+	// retried automatically.
+	Failures  int
+	LastError *string
+	RetryAt   *time.Time
+
 	// Rate is rows per second between the start and the last checkpoint.
 	Rate float64
 	// CheckpointAge is the time since the last checkpoint (0 if none).
@@ -54,7 +64,7 @@ WITH recent AS (
 SELECT b.job, b.logical_run_id, b.partition_key, b.state, b.mode, b.cursor, b.boundary, b.processor_version,
        b.processed_count, b.changed_count, b.estimated_total,
        (SELECT count(*) FROM batch_quarantine q WHERE q.job = b.job AND q.logical_run_id = b.logical_run_id AND q.partition_key = b.partition_key AND q.resolved_at IS NULL),
-       b.retries, b.chunk_size, b.lease_owner, b.attempt, b.error, b.started_at, b.checkpoint_at, b.created_at,
+       b.retries, b.chunk_size, b.lease_owner, b.attempt, b.failures, b.error, b.last_error, b.retry_at, b.started_at, b.checkpoint_at, b.created_at,
        COALESCE(extract(epoch FROM now() - b.checkpoint_at), 0)
 FROM batch_runs b JOIN recent r USING (job, logical_run_id)
 WHERE r.rn <= $2
@@ -68,7 +78,7 @@ ORDER BY b.job, r.created DESC, b.partition_key`, job, runs)
 		var s RunStatus
 		var age float64
 		if err := rows.Scan(&s.Job, &s.RunID, &s.Partition, &s.State, &s.Mode, &s.Cursor, &s.Boundary, &s.ProcessorVersion,
-			&s.Processed, &s.Changed, &s.Estimated, &s.Quarantined, &s.Retries, &s.ChunkSize, &s.LeaseOwner, &s.Attempt, &s.Error,
+			&s.Processed, &s.Changed, &s.Estimated, &s.Quarantined, &s.Retries, &s.ChunkSize, &s.LeaseOwner, &s.Attempt, &s.Failures, &s.Error, &s.LastError, &s.RetryAt,
 			&s.StartedAt, &s.CheckpointAt, &s.CreatedAt, &age); err != nil {
 			return nil, err
 		}
@@ -239,6 +249,15 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, m.Job, m.RunID, out.New
 	}
 	if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, finished_at = now(), updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, m.Job, m.RunID); err != nil {
 		return nil, err
+	}
+	// The new run sweeps instead of the old one.
+	if _, err := tx.Exec(ctx, supersedeSweepSQL, m.Job, m.RunID); err != nil {
+		return nil, err
+	}
+	if spec.Vanished == VanishedDelete {
+		if _, err := tx.Exec(ctx, createSweepSQL, m.Job, out.NewRunID); err != nil {
+			return nil, err
+		}
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed, new_logical_run_id) VALUES ($1, $2, $3, $4, $5, 'backward-new-run', $6, $7, $8, $9)`,
 		m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed, out.NewRunID); err != nil {

@@ -68,6 +68,13 @@ type Config struct {
 	// Progress, when set (a terminal), receives a progress line: processed /
 	// estimated, rate, ETA.
 	Progress io.Writer
+	// RateLimit bounds a custom Processor's external calls: each [Wait]
+	// takes a token of a bucket refilled at RateLimit per second, shared by
+	// this process's workers (a limit per process: N processes make N
+	// times as many calls). 0 means no limit.
+	RateLimit float64
+	// RateBurst is the bucket's size. Default 1.
+	RateBurst int
 }
 
 func (c Config) withDefaults() Config {
@@ -138,6 +145,7 @@ type Runner struct {
 	progress   *progress
 	maxReached atomic.Bool
 	reserved   atomic.Int64 // chunks committed or in flight, against MaxChunks
+	limiter    *limiter     // a custom Processor's external calls (Config.RateLimit)
 }
 
 // Summary says what a [Runner.Run] did.
@@ -165,7 +173,7 @@ func NewRunner(pool *pgxpool.Pool, spec Spec, cfg Config) (*Runner, error) {
 	if err := cfg.validateFor(spec); err != nil {
 		return nil, err
 	}
-	return &Runner{pool: pool, spec: spec, cfg: cfg}, nil
+	return &Runner{pool: pool, spec: spec, cfg: cfg, limiter: newLimiter(cfg.RateLimit, cfg.RateBurst)}, nil
 }
 
 // Prepare checks the spec against the database (table and columns exist),
@@ -234,6 +242,18 @@ func (r *Runner) Run(soft, hard context.Context) (*Summary, error) {
 	}
 	if hard.Err() != nil {
 		return sum, context.Cause(hard)
+	}
+	if sum.Done && soft.Err() == nil && !r.maxReached.Load() {
+		done, err := r.sweep(soft, hard)
+		sum.Done = done
+		if err != nil {
+			return sum, err
+		}
+	} else if sum.Done {
+		sum.Done = false // the sweep is still to come
+		if done, err := r.sweepDone(context.WithoutCancel(hard)); err == nil {
+			sum.Done = done
+		}
 	}
 	return sum, nil
 }
@@ -473,10 +493,16 @@ func (r *Runner) partition(soft, hard context.Context, conns []*pgx.Conn, cl *cl
 			log.Error("lease lost; stopping without writing", slog.String("error", why.Error()), slog.String("chunk_error", err.Error()))
 			return why
 		}
-		if ferr := failPartition(cleanup(), r.pool, job, run, cl.key, cl.token, err); ferr != nil {
+		retryAt, failures, ferr := r.failOrRetry(cleanup(), cl, err)
+		if ferr != nil {
 			log.Error("record failure", slog.String("error", ferr.Error()))
 		}
-		log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor))
+		if retryAt != nil {
+			log.Warn("partition failed; it will be retried automatically", slog.String("error", err.Error()), slog.Any("cursor", cursor),
+				slog.Int("failures", failures), slog.Int("attempts", r.spec.Errors.PartitionAttempts), slog.Time("retry_at", *retryAt))
+			return nil
+		}
+		log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor), slog.Int("failures", failures))
 		return fmt.Errorf("job %s run %s partition %q: %w", job, run, cl.key, err)
 	}
 	ok, err := finishPartition(cleanup(), r.pool, job, run, cl.key, cl.token)
@@ -570,7 +596,8 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
 	expo.RandomizationFactor = 0.5 // jitter
 	expo.MaxElapsedTime = 0        // bounded by attempts instead
-	bo := backoff.WithContext(backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries)), ctx)
+	ra := &retryAfterBackOff{inner: backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries))}
+	bo := backoff.WithContext(ra, ctx)
 	var (
 		res     chunkResult
 		retries int64
@@ -582,9 +609,20 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		if f.upto == nil {
 			size = sizer.Size() // cut by a retry; a planned range keeps its size
 		}
-		res, err = r.chunk(ctx, f, cl, size, retries)
+		pctx := withProcEnv(ctx, &procEnv{
+			info:    ChunkInfo{Job: r.spec.Job, RunID: r.runID, Partition: cl.key, Attempt: cl.attempt, Retry: retries},
+			limiter: r.limiter, metrics: r.cfg.Metrics,
+		})
+		res, err = r.chunk(pctx, f, cl, size, retries)
 		if err == nil {
 			return nil
+		}
+		if d, ok := retryAfter(err); ok && ctx.Err() == nil {
+			// The service asked for a pause: every call of this process
+			// waits for it, and the retry comes no sooner.
+			r.limiter.pause(d)
+			ra.next = d
+			return err
 		}
 		if isIdleTimeout(err) {
 			err = fmt.Errorf("%w (%s, idle_in_transaction_session_timeout): this worker sent no statement for that long "+
@@ -604,6 +642,8 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		reason := "transient"
 		if isLockTimeout(err) {
 			reason = "lock_timeout"
+		} else if _, ok := retryAfter(err); ok {
+			reason = "retry_after"
 		}
 		// A lock wait or an error is a strong signal: cut the size at once.
 		sizer.Backoff()
@@ -635,7 +675,6 @@ func (r *Runner) observe(cl *claim, res chunkResult, log *slog.Logger, nextSize 
 		m.Rows.WithLabelValues(job, "changed").Add(float64(res.changed))
 		m.Rows.WithLabelValues(job, "unchanged").Add(float64(int64(res.n) - res.changed - res.bad))
 		m.Rows.WithLabelValues(job, "quarantined").Add(float64(res.bad))
-		m.checkpointed(job)
 	}
 	level := slog.LevelInfo
 	if r.progress != nil {
@@ -698,6 +737,8 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 			return res, parseBadRow(*firstBad)
 		}
 		res.fetch = time.Since(t0)
+		r.cfg.Metrics.inflight(r.spec.Job, res.n)
+		defer r.cfg.Metrics.inflight(r.spec.Job, -res.n)
 	} else {
 		if err := r.goChunk(ctx, tx, cursor, vals, &res); err != nil {
 			return res, err
@@ -715,6 +756,9 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	// The events were inserted by the upsert's statement (a CTE step over
 	// the rows it RETURNed); no document crosses the wire twice.
 	failpoint.Hit("batch.after_outbox")
+	if err := r.checkSkipLimit(ctx, tx, res); err != nil {
+		return res, err
+	}
 	vals["next"], vals["prev"], vals["token"] = res.next, cursor, cl.token
 	vals["n"], vals["changed"], vals["bad"], vals["size"], vals["retries"] = int64(res.n), res.changed, res.bad, size, retries
 	if f.pred != nil {
@@ -850,6 +894,8 @@ func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, cursor []string, vals m
 	}
 	res.n = len(src)
 	res.fetch = time.Since(t0)
+	r.cfg.Metrics.inflight(r.spec.Job, len(src))
+	defer r.cfg.Metrics.inflight(r.spec.Job, -len(src))
 	if len(src) == 0 {
 		return nil
 	}

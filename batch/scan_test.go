@@ -306,7 +306,7 @@ func TestBadRowPolicies(t *testing.T) {
 		_, pool := newDB(t)
 		seed(t, pool, 0, 1000, 3, 1)
 		s := spec(func(s *batch.Spec) {
-			s.Errors = batch.ErrorPolicy{Policy: batch.PolicyRetry, InitialBackoff: batch.Duration(time.Millisecond), MaxBackoff: batch.Duration(10 * time.Millisecond)}
+			s.Errors = batch.ErrorPolicy{Policy: batch.PolicyRetry, InitialBackoff: batch.Duration(time.Millisecond), MaxBackoff: batch.Duration(10 * time.Millisecond), PartitionAttempts: 1}
 		})
 		p := &transientOnce{failID: badTitle}
 		p.fails.Store(2)

@@ -65,7 +65,38 @@ type Spec struct {
 	Chunk ChunkSettings `json:"chunk,omitempty" yaml:"chunk,omitempty"`
 	// Errors is the bad-row policy.
 	Errors ErrorPolicy `json:"errors,omitempty" yaml:"errors,omitempty"`
+	// Vanished says what a full run does, once every partition succeeded,
+	// with the live rows of normalized_records (this SourceName) whose
+	// source row no longer exists or no longer matches the filter (or,
+	// with an explicit source.partitions list, lies outside it): "delete"
+	// (default for full runs) turns each into a tombstone and a delete
+	// event, "keep" leaves them. Incremental runs do not see every row:
+	// only "keep". See [VanishedDelete] for the tombstone's version.
+	Vanished string `json:"vanished,omitempty" yaml:"vanished,omitempty"`
 }
+
+// What a full run does with rows that vanished from its scope
+// (Spec.Vanished).
+const (
+	// VanishedDelete sweeps normalized_records after a full run, in
+	// chunks, each one transaction with its checkpoint (batch_sweeps) and
+	// fenced by a lease like a partition. A vanished row's tombstone
+	// (deleted, no document) and its delete event carry the last normalized
+	// source version + 1: the smallest version the index's external
+	// versioning accepts over the last upsert, so a replay of any earlier
+	// event cannot resurrect the row, and a row that comes back with any
+	// later change (a version column that keeps growing, as the demo
+	// trigger's) wins over the tombstone. A row that comes back with a
+	// version at or below the tombstone's (re-inserted with the version
+	// reset, restored from a backup) stays deleted until its version grows
+	// past it: the version column must keep growing across a delete, as
+	// external versioning requires anyway. The sweep treats every live row
+	// of the job's SourceName as the job's: two jobs that write one source
+	// name with different filters need distinct source names (or "keep").
+	VanishedDelete = "delete"
+	// VanishedKeep leaves vanished rows as they are.
+	VanishedKeep = "keep"
+)
 
 // Source names the user's table and the roles of its columns. Identifiers
 // are quoted, never spliced raw.
@@ -169,6 +200,26 @@ type ErrorPolicy struct {
 	// jitter). Defaults 100ms and 5s.
 	InitialBackoff Duration `json:"initial_backoff,omitempty" yaml:"initial_backoff,omitempty"`
 	MaxBackoff     Duration `json:"max_backoff,omitempty" yaml:"max_backoff,omitempty"`
+	// PartitionAttempts bounds how many times a partition is attempted
+	// when it fails (a chunk failed for good: its retries ran out, or its
+	// error is not transient). After a failure the partition goes back to
+	// pending and any worker retries it from its last checkpoint once
+	// PartitionBackoff has passed, doubling per failure up to 10m; after
+	// the last attempt it stays failed until an operator reruns the job. A
+	// bad row under the strict policy and an exceeded skip limit fail at
+	// once (they would fail the same way). Default 3; 1 turns automatic retries off.
+	PartitionAttempts int `json:"partition_attempts,omitempty" yaml:"partition_attempts,omitempty"`
+	// PartitionBackoff is the wait before the first automatic retry of a
+	// failed partition. Default 10s.
+	PartitionBackoff Duration `json:"partition_backoff,omitempty" yaml:"partition_backoff,omitempty"`
+	// SkipLimit bounds how many rows one run may quarantine (open rows in
+	// batch_quarantine; resolved ones do not count). The chunk that
+	// crosses it rolls back and the run fails with [ErrSkipLimit], naming
+	// the most frequent error code. 0 means no limit.
+	SkipLimit int `json:"skip_limit,omitempty" yaml:"skip_limit,omitempty"`
+	// SkipRatio bounds the quarantined share of the rows the run processed
+	// so far (the crossing chunk included), e.g. 0.01. 0 means no limit.
+	SkipRatio float64 `json:"skip_ratio,omitempty" yaml:"skip_ratio,omitempty"`
 }
 
 // Duration is a time.Duration written as "1.5s" in specs.
@@ -254,6 +305,9 @@ const (
 	defaultMaxRetries     = 5
 	defaultInitialBackoff = Duration(100 * time.Millisecond)
 	defaultMaxBackoff     = Duration(5 * time.Second)
+
+	defaultPartitionAttempts = 3
+	defaultPartitionBackoff  = Duration(10 * time.Second)
 )
 
 // withDefaults fills every default in one place.
@@ -285,6 +339,14 @@ func (s Spec) withDefaults() Spec {
 	}
 	s.Errors.InitialBackoff = cmp.Or(s.Errors.InitialBackoff, defaultInitialBackoff)
 	s.Errors.MaxBackoff = cmp.Or(s.Errors.MaxBackoff, defaultMaxBackoff)
+	s.Errors.PartitionAttempts = cmp.Or(s.Errors.PartitionAttempts, defaultPartitionAttempts)
+	s.Errors.PartitionBackoff = cmp.Or(s.Errors.PartitionBackoff, defaultPartitionBackoff)
+	if s.Vanished == "" {
+		s.Vanished = VanishedKeep
+		if s.Mode == ModeFull {
+			s.Vanished = VanishedDelete
+		}
+	}
 	for i := range s.Document.Fields {
 		s.Document.Fields[i].From = cmp.Or(s.Document.Fields[i].From, s.Document.Fields[i].Name)
 	}
@@ -313,6 +375,20 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: chunk.pipeline %d: want 1..4", s.Job, s.Chunk.Pipeline)
 	case s.Chunk.Concurrency < 1 || s.Chunk.Concurrency > 256:
 		return fmt.Errorf("spec %s: chunk.concurrency %d: want 1..256", s.Job, s.Chunk.Concurrency)
+	}
+	switch {
+	case s.Errors.PartitionAttempts < 1:
+		return fmt.Errorf("spec %s: errors.partition_attempts %d: want >= 1 (1 = no automatic retry)", s.Job, s.Errors.PartitionAttempts)
+	case s.Errors.SkipLimit < 0:
+		return fmt.Errorf("spec %s: errors.skip_limit %d: want >= 0 (0 = no limit)", s.Job, s.Errors.SkipLimit)
+	case s.Errors.SkipRatio < 0 || s.Errors.SkipRatio > 1:
+		return fmt.Errorf("spec %s: errors.skip_ratio %g: want 0..1 (0 = no limit)", s.Job, s.Errors.SkipRatio)
+	case s.Errors.PartitionBackoff < 0:
+		return fmt.Errorf("spec %s: errors.partition_backoff %s: want >= 0", s.Job, time.Duration(s.Errors.PartitionBackoff))
+	case s.Vanished != VanishedDelete && s.Vanished != VanishedKeep:
+		return fmt.Errorf("spec %s: vanished %q: want delete or keep", s.Job, s.Vanished)
+	case s.Vanished == VanishedDelete && s.Mode != ModeFull:
+		return fmt.Errorf("spec %s: vanished delete needs mode full (an incremental run does not see every row); set vanished: keep", s.Job)
 	}
 	switch s.Errors.Policy {
 	case PolicyStrict, PolicyQuarantine, PolicyRetry:

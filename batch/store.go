@@ -72,6 +72,13 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
 		}
+		if runID == "" {
+			// The newest run's partitions are done, its sweep may not be.
+			err := tx.QueryRow(ctx, unfinishedSweepRunSQL, s.Job).Scan(&runID)
+			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+				return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
+			}
+		}
 	}
 	var parts []storedPartition
 	if runID != "" {
@@ -90,8 +97,11 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 			return "", fmt.Errorf("load run %s/%s: %w", s.Job, runID, err)
 		}
 	}
-	if len(parts) > 0 && opts.Restart {
+	if (len(parts) > 0 || (runID != "" && opts.RunID == "")) && opts.Restart {
 		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, s.Job, runID); err != nil {
+			return "", err
+		}
+		if _, err := tx.Exec(ctx, supersedeSweepSQL, s.Job, runID); err != nil {
 			return "", err
 		}
 		parts, runID = nil, ""
@@ -122,7 +132,18 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 				return "", err
 			}
 		}
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
+		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, failures = 0, retry_at = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
+			return "", err
+		}
+		if _, err := tx.Exec(ctx, sweepOnResumeSQL(s), s.Job, runID); err != nil {
+			return "", err
+		}
+		return runID, tx.Commit(ctx)
+	}
+	if runID != "" && opts.RunID == "" {
+		// A run without partitions (none in scope at start) whose sweep is
+		// not over.
+		if _, err := tx.Exec(ctx, sweepOnResumeSQL(s), s.Job, runID); err != nil {
 			return "", err
 		}
 		return runID, tx.Commit(ctx)
@@ -193,6 +214,11 @@ VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 's
 			s.Job, runID, key, state, s.Mode, start, boundary, s.ProcessorVersion, scope.Hash(), scope.JSON(), estimate, s.Chunk.Size)
 		if err != nil {
 			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
+		}
+	}
+	if s.Vanished == VanishedDelete {
+		if _, err := tx.Exec(ctx, createSweepSQL, s.Job, runID); err != nil {
+			return "", fmt.Errorf("create the sweep of run %s/%s: %w", s.Job, runID, err)
 		}
 	}
 	return runID, tx.Commit(ctx)
@@ -346,7 +372,7 @@ UPDATE batch_runs r SET state = 'running', lease_owner = $4, lease_token = gen_r
 FROM (
   SELECT job, logical_run_id, partition_key FROM batch_runs
   WHERE job = $1 AND logical_run_id = $2 AND ($3::text IS NULL OR partition_key = $3)
-    AND (state = 'pending' OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
+    AND ((state = 'pending' AND (retry_at IS NULL OR retry_at <= now())) OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
   ORDER BY partition_key
   FOR UPDATE SKIP LOCKED
   LIMIT 1

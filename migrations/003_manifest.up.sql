@@ -1,5 +1,5 @@
 -- 003: manifest jobs (seed 003): finish an interrupted batch over a frozen,
--- approved list of items. See batch/manifest.go.
+-- approved list of items. See manifest/doc.go.
 
 -- One row per registered job. The row is the job's lock: a chunk takes it
 -- FOR UPDATE, so two workers never pick the same next_index.

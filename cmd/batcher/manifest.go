@@ -11,10 +11,10 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
+	"github.com/outboxrelay/outboxrelay/manifest"
 )
 
 // manifestCommands returns the `manifest ...` sub-commands (issue 4).
@@ -73,7 +73,7 @@ File format:
 		defer f.Close()
 		r = f
 	}
-	spec, err := batch.ParseManifest(r)
+	spec, err := manifest.Parse(r)
 	if err != nil {
 		return cli.UsageError("%s: %v", file, err)
 	}
@@ -82,8 +82,8 @@ File format:
 		return err
 	}
 	defer pool.Close()
-	reg, err := batch.RegisterManifest(ctx, pool, spec)
-	if errors.Is(err, batch.ErrManifestRegistrationConflict) {
+	reg, err := manifest.Register(ctx, pool, spec)
+	if errors.Is(err, manifest.ErrRegistrationConflict) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
 	}
 	if err != nil {
@@ -107,7 +107,7 @@ func manifestDrain(ctx context.Context, args []string, stdout io.Writer) error {
 	var c cli.Common
 	var job string
 	var maxChunks int
-	var lockTimeout, grace time.Duration
+	var lockTimeout, idleTimeout, grace time.Duration
 	var asJSON bool
 	fs := cli.NewFlagSet("batcher manifest drain", `Applies the next chunks of a manifest job. Each chunk is one transaction: lock the job,
 verify progress against the audit, conditionally update the chunk's rows, audit them,
@@ -120,7 +120,8 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 	c.RegisterLogging(fs)
 	fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
 	fs.Int(&maxChunks, "max-chunks", "MANIFEST_MAX_CHUNKS", 0, "commit at most this many chunks (0 = until the job completes)")
-	fs.Duration(&lockTimeout, "lock-timeout", "MANIFEST_LOCK_TIMEOUT", batch.ManifestDefaultLockTimeout, "how long a chunk waits for a target row another writer locked (0 = default, negative = forever)")
+	fs.Duration(&lockTimeout, "lock-timeout", "MANIFEST_LOCK_TIMEOUT", manifest.DefaultLockTimeout, "how long a chunk waits for a target row another writer locked (0 = default, negative = forever)")
+	fs.Duration(&idleTimeout, "idle-timeout", "MANIFEST_IDLE_TIMEOUT", manifest.DefaultIdleTimeout, "how long a chunk transaction may sit idle holding the job row before the server ends it, so a stuck drainer cannot block the job (negative = forever)")
 	fs.Duration(&grace, "grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGINT/SIGTERM, how long the chunk in flight may take before it is aborted")
 	fs.Bool(&asJSON, "json", "", false, "print the result as JSON at the end instead of text lines")
 	if _, err := fs.Parse(args); err != nil {
@@ -143,14 +144,14 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 		return err
 	}
 	defer pool.Close()
-	opts := batch.ManifestDrainOptions{MaxChunks: maxChunks, LockTimeout: lockTimeout, Stop: soft.Done(), Logger: logger}
+	opts := manifest.DrainOptions{MaxChunks: maxChunks, LockTimeout: lockTimeout, IdleTimeout: idleTimeout, Stop: soft.Done(), Logger: logger}
 	if !asJSON {
-		opts.OnChunk = func(ch batch.ManifestChunk) {
+		opts.OnChunk = func(ch manifest.Chunk) {
 			fmt.Fprintf(stdout, "chunk %d committed: positions %d..%d, %d item(s) changed, %d event(s); next_index %d of %d\n",
 				ch.Chunk, ch.From, ch.To-1, len(ch.IDs), ch.Events, ch.NextIndex, ch.ItemCount)
 		}
 	}
-	res, err := batch.DrainManifest(hard, pool, job, opts)
+	res, err := manifest.Drain(hard, pool, job, opts)
 	if asJSON && res.JobID != "" {
 		if werr := manifestWriteJSON(stdout, res); werr != nil && err == nil {
 			err = werr
@@ -159,7 +160,7 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 		fmt.Fprintf(stdout, "job %s: %d chunk(s), %d item(s) changed by this call; next_index %d of %d; state %s; stopped: %s\n",
 			job, len(res.Chunks), len(res.ProcessedIDs), res.NextIndex, res.ItemCount, res.State, res.Stopped)
 	}
-	if errors.Is(err, batch.ErrManifestConflicted) {
+	if errors.Is(err, manifest.ErrConflicted) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
 	}
 	return err
@@ -171,7 +172,8 @@ func manifestReport(ctx context.Context, args []string, stdout io.Writer) error 
 	var asJSON bool
 	fs := cli.NewFlagSet("batcher manifest report", `Prints the approved, committed and unprocessed ids of a manifest job and, for each
 committed id, whether its row is matching (as the chunk left it), drifted (changed since)
-or missing (deleted). Progress and rows are read in one statement (one snapshot).`)
+or missing (deleted). Progress, audit and rows are read in one snapshot (a REPEATABLE READ
+read-only transaction), so a drain committing meanwhile cannot make it disagree with itself.`)
 	c.RegisterDatabase(fs)
 	fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
 	fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
@@ -186,7 +188,7 @@ or missing (deleted). Progress and rows are read in one statement (one snapshot)
 		return err
 	}
 	defer pool.Close()
-	rep, err := batch.ReportManifest(ctx, pool, job)
+	rep, err := manifest.ReadReport(ctx, pool, job)
 	if err != nil {
 		return err
 	}
@@ -211,13 +213,13 @@ func manifestStatus(ctx context.Context, args []string, stdout io.Writer) error 
 		return err
 	}
 	defer pool.Close()
-	jobs, err := batch.ListManifestJobs(ctx, pool)
+	jobs, err := manifest.ListJobs(ctx, pool)
 	if err != nil {
 		return err
 	}
 	if asJSON {
 		if jobs == nil {
-			jobs = []batch.ManifestJob{}
+			jobs = []manifest.Job{}
 		}
 		return manifestWriteJSON(stdout, jobs)
 	}

@@ -129,7 +129,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	cfg := batch.Config{
 		StartOptions: batch.StartOptions{RunID: c.RunID, Restart: c.Restart, Resume: c.Resume},
 		WorkerID:     c.WorkerID, Workers: c.Workers, LeaseTTL: c.LeaseTTL, MaxChunks: c.MaxChunks, Partition: c.Partition,
-		Logger: logger, Metrics: batch.NewMetrics(reg),
+		Logger: logger, Metrics: batch.NewMetrics(reg, pool),
 	}
 	if c.Progress == "on" || (c.Progress == "auto" && logging.IsTerminal(os.Stderr)) {
 		cfg.Progress = os.Stderr
@@ -235,7 +235,7 @@ func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
 		return enc.Encode(st)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSTATE\tCURSOR\tPROCESSED\tRATE\tCKPT AGE\tQUARANTINED\tRETRIES\tOWNER\tERROR")
+	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSTATE\tCURSOR\tPROCESSED\tRATE\tCKPT AGE\tQUARANTINED\tRETRIES\tATTEMPTS\tOWNER\tLAST ERROR")
 	for _, s := range st {
 		processed := fmt.Sprint(s.Processed)
 		if s.Estimated != nil {
@@ -245,11 +245,33 @@ func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
 		if s.CheckpointAt != nil {
 			age = s.CheckpointAge.Round(time.Second).String()
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.0f/s\t%s\t%d\t%d\t%s\t%s\n", s.Job, s.RunID, orDash(s.Partition), s.State,
-			orDash(strings.Join(s.Cursor, ",")), processed, s.Rate, age, s.Quarantined, s.Retries, deref(s.LeaseOwner), deref(s.Error))
+		// Attempts: claims, and how many of them failed; a failed partition
+		// waiting for its automatic retry says when.
+		attempts := fmt.Sprintf("%d (%d failed)", s.Attempt, s.Failures)
+		if s.RetryAt != nil && s.State == "pending" {
+			attempts += ", retry at " + s.RetryAt.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.0f/s\t%s\t%d\t%d\t%s\t%s\t%s\n", s.Job, s.RunID, orDash(s.Partition), s.State,
+			orDash(strings.Join(s.Cursor, ",")), processed, s.Rate, age, s.Quarantined, s.Retries, attempts, deref(s.LeaseOwner),
+			strings.ReplaceAll(deref(s.LastError), "\t", " "))
 	}
 	if len(st) == 0 {
 		fmt.Fprintln(tw, "(no runs)")
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	// A full run's sweep of rows that vanished from its scope.
+	sweeps, err := batch.Sweeps(ctx, pool, job, runs)
+	if err != nil || len(sweeps) == 0 {
+		return err
+	}
+	fmt.Fprintln(stdout)
+	tw = tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "JOB\tRUN\tSWEEP\tCURSOR\tCHECKED\tDELETED\tATTEMPTS\tOWNER\tERROR")
+	for _, w := range sweeps {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", w.Job, w.RunID, w.State, deref(w.Cursor), w.Swept, w.Deleted, w.Attempt,
+			deref(w.LeaseOwner), strings.ReplaceAll(deref(w.Error), "\t", " "))
 	}
 	return tw.Flush()
 }

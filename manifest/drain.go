@@ -1,4 +1,4 @@
-package batch
+package manifest
 
 import (
 	"cmp"
@@ -19,37 +19,46 @@ import (
 // Failpoints of a manifest chunk (internal/failpoint): the process kills
 // itself there when OUTBOXRELAY_FAILPOINT names one.
 const (
-	ManifestFailpointAfterUpdate    = "manifest.after_update"     // target rows updated, nothing else
-	ManifestFailpointAfterAudit     = "manifest.after_audit"      // + audit rows
-	ManifestFailpointAfterNextIndex = "manifest.after_next_index" // + outbox events and next_index, not committed
-	ManifestFailpointAfterCommit    = "manifest.after_commit"     // committed, the client has not answered
+	FailpointAfterUpdate    = "manifest.after_update"     // target rows updated, nothing else
+	FailpointAfterAudit     = "manifest.after_audit"      // + audit rows
+	FailpointAfterNextIndex = "manifest.after_next_index" // + outbox events and next_index, not committed
+	FailpointAfterCommit    = "manifest.after_commit"     // committed, the client has not answered
 )
 
-// ManifestDefaultLockTimeout bounds how long a chunk waits for a lock on a
+// DefaultLockTimeout bounds how long a chunk waits for a lock on a
 // target row (another writer holding an order). Waiting for the job row
 // itself (another drain running a chunk) is not bounded by it.
-const ManifestDefaultLockTimeout = 5 * time.Second
+const DefaultLockTimeout = 5 * time.Second
 
-// ManifestDrainOptions tune DrainManifest.
-type ManifestDrainOptions struct {
+// DefaultIdleTimeout is DrainOptions.IdleTimeout's default.
+const DefaultIdleTimeout = 30 * time.Second
+
+// DrainOptions tune Drain.
+type DrainOptions struct {
 	// MaxChunks is how many chunks this call may commit. 0 means until the
 	// job completes.
 	MaxChunks int
 	// LockTimeout bounds the wait for target row locks inside a chunk
-	// (default ManifestDefaultLockTimeout; negative means wait forever). A
+	// (default DefaultLockTimeout; negative means wait forever). A
 	// timeout rolls the chunk back and ends the drain with the error.
 	LockTimeout time.Duration
+	// IdleTimeout bounds how long a chunk transaction, which holds the job
+	// row, may sit idle between two statements (a drainer stuck outside the
+	// server). Past it the server ends the session: the chunk rolls back,
+	// the job row is free for another drainer, and the stuck one cannot
+	// commit. Default DefaultIdleTimeout; negative means no bound.
+	IdleTimeout time.Duration
 	// Stop, when closed, lets the chunk in flight finish and starts no
 	// other (a soft stop). Cancel ctx to abort the chunk in flight.
 	Stop <-chan struct{}
 	// OnChunk is called after each chunk commits.
-	OnChunk func(ManifestChunk)
+	OnChunk func(Chunk)
 	// Logger (default: discard).
 	Logger *slog.Logger
 }
 
-// ManifestChunk is one committed chunk.
-type ManifestChunk struct {
+// Chunk is one committed chunk.
+type Chunk struct {
 	// Chunk is the chunk's number (From / chunk size, 0-based).
 	Chunk int `json:"chunk"`
 	// From and To bound the chunk's positions in the frozen list: [From, To).
@@ -65,46 +74,46 @@ type ManifestChunk struct {
 	Duration  time.Duration `json:"duration_ns"`
 }
 
-// Why a drain stopped (ManifestDrainResult.Stopped).
+// Why a drain stopped (DrainResult.Stopped).
 const (
-	ManifestStoppedCompleted = "completed"  // the job is succeeded (maybe by another worker)
-	ManifestStoppedMaxChunks = "max_chunks" // MaxChunks committed
-	ManifestStoppedSignal    = "stop"       // Stop was closed
-	ManifestStoppedConflict  = "conflict"   // the job is conflicted
+	StoppedCompleted = "completed"  // the job is succeeded (maybe by another worker)
+	StoppedMaxChunks = "max_chunks" // MaxChunks committed
+	StoppedSignal    = "stop"       // Stop was closed
+	StoppedConflict  = "conflict"   // the job is conflicted
 )
 
-// ManifestDrainResult is what one DrainManifest call did. It is not the
+// DrainResult is what one Drain call did. It is not the
 // job's history: a call that finds the job finished by another worker
 // returns no chunks. Read the job's progress from the database
-// (GetManifestJob, ReportManifest).
-type ManifestDrainResult struct {
-	JobID        string          `json:"job_id"`
-	Chunks       []ManifestChunk `json:"chunks"`
-	ProcessedIDs []string        `json:"processed_ids"`
-	NextIndex    int             `json:"next_index"`
-	ItemCount    int             `json:"item_count"`
-	State        string          `json:"state"`
-	Stopped      string          `json:"stopped"`
+// (GetJob, ReadReport).
+type DrainResult struct {
+	JobID        string   `json:"job_id"`
+	Chunks       []Chunk  `json:"chunks"`
+	ProcessedIDs []string `json:"processed_ids"`
+	NextIndex    int      `json:"next_index"`
+	ItemCount    int      `json:"item_count"`
+	State        string   `json:"state"`
+	Stopped      string   `json:"stopped"`
 }
 
-// ManifestConflict records why a job stopped as conflicted: the chunk that
+// Conflict records why a job stopped as conflicted: the chunk that
 // rolled back and each of its items that no longer matched.
-type ManifestConflict struct {
-	Chunk      int                    `json:"chunk"`
-	From       int                    `json:"from"`
-	To         int                    `json:"to"`
-	Items      []ManifestItemConflict `json:"items"`
-	DetectedAt time.Time              `json:"detected_at"`
+type Conflict struct {
+	Chunk      int            `json:"chunk"`
+	From       int            `json:"from"`
+	To         int            `json:"to"`
+	Items      []ItemConflict `json:"items"`
+	DetectedAt time.Time      `json:"detected_at"`
 }
 
-// ManifestItemConflict is one item that no longer matched its approval.
-type ManifestItemConflict struct {
+// ItemConflict is one item that no longer matched its approval.
+type ItemConflict struct {
 	Seq         int      `json:"seq"`
 	ID          string   `json:"id"`
 	Differences []string `json:"differences"`
 }
 
-func (c *ManifestConflict) String() string {
+func (c *Conflict) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "chunk %d (positions %d..%d) rolled back", c.Chunk, c.From, c.To-1)
 	for _, it := range c.Items {
@@ -113,16 +122,16 @@ func (c *ManifestConflict) String() string {
 	return b.String()
 }
 
-// ManifestConflictError: the job is conflicted. It wraps ErrManifestConflicted.
-type ManifestConflictError struct {
+// ConflictError: the job is conflicted. It wraps ErrConflicted.
+type ConflictError struct {
 	JobID    string
-	Conflict *ManifestConflict
+	Conflict *Conflict
 	// Now is true when this call found the conflict (false: the job was
 	// conflicted before).
 	Now bool
 }
 
-func (e *ManifestConflictError) Error() string {
+func (e *ConflictError) Error() string {
 	what := "is conflicted"
 	if e.Now {
 		what = "is now conflicted"
@@ -134,12 +143,12 @@ func (e *ManifestConflictError) Error() string {
 	return fmt.Sprintf("manifest job %q %s: %s; finished chunks stay, nothing is retried: a new approval is needed for the rest", e.JobID, what, detail)
 }
 
-func (e *ManifestConflictError) Unwrap() error { return ErrManifestConflicted }
+func (e *ConflictError) Unwrap() error { return ErrConflicted }
 
-// ManifestProgressError: verification found next_index and the audit
+// ProgressError: verification found next_index and the audit
 // disagreeing with the frozen list. Nothing was changed. It wraps
-// ErrManifestProgressMismatch.
-type ManifestProgressError struct {
+// ErrProgressMismatch.
+type ProgressError struct {
 	JobID     string
 	NextIndex int
 	ItemCount int
@@ -147,42 +156,43 @@ type ManifestProgressError struct {
 	Problems  []string
 }
 
-func (e *ManifestProgressError) Error() string {
+func (e *ProgressError) Error() string {
 	return fmt.Sprintf("manifest job %q: progress verification failed (next_index %d of %d items, chunk size %d): %s; nothing was changed or repaired",
 		e.JobID, e.NextIndex, e.ItemCount, e.ChunkSize, strings.Join(e.Problems, "; "))
 }
 
-func (e *ManifestProgressError) Unwrap() error { return ErrManifestProgressMismatch }
+func (e *ProgressError) Unwrap() error { return ErrProgressMismatch }
 
-// DrainManifest applies the next chunks of a job, one transaction per chunk.
+// Drain applies the next chunks of a job, one transaction per chunk.
 // Each chunk locks the job row FOR UPDATE (so two drains of one job take
 // turns), verifies the progress against the audit, applies the approved
 // transition to the next chunk of the frozen list with one conditional
 // UPDATE, writes an audit row per item, enqueues an outbox event per changed
 // row and advances next_index. It stops when the job completes, after
 // opts.MaxChunks, on opts.Stop, or at the first conflict or error, which it
-// returns without retrying: a *ManifestConflictError (the chunk rolled back,
-// the job is now conflicted), a *ManifestProgressError (nothing changed),
+// returns without retrying: a *ConflictError (the chunk rolled back,
+// the job is now conflicted), a *ProgressError (nothing changed),
 // or a database error.
-func DrainManifest(ctx context.Context, db ManifestDB, jobID string, opts ManifestDrainOptions) (ManifestDrainResult, error) {
-	d := &manifestDrainer{db: db, jobID: jobID, opts: opts}
-	d.opts.LockTimeout = cmp.Or(opts.LockTimeout, ManifestDefaultLockTimeout)
+func Drain(ctx context.Context, db DB, jobID string, opts DrainOptions) (DrainResult, error) {
+	d := &drainer{db: db, jobID: jobID, opts: opts}
+	d.opts.LockTimeout = cmp.Or(opts.LockTimeout, DefaultLockTimeout)
+	d.opts.IdleTimeout = cmp.Or(opts.IdleTimeout, DefaultIdleTimeout)
 	if d.opts.Logger == nil {
 		d.opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	if opts.MaxChunks < 0 {
-		return ManifestDrainResult{}, fmt.Errorf("MaxChunks=%d: must be >= 0 (0 = until the job completes)", opts.MaxChunks)
+		return DrainResult{}, fmt.Errorf("MaxChunks=%d: must be >= 0 (0 = until the job completes)", opts.MaxChunks)
 	}
-	res := ManifestDrainResult{JobID: jobID, Chunks: []ManifestChunk{}, ProcessedIDs: []string{}}
+	res := DrainResult{JobID: jobID, Chunks: []Chunk{}, ProcessedIDs: []string{}}
 	for {
 		if opts.MaxChunks > 0 && len(res.Chunks) >= opts.MaxChunks {
-			res.Stopped = ManifestStoppedMaxChunks
+			res.Stopped = StoppedMaxChunks
 			return res, nil
 		}
 		if opts.Stop != nil {
 			select {
 			case <-opts.Stop:
-				res.Stopped = ManifestStoppedSignal
+				res.Stopped = StoppedSignal
 				return res, nil
 			default:
 			}
@@ -190,13 +200,13 @@ func DrainManifest(ctx context.Context, db ManifestDB, jobID string, opts Manife
 		chunk, job, err := d.step(ctx)
 		res.NextIndex, res.ItemCount, res.State = job.NextIndex, job.ItemCount, job.State
 		if err != nil {
-			if errors.Is(err, ErrManifestConflicted) {
-				res.Stopped = ManifestStoppedConflict
+			if errors.Is(err, ErrConflicted) {
+				res.Stopped = StoppedConflict
 			}
 			return res, err
 		}
 		if chunk == nil {
-			res.Stopped = ManifestStoppedCompleted
+			res.Stopped = StoppedCompleted
 			return res, nil
 		}
 		res.Chunks = append(res.Chunks, *chunk)
@@ -206,17 +216,17 @@ func DrainManifest(ctx context.Context, db ManifestDB, jobID string, opts Manife
 			opts.OnChunk(*chunk)
 		}
 		if chunk.NextIndex == chunk.ItemCount {
-			res.Stopped = ManifestStoppedCompleted
+			res.Stopped = StoppedCompleted
 			return res, nil
 		}
 	}
 }
 
-type manifestDrainer struct {
-	db     ManifestDB
+type drainer struct {
+	db     DB
 	jobID  string
-	opts   ManifestDrainOptions
-	target *manifestTargetSQL
+	opts   DrainOptions
+	target *targetSQL
 	// verified is how far this drain has checked the audit: every later
 	// chunk only checks what was added since (by this or another worker).
 	verified int
@@ -224,34 +234,41 @@ type manifestDrainer struct {
 
 // step runs one chunk transaction. It returns a nil chunk when the job is
 // complete.
-func (d *manifestDrainer) step(ctx context.Context) (*ManifestChunk, ManifestJob, error) {
+func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 	start := time.Now()
 	tx, err := d.db.Begin(ctx)
 	if err != nil {
-		return nil, ManifestJob{}, fmt.Errorf("manifest job %s: begin: %w", d.jobID, err)
+		return nil, Job{}, fmt.Errorf("manifest job %s: begin: %w", d.jobID, err)
 	}
 	// After a commit this is a no-op; on any error it ends the transaction
 	// even if ctx was cancelled.
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	idle := "0"
+	if d.opts.IdleTimeout > 0 {
+		idle = fmt.Sprintf("%dms", max(d.opts.IdleTimeout.Milliseconds(), 1))
+	}
+	if _, err := tx.Exec(ctx, chunkSettingsSQL, idle); err != nil {
+		return nil, Job{}, fmt.Errorf("manifest job %s: set idle_in_transaction_session_timeout=%s: %w", d.jobID, idle, err)
+	}
 
-	job, err := loadManifestJob(ctx, tx, manifestLockJobSQL, d.jobID)
+	job, err := loadJob(ctx, tx, lockJobSQL, d.jobID)
 	if err != nil {
 		return nil, job, err
 	}
-	if job.State == ManifestStateConflicted {
-		return nil, job, &ManifestConflictError{JobID: d.jobID, Conflict: job.Conflict}
+	if job.State == StateConflicted {
+		return nil, job, &ConflictError{JobID: d.jobID, Conflict: job.Conflict}
 	}
-	if problems, err := verifyManifestProgress(ctx, tx, job, d.verified); err != nil {
+	if problems, err := verifyProgress(ctx, tx, job, d.verified); err != nil {
 		return nil, job, err
 	} else if len(problems) > 0 {
-		return nil, job, &ManifestProgressError{JobID: d.jobID, NextIndex: job.NextIndex, ItemCount: job.ItemCount, ChunkSize: job.ChunkSize, Problems: problems}
+		return nil, job, &ProgressError{JobID: d.jobID, NextIndex: job.NextIndex, ItemCount: job.ItemCount, ChunkSize: job.ChunkSize, Problems: problems}
 	}
 	d.verified = job.NextIndex
 	if job.NextIndex == job.ItemCount {
 		return nil, job, nil
 	}
 	if d.target == nil {
-		if d.target, err = resolveManifestTarget(ctx, tx, job.Target); err != nil {
+		if d.target, err = resolveTarget(ctx, tx, job.Target); err != nil {
 			return nil, job, fmt.Errorf("manifest job %s: %w", d.jobID, err)
 		}
 	}
@@ -279,7 +296,7 @@ func (d *manifestDrainer) step(ctx context.Context) (*ManifestChunk, ManifestJob
 	if err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: update %s: %w", d.jobID, chunkNo, d.target.table, err)
 	}
-	failpoint.Hit(ManifestFailpointAfterUpdate)
+	failpoint.Hit(FailpointAfterUpdate)
 	if len(changed) != to-from {
 		if err := sp.Rollback(ctx); err != nil {
 			return nil, job, fmt.Errorf("manifest job %s chunk %d: roll back to savepoint: %w", d.jobID, chunkNo, err)
@@ -289,25 +306,26 @@ func (d *manifestDrainer) step(ctx context.Context) (*ManifestChunk, ManifestJob
 			return nil, job, err
 		}
 		conflict.Chunk = chunkNo
-		if _, err := tx.Exec(ctx, manifestMarkConflictedSQL, d.jobID, conflict); err != nil {
+		if _, err := tx.Exec(ctx, markConflictedSQL, d.jobID, conflict); err != nil {
 			return nil, job, fmt.Errorf("manifest job %s: mark conflicted: %w", d.jobID, err)
 		}
 		if err := tx.Commit(ctx); err != nil {
 			return nil, job, fmt.Errorf("manifest job %s: commit conflicted state: %w", d.jobID, err)
 		}
-		job.State, job.Conflict = ManifestStateConflicted, conflict
+		job.State, job.Conflict = StateConflicted, conflict
 		log.Warn("manifest chunk rolled back: an item no longer matches its approval", slog.Int("matched", len(changed)), slog.String("conflict", conflict.String()))
-		return nil, job, &ManifestConflictError{JobID: d.jobID, Conflict: conflict, Now: true}
+		return nil, job, &ConflictError{JobID: d.jobID, Conflict: conflict, Now: true}
 	}
 	if err := sp.Commit(ctx); err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: release savepoint: %w", d.jobID, chunkNo, err)
 	}
 
 	n := len(changed)
-	seqs, ids, befores, afters, fields := make([]int32, n), make([]string, n), make([]int64, n), make([]int64, n), make([]string, n)
+	seqs, ids, befores, afters, fields, afterFields := make([]int32, n), make([]string, n), make([]int64, n), make([]int64, n), make([]string, n), make([]string, n)
 	events := make([]outbox.Event, n)
 	for i, c := range changed {
-		seqs[i], ids[i], befores[i], afters[i], fields[i] = int32(c.seq), c.id, c.before, c.after, string(c.fields)
+		seqs[i], ids[i], befores[i], afters[i] = int32(c.seq), c.id, c.before, c.after
+		fields[i], afterFields[i] = string(c.fields), string(c.afterFields)
 		events[i] = outbox.Event{
 			ID:               outbox.EventID("manifest:"+d.jobID, c.id, c.after, "manifest"),
 			Topic:            job.Topic,
@@ -318,33 +336,33 @@ func (d *manifestDrainer) step(ctx context.Context) (*ManifestChunk, ManifestJob
 			Payload:          c.doc,
 		}
 	}
-	if _, err := tx.Exec(ctx, manifestInsertAuditSQL, d.jobID, chunkNo, job.Transition.From, job.Transition.To, seqs, ids, befores, afters, fields); err != nil {
+	if _, err := tx.Exec(ctx, insertAuditSQL, d.jobID, chunkNo, job.Transition.From, job.Transition.To, seqs, ids, befores, afters, fields, afterFields); err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: insert audit: %w", d.jobID, chunkNo, err)
 	}
-	failpoint.Hit(ManifestFailpointAfterAudit)
+	failpoint.Hit(FailpointAfterAudit)
 	enqueued, err := outbox.Enqueue(ctx, tx, events...)
 	if err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: %w", d.jobID, chunkNo, err)
 	}
-	state := ManifestStateRunning
+	state := StateRunning
 	if to == job.ItemCount {
-		state = ManifestStateSucceeded
+		state = StateSucceeded
 	}
-	tag, err := tx.Exec(ctx, manifestAdvanceSQL, d.jobID, from, to, state)
+	tag, err := tx.Exec(ctx, advanceSQL, d.jobID, from, to, state)
 	if err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: advance next_index: %w", d.jobID, chunkNo, err)
 	}
 	if tag.RowsAffected() != 1 {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: next_index moved from %d under the job lock; chunk rolled back", d.jobID, chunkNo, from)
 	}
-	failpoint.Hit(ManifestFailpointAfterNextIndex)
+	failpoint.Hit(FailpointAfterNextIndex)
 	if err := tx.Commit(ctx); err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: commit: %w", d.jobID, chunkNo, err)
 	}
-	failpoint.Hit(ManifestFailpointAfterCommit)
+	failpoint.Hit(FailpointAfterCommit)
 	d.verified = to
 	job.NextIndex, job.State = to, state
-	chunk := &ManifestChunk{
+	chunk := &Chunk{
 		Chunk: chunkNo, From: from, To: to, IDs: ids, Events: enqueued,
 		NextIndex: to, ItemCount: job.ItemCount, State: state, Duration: time.Since(start),
 	}
@@ -353,22 +371,24 @@ func (d *manifestDrainer) step(ctx context.Context) (*ManifestChunk, ManifestJob
 	return chunk, job, nil
 }
 
-type manifestChanged struct {
+type changedRow struct {
 	seq           int
 	id            string
 	before, after int64
-	fields, doc   json.RawMessage
+	// fields are the approved fields the UPDATE matched; afterFields the
+	// match fields as the row holds them after it (and its triggers).
+	fields, afterFields, doc json.RawMessage
 }
 
-func (d *manifestDrainer) update(ctx context.Context, tx pgx.Tx, job ManifestJob, from, to int) ([]manifestChanged, error) {
+func (d *drainer) update(ctx context.Context, tx pgx.Tx, job Job, from, to int) ([]changedRow, error) {
 	rows, err := tx.Query(ctx, d.target.update, d.target.keyArgs(d.jobID, from, to, job.Transition.To, job.Tenant, job.Transition.From)...)
 	if err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (manifestChanged, error) {
-		var c manifestChanged
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (changedRow, error) {
+		var c changedRow
 		var seq int32
-		err := r.Scan(&seq, &c.id, &c.before, &c.after, &c.fields, &c.doc)
+		err := r.Scan(&seq, &c.id, &c.before, &c.after, &c.fields, &c.afterFields, &c.doc)
 		c.seq = int(seq)
 		return c, err
 	})
@@ -376,12 +396,12 @@ func (d *manifestDrainer) update(ctx context.Context, tx pgx.Tx, job ManifestJob
 
 // explain reads the chunk's items and current rows (after the UPDATE was
 // undone) and says, for each item that no longer matches, what differs.
-func (d *manifestDrainer) explain(ctx context.Context, tx pgx.Tx, job ManifestJob, from, to int) (*ManifestConflict, error) {
+func (d *drainer) explain(ctx context.Context, tx pgx.Tx, job Job, from, to int) (*Conflict, error) {
 	rows, err := tx.Query(ctx, d.target.explain, d.target.keyArgs(d.jobID, from, to)...)
 	if err != nil {
 		return nil, fmt.Errorf("manifest job %s: read the chunk's current rows: %w", d.jobID, err)
 	}
-	c := &ManifestConflict{From: from, To: to, Items: []ManifestItemConflict{}, DetectedAt: time.Now().UTC()}
+	c := &Conflict{From: from, To: to, Items: []ItemConflict{}, DetectedAt: time.Now().UTC()}
 	var (
 		seq                      int32
 		id, tenant, status       string
@@ -391,26 +411,11 @@ func (d *manifestDrainer) explain(ctx context.Context, tx pgx.Tx, job ManifestJo
 		badKeys                  []string
 	)
 	_, err = pgx.ForEachRow(rows, []any{&seq, &id, &approvedRev, &approvedFields, &found, &tenant, &rev, &status, &curField, &badKeys}, func() error {
-		var diffs []string
-		switch {
-		case !found:
-			diffs = append(diffs, "missing (no row with this id)")
-		default:
-			if tenant != job.Tenant {
-				diffs = append(diffs, fmt.Sprintf("tenant: approved %q, found %q", job.Tenant, tenant))
-			}
-			if rev != approvedRev {
-				diffs = append(diffs, fmt.Sprintf("revision: approved %d, found %d", approvedRev, rev))
-			}
-			if status != job.Transition.From {
-				diffs = append(diffs, fmt.Sprintf("status: approved %q, found %q", job.Transition.From, status))
-			}
-			for _, k := range badKeys {
-				diffs = append(diffs, fmt.Sprintf("%s: approved %s, found %s", k, approvedFields[k], cmp.Or(string(curField[k]), "null")))
-			}
-		}
+		want := rowState{found: true, tenant: job.Tenant, revision: approvedRev, status: job.Transition.From, fields: approvedFields}
+		got := rowState{found: found, tenant: tenant, revision: rev, status: status, fields: curField}
+		diffs := compareRow(want, got, badKeys, "approved", "found")
 		if len(diffs) > 0 {
-			c.Items = append(c.Items, ManifestItemConflict{Seq: int(seq), ID: id, Differences: diffs})
+			c.Items = append(c.Items, ItemConflict{Seq: int(seq), ID: id, Differences: diffs})
 		}
 		return nil
 	})
@@ -420,17 +425,17 @@ func (d *manifestDrainer) explain(ctx context.Context, tx pgx.Tx, job ManifestJo
 	if len(c.Items) == 0 {
 		// Every item matches now: a concurrent writer changed a row and
 		// changed it back while the UPDATE ran. Still a rollback.
-		c.Items = append(c.Items, ManifestItemConflict{Seq: from, ID: "?", Differences: []string{"a row changed while the chunk ran; no difference is visible now"}})
+		c.Items = append(c.Items, ItemConflict{Seq: from, ID: "?", Differences: []string{"a row changed while the chunk ran; no difference is visible now"}})
 	}
 	return c, nil
 }
 
-// verifyManifestProgress checks next_index against the audit and the frozen
+// verifyProgress checks next_index against the audit and the frozen
 // list: every position in [verified, next_index) has an audit row with the
 // same id, before revision = approved revision, after revision = approved + 1
 // and the approved fields; no audit row past next_index; next_index at a
 // chunk boundary and not past the end. It returns the problems found.
-func verifyManifestProgress(ctx context.Context, q manifestQuerier, job ManifestJob, verified int) ([]string, error) {
+func verifyProgress(ctx context.Context, q querier, job Job, verified int) ([]string, error) {
 	var problems []string
 	switch {
 	case job.NextIndex > job.ItemCount:
@@ -438,14 +443,14 @@ func verifyManifestProgress(ctx context.Context, q manifestQuerier, job Manifest
 	case job.NextIndex%job.ChunkSize != 0 && job.NextIndex != job.ItemCount:
 		problems = append(problems, fmt.Sprintf("next_index %d points into the middle of chunk %d (chunk size %d)", job.NextIndex, job.NextIndex/job.ChunkSize, job.ChunkSize))
 	}
-	if job.State == ManifestStateSucceeded && job.NextIndex != job.ItemCount {
+	if job.State == StateSucceeded && job.NextIndex != job.ItemCount {
 		problems = append(problems, fmt.Sprintf("state is succeeded but next_index is %d of %d", job.NextIndex, job.ItemCount))
 	}
-	if job.NextIndex == job.ItemCount && (job.State == ManifestStatePending || job.State == ManifestStateRunning) {
+	if job.NextIndex == job.ItemCount && (job.State == StatePending || job.State == StateRunning) {
 		problems = append(problems, fmt.Sprintf("next_index is at the end (%d) but state is %s", job.NextIndex, job.State))
 	}
 	from := min(verified, job.NextIndex)
-	rows, err := q.Query(ctx, manifestVerifySQL, job.JobID, from, job.NextIndex)
+	rows, err := q.Query(ctx, verifySQL, job.JobID, from, job.NextIndex)
 	if err != nil {
 		return nil, fmt.Errorf("manifest job %s: verify progress: %w", job.JobID, err)
 	}

@@ -1,7 +1,6 @@
-package batch
+package manifest
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -11,18 +10,18 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Current state of a committed item in ManifestReport.
+// Current state of a committed item in Report.
 const (
-	ManifestItemMatching = "matching" // the row is as the chunk left it
-	ManifestItemDrifted  = "drifted"  // the row changed since
-	ManifestItemMissing  = "missing"  // no row with this id any more
+	ItemMatching = "matching" // the row is as the chunk left it
+	ItemDrifted  = "drifted"  // the row changed since
+	ItemMissing  = "missing"  // no row with this id any more
 )
 
-// ManifestReport tells what a job approved, committed and has left, and the
+// Report tells what a job approved, committed and has left, and the
 // current state of each committed item. Completion is read from the
 // progress and audit, never from what a client printed.
-type ManifestReport struct {
-	Job ManifestJob `json:"job"`
+type Report struct {
+	Job Job `json:"job"`
 	// Approved lists every id of the frozen list, in list order.
 	Approved []string `json:"approved"`
 	// Committed lists the ids before next_index (changed and audited);
@@ -31,36 +30,57 @@ type ManifestReport struct {
 	Unprocessed []string `json:"unprocessed"`
 	// Matching, Drifted and Missing split Committed by the current row.
 	// A committed id stays committed whatever happened to its row later.
-	Matching []string        `json:"matching"`
-	Drifted  []string        `json:"drifted"`
-	Missing  []string        `json:"missing"`
-	Drift    []ManifestDrift `json:"drift"`
+	Matching []string `json:"matching"`
+	Drifted  []string `json:"drifted"`
+	Missing  []string `json:"missing"`
+	Drift    []Drift  `json:"drift"`
 	// Verification lists the problems progress verification finds (empty
 	// when next_index and the audit agree with the frozen list).
 	Verification []string  `json:"verification"`
 	ReadAt       time.Time `json:"read_at"`
 }
 
-// ManifestDrift says how a drifted item differs from what its chunk left.
-type ManifestDrift struct {
+// Drift says how a drifted item differs from what its chunk left.
+type Drift struct {
 	ID          string   `json:"id"`
 	Differences []string `json:"differences"`
 }
 
-// ReportManifest builds the report of a job. Progress, audit and the current
-// target rows are read by one statement, so they come from one snapshot.
-func ReportManifest(ctx context.Context, db ManifestDB, jobID string) (ManifestReport, error) {
-	job, err := loadManifestJob(ctx, db, manifestSelectJobSQL, jobID)
+// reportHook, when set by a test, runs between the report's statements.
+var reportHook func(jobID string)
+
+// ReadReport builds the report of a job. The progress, the audit, its
+// verification and the current target rows are read in one REPEATABLE READ
+// read-only transaction, so they come from one snapshot: a chunk that
+// commits meanwhile is in none of them.
+func ReadReport(ctx context.Context, db DB, jobID string) (Report, error) {
+	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
 	if err != nil {
-		return ManifestReport{}, err
+		return Report{}, fmt.Errorf("manifest job %s: report: begin: %w", jobID, err)
 	}
-	target, err := resolveManifestTarget(ctx, db, job.Target)
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, reportSettingsSQL); err != nil {
+		return Report{}, fmt.Errorf("manifest job %s: report: %w", jobID, err)
+	}
+	rep, err := readReport(ctx, tx, jobID)
 	if err != nil {
-		return ManifestReport{}, fmt.Errorf("manifest job %s: %w", jobID, err)
+		return rep, err
 	}
-	rep := ManifestReport{
+	return rep, tx.Commit(ctx)
+}
+
+func readReport(ctx context.Context, db querier, jobID string) (Report, error) {
+	job, err := loadJob(ctx, db, selectJobSQL, jobID)
+	if err != nil {
+		return Report{}, err
+	}
+	target, err := resolveTarget(ctx, db, job.Target)
+	if err != nil {
+		return Report{}, fmt.Errorf("manifest job %s: %w", jobID, err)
+	}
+	rep := Report{
 		Approved: []string{}, Committed: []string{}, Unprocessed: []string{},
-		Matching: []string{}, Drifted: []string{}, Missing: []string{}, Drift: []ManifestDrift{},
+		Matching: []string{}, Drifted: []string{}, Missing: []string{}, Drift: []Drift{},
 		Verification: []string{},
 	}
 	rows, err := db.Query(ctx, target.report, target.keyArgs(jobID)...)
@@ -77,8 +97,6 @@ func ReportManifest(ctx context.Context, db ManifestDB, jobID string) (ManifestR
 		badKeys              []string
 	)
 	_, err = pgx.ForEachRow(rows, []any{&nextIndex, &state, &seq, &id, &audited, &wantRev, &wantFields, &found, &curTenant, &rev, &curStatus, &cur, &badKeys}, func() error {
-		// The statement's snapshot, not the earlier read of the job row.
-		job.NextIndex, job.State = int(nextIndex), state
 		rep.Approved = append(rep.Approved, id)
 		if int(seq) >= job.NextIndex {
 			rep.Unprocessed = append(rep.Unprocessed, id)
@@ -89,25 +107,15 @@ func ReportManifest(ctx context.Context, db ManifestDB, jobID string) (ManifestR
 			rep.Missing = append(rep.Missing, id)
 			return nil
 		}
-		var diffs []string
-		if curTenant != job.Tenant {
-			diffs = append(diffs, fmt.Sprintf("tenant: committed %q, now %q", job.Tenant, curTenant))
-		}
-		if rev != wantRev {
-			diffs = append(diffs, fmt.Sprintf("revision: committed %d, now %d", wantRev, rev))
-		}
-		if curStatus != job.Transition.To {
-			diffs = append(diffs, fmt.Sprintf("status: committed %q, now %q", job.Transition.To, curStatus))
-		}
-		for _, k := range badKeys {
-			diffs = append(diffs, fmt.Sprintf("%s: committed %s, now %s", k, wantFields[k], cmp.Or(string(cur[k]), "null")))
-		}
+		want := rowState{found: true, tenant: job.Tenant, revision: wantRev, status: job.Transition.To, fields: wantFields}
+		got := rowState{found: true, tenant: curTenant, revision: rev, status: curStatus, fields: cur}
+		diffs := compareRow(want, got, badKeys, "committed", "now")
 		if len(diffs) == 0 {
 			rep.Matching = append(rep.Matching, id)
 			return nil
 		}
 		rep.Drifted = append(rep.Drifted, id)
-		rep.Drift = append(rep.Drift, ManifestDrift{ID: id, Differences: diffs})
+		rep.Drift = append(rep.Drift, Drift{ID: id, Differences: diffs})
 		return nil
 	})
 	if err != nil {
@@ -115,7 +123,10 @@ func ReportManifest(ctx context.Context, db ManifestDB, jobID string) (ManifestR
 	}
 	rep.Job = job
 	rep.ReadAt = time.Now().UTC()
-	problems, err := verifyManifestProgress(ctx, db, job, 0)
+	if reportHook != nil {
+		reportHook(jobID)
+	}
+	problems, err := verifyProgress(ctx, db, job, 0)
 	if err != nil {
 		return rep, err
 	}
@@ -124,7 +135,7 @@ func ReportManifest(ctx context.Context, db ManifestDB, jobID string) (ManifestR
 }
 
 // String renders the report as text for a terminal.
-func (r ManifestReport) String() string {
+func (r Report) String() string {
 	var b strings.Builder
 	j := r.Job
 	fmt.Fprintf(&b, "job          %s\n", j.JobID)

@@ -1,4 +1,4 @@
-package batch_test
+package manifest_test
 
 import (
 	"context"
@@ -8,47 +8,47 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/manifest"
 )
 
 // 43 approved orders with non-contiguous ids, chunk size 10 (a last short
 // chunk of 3), other tenants' and unapproved orders around them: every
 // approved order changes exactly once, nothing else changes.
-func TestManifestDrainChangesEachApprovedOrderOnce(t *testing.T) {
+func TestDrainChangesEachApprovedOrderOnce(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestNonContiguousIDs(43), chunkSize: 10})
+	f := newFixture(t, fixtureOpts{ids: nonContiguousIDs(43), chunkSize: 10})
 	f.register(t)
 	f.checkExactlyOnce(t, 0)
 
-	res, err := batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{MaxChunks: 2})
+	res, err := manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{MaxChunks: 2})
 	require.NoError(t, err)
-	require.Equal(t, batch.ManifestStoppedMaxChunks, res.Stopped)
+	require.Equal(t, manifest.StoppedMaxChunks, res.Stopped)
 	require.Len(t, res.Chunks, 2)
 	require.Equal(t, 20, res.NextIndex)
-	require.Equal(t, batch.ManifestStateRunning, res.State)
+	require.Equal(t, manifest.StateRunning, res.State)
 	f.checkExactlyOnce(t, 20)
 
 	var seen []string
-	res, err = batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{OnChunk: func(c batch.ManifestChunk) { seen = append(seen, c.IDs...) }})
+	res, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{OnChunk: func(c manifest.Chunk) { seen = append(seen, c.IDs...) }})
 	require.NoError(t, err)
-	require.Equal(t, batch.ManifestStoppedCompleted, res.Stopped)
+	require.Equal(t, manifest.StoppedCompleted, res.Stopped)
 	require.Len(t, res.Chunks, 3)
 	require.Equal(t, 40, res.Chunks[2].From)
 	require.Len(t, res.Chunks[2].IDs, 3, "last short chunk")
 	require.Equal(t, res.ProcessedIDs, seen)
-	require.Equal(t, batch.ManifestStateSucceeded, res.State)
+	require.Equal(t, manifest.StateSucceeded, res.State)
 	f.checkExactlyOnce(t, 43)
 
 	// Another drain of a finished job: an empty, successful answer.
-	res, err = batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{})
+	res, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{})
 	require.NoError(t, err)
 	require.Empty(t, res.Chunks)
-	require.Equal(t, batch.ManifestStoppedCompleted, res.Stopped)
+	require.Equal(t, manifest.StoppedCompleted, res.Stopped)
 	require.Equal(t, 43, res.NextIndex)
 	f.checkExactlyOnce(t, 43)
 
-	rep, err := batch.ReportManifest(ctx, f.pool, f.jobID)
+	rep, err := manifest.ReadReport(ctx, f.pool, f.jobID)
 	require.NoError(t, err)
 	require.Len(t, rep.Approved, 43)
 	require.Equal(t, rep.Approved, rep.Committed)
@@ -60,12 +60,12 @@ func TestManifestDrainChangesEachApprovedOrderOnce(t *testing.T) {
 // After chunk 1 commits, order 15 is modified by someone else: chunk 2
 // rolls back (orders 11–14 unchanged), chunk 1 stays, the job is conflicted
 // and says why, and it is not retried.
-func TestManifestConflictRollsBackTheChunkAndStops(t *testing.T) {
+func TestConflictRollsBackTheChunkAndStops(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(40), chunkSize: 10})
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(40), chunkSize: 10})
 	f.register(t)
-	_, err := batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{MaxChunks: 1})
+	_, err := manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{MaxChunks: 1})
 	require.NoError(t, err)
 	f.checkExactlyOnce(t, 10)
 
@@ -75,12 +75,12 @@ func TestManifestConflictRollsBackTheChunkAndStops(t *testing.T) {
 	f.origRevs[15]++ // the other writer's revision, which must stay
 	before := f.snapshot(t)
 
-	res, err := batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{})
-	var ce *batch.ManifestConflictError
+	res, err := manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{})
+	var ce *manifest.ConflictError
 	require.ErrorAs(t, err, &ce)
-	require.ErrorIs(t, err, batch.ErrManifestConflicted)
+	require.ErrorIs(t, err, manifest.ErrConflicted)
 	require.True(t, ce.Now)
-	require.Equal(t, batch.ManifestStoppedConflict, res.Stopped)
+	require.Equal(t, manifest.StoppedConflict, res.Stopped)
 	require.Empty(t, res.Chunks)
 	require.Equal(t, 1, ce.Conflict.Chunk)
 	require.Len(t, ce.Conflict.Items, 1)
@@ -94,19 +94,19 @@ func TestManifestConflictRollsBackTheChunkAndStops(t *testing.T) {
 	require.Equal(t, before.Audit, after.Audit)
 	require.Equal(t, before.Outbox, after.Outbox)
 	require.Equal(t, 10, after.NextIndex)
-	require.Equal(t, batch.ManifestStateConflicted, after.State)
+	require.Equal(t, manifest.StateConflicted, after.State)
 	f.checkExactlyOnce(t, 10)
 
 	// Not retried, not repaired: the next drain refuses at once.
-	_, err = batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{})
+	_, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{})
 	require.ErrorAs(t, err, &ce)
 	require.False(t, ce.Now)
 	require.Equal(t, "15", ce.Conflict.Items[0].ID)
 	require.Equal(t, after, f.snapshot(t))
 
-	rep, err := batch.ReportManifest(ctx, f.pool, f.jobID)
+	rep, err := manifest.ReadReport(ctx, f.pool, f.jobID)
 	require.NoError(t, err)
-	require.Equal(t, batch.ManifestStateConflicted, rep.Job.State)
+	require.Equal(t, manifest.StateConflicted, rep.Job.State)
 	require.NotNil(t, rep.Job.Conflict)
 	require.Equal(t, "15", rep.Job.Conflict.Items[0].ID)
 	require.Len(t, rep.Committed, 10)
@@ -115,7 +115,7 @@ func TestManifestConflictRollsBackTheChunkAndStops(t *testing.T) {
 }
 
 // The conflict explanation names each kind of difference.
-func TestManifestConflictExplainsEachDifference(t *testing.T) {
+func TestConflictExplainsEachDifference(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	for _, tc := range []struct {
@@ -130,7 +130,7 @@ func TestManifestConflictExplainsEachDifference(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(5), chunkSize: 5})
+			f := newFixture(t, fixtureOpts{ids: contiguousIDs(5), chunkSize: 5})
 			f.register(t)
 			// The trigger only bumps the revision when the writer does not set
 			// it; "revision = revision" keeps it so only one thing differs.
@@ -139,8 +139,8 @@ func TestManifestConflictExplainsEachDifference(t *testing.T) {
 			_, err = f.pool.Exec(ctx, tc.change)
 			require.NoError(t, err)
 			before := f.snapshot(t)
-			_, err = batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{})
-			var ce *batch.ManifestConflictError
+			_, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{})
+			var ce *manifest.ConflictError
 			require.ErrorAs(t, err, &ce)
 			require.Len(t, ce.Conflict.Items, 1)
 			require.Equal(t, "3", ce.Conflict.Items[0].ID)
@@ -154,7 +154,7 @@ func TestManifestConflictExplainsEachDifference(t *testing.T) {
 }
 
 // Tampered progress is refused by verification before anything changes.
-func TestManifestVerificationRefusesTamperedProgress(t *testing.T) {
+func TestVerificationRefusesTamperedProgress(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	for _, tc := range []struct {
@@ -174,23 +174,23 @@ func TestManifestVerificationRefusesTamperedProgress(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(40), chunkSize: 10})
+			f := newFixture(t, fixtureOpts{ids: contiguousIDs(40), chunkSize: 10})
 			f.register(t)
-			_, err := batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{MaxChunks: tc.chunks})
+			_, err := manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{MaxChunks: tc.chunks})
 			require.NoError(t, err)
 			_, err = f.pool.Exec(ctx, tc.tamper)
 			require.NoError(t, err)
 			before := f.snapshot(t)
 
-			_, err = batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{})
-			var pe *batch.ManifestProgressError
+			_, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{})
+			var pe *manifest.ProgressError
 			require.ErrorAs(t, err, &pe)
-			require.ErrorIs(t, err, batch.ErrManifestProgressMismatch)
+			require.ErrorIs(t, err, manifest.ErrProgressMismatch)
 			require.Contains(t, err.Error(), tc.want)
 			require.Contains(t, err.Error(), "nothing was changed or repaired")
 			require.Equal(t, before, f.snapshot(t), "nothing changed")
 
-			rep, err := batch.ReportManifest(ctx, f.pool, f.jobID)
+			rep, err := manifest.ReadReport(ctx, f.pool, f.jobID)
 			require.NoError(t, err)
 			require.NotEmpty(t, rep.Verification)
 			require.Contains(t, rep.String(), "verification FAILED")
@@ -201,12 +201,12 @@ func TestManifestVerificationRefusesTamperedProgress(t *testing.T) {
 // The report splits committed ids into matching, drifted and missing after
 // committed orders are modified or deleted; a new order with the same
 // quantity does not stand in for a deleted one.
-func TestManifestReportMatchingDriftedMissing(t *testing.T) {
+func TestReportMatchingDriftedMissing(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(40), chunkSize: 10})
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(40), chunkSize: 10})
 	f.register(t)
-	_, err := batch.DrainManifest(ctx, f.pool, f.jobID, batch.ManifestDrainOptions{MaxChunks: 2})
+	_, err := manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{MaxChunks: 2})
 	require.NoError(t, err)
 
 	for _, q := range []string{
@@ -220,7 +220,7 @@ func TestManifestReportMatchingDriftedMissing(t *testing.T) {
 		require.NoError(t, err, q)
 	}
 
-	rep, err := batch.ReportManifest(ctx, f.pool, f.jobID)
+	rep, err := manifest.ReadReport(ctx, f.pool, f.jobID)
 	require.NoError(t, err)
 	ids := func(from, to int) []string {
 		var out []string
@@ -242,14 +242,14 @@ func TestManifestReportMatchingDriftedMissing(t *testing.T) {
 	}
 	require.Equal(t, matching, rep.Matching)
 	require.Len(t, rep.Drift, 2)
-	require.Equal(t, batch.ManifestDrift{ID: "3", Differences: []string{"revision: committed 2, now 3", "qty: committed 4, now 5"}}, rep.Drift[0])
-	require.Equal(t, batch.ManifestDrift{ID: "12", Differences: []string{"revision: committed 2, now 3", `status: committed "cancelled", now "pending"`}}, rep.Drift[1])
+	require.Equal(t, manifest.Drift{ID: "3", Differences: []string{"revision: committed 2, now 3", "qty: committed 4, now 5"}}, rep.Drift[0])
+	require.Equal(t, manifest.Drift{ID: "12", Differences: []string{"revision: committed 2, now 3", `status: committed "cancelled", now "pending"`}}, rep.Drift[1])
 	require.Empty(t, rep.Verification, "the audit is intact")
 }
 
-func TestManifestDrainUnknownJob(t *testing.T) {
+func TestDrainUnknownJob(t *testing.T) {
 	t.Parallel()
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(3), chunkSize: 2})
-	_, err := batch.DrainManifest(context.Background(), f.pool, "nope", batch.ManifestDrainOptions{})
-	require.True(t, errors.Is(err, batch.ErrManifestNotFound), "%v", err)
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(3), chunkSize: 2})
+	_, err := manifest.Drain(context.Background(), f.pool, "nope", manifest.DrainOptions{})
+	require.True(t, errors.Is(err, manifest.ErrNotFound), "%v", err)
 }

@@ -1,4 +1,4 @@
-package batch_test
+package manifest_test
 
 import (
 	"context"
@@ -13,38 +13,38 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
+	"github.com/outboxrelay/outboxrelay/manifest"
 )
 
-const manifestProcTimeout = 2 * time.Minute
+const procTimeout = 2 * time.Minute
 
-func (f *manifestFixture) env(extra ...string) []string {
+func (f *fixture) env(extra ...string) []string {
 	return append([]string{"DATABASE_URL=" + f.url, "LOG_FORMAT=json", failpoint.EnvVar + "="}, extra...)
 }
 
 // The client is killed at each failpoint of the second chunk: the database,
 // read over a new connection, holds exactly the chunks committed before,
 // and a new drain finishes the job with every order changed once.
-func TestManifestCrashAtEachFailpointThenResume(t *testing.T) {
+func TestCrashAtEachFailpointThenResume(t *testing.T) {
 	t.Parallel()
 	bin := testproc.Build(t, "batcher")
 	for _, tc := range []struct {
 		failpoint string
 		committed int // items committed when the process dies
 	}{
-		{batch.ManifestFailpointAfterUpdate, 10},
-		{batch.ManifestFailpointAfterAudit, 10},
-		{batch.ManifestFailpointAfterNextIndex, 10},
-		{batch.ManifestFailpointAfterCommit, 20},
+		{manifest.FailpointAfterUpdate, 10},
+		{manifest.FailpointAfterAudit, 10},
+		{manifest.FailpointAfterNextIndex, 10},
+		{manifest.FailpointAfterCommit, 20},
 	} {
 		t.Run(tc.failpoint, func(t *testing.T) {
 			t.Parallel()
-			f := newManifestFixture(t, manifestFixtureOpts{ids: manifestNonContiguousIDs(43), chunkSize: 10})
+			f := newFixture(t, fixtureOpts{ids: nonContiguousIDs(43), chunkSize: 10})
 			f.register(t)
 
-			p := testproc.Run(t, manifestProcTimeout, bin, f.env(failpoint.EnvVar+"="+tc.failpoint+"@2"), "manifest", "drain", "--job", f.jobID)
+			p := testproc.Run(t, procTimeout, bin, f.env(failpoint.EnvVar+"="+tc.failpoint+"@2"), "manifest", "drain", "--job", f.jobID)
 			require.True(t, p.Killed(), "exit %d, stderr:\n%s", p.ExitCode(), p.Stderr())
 			require.Contains(t, p.Stderr(), "failpoint "+tc.failpoint)
 			require.Contains(t, p.Stdout(), "chunk 0 committed")
@@ -52,28 +52,28 @@ func TestManifestCrashAtEachFailpointThenResume(t *testing.T) {
 
 			f.checkExactlyOnce(t, tc.committed)
 			s := f.snapshot(t)
-			require.Equal(t, batch.ManifestStateRunning, s.State)
+			require.Equal(t, manifest.StateRunning, s.State)
 
-			p = testproc.Run(t, manifestProcTimeout, bin, f.env(), "manifest", "drain", "--job", f.jobID, "--json")
+			p = testproc.Run(t, procTimeout, bin, f.env(), "manifest", "drain", "--job", f.jobID, "--json")
 			require.Equal(t, 0, p.ExitCode(), p.Stderr())
-			var res batch.ManifestDrainResult
+			var res manifest.DrainResult
 			require.NoError(t, json.Unmarshal([]byte(p.Stdout()), &res), p.Stdout())
-			require.Equal(t, batch.ManifestStoppedCompleted, res.Stopped)
+			require.Equal(t, manifest.StoppedCompleted, res.Stopped)
 			require.Len(t, res.ProcessedIDs, 43-tc.committed)
 			require.Equal(t, 43, res.NextIndex)
 			f.checkExactlyOnce(t, 43)
-			require.Equal(t, batch.ManifestStateSucceeded, f.snapshot(t).State)
+			require.Equal(t, manifest.StateSucceeded, f.snapshot(t).State)
 		})
 	}
 }
 
 // Two processes drain the same job at the same time: every approved id is
 // changed and audited exactly once.
-func TestManifestTwoProcessesDrainOneJob(t *testing.T) {
+func TestTwoProcessesDrainOneJob(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	bin := testproc.Build(t, "batcher")
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestNonContiguousIDs(43), chunkSize: 3})
+	f := newFixture(t, fixtureOpts{ids: nonContiguousIDs(43), chunkSize: 3})
 	f.register(t)
 
 	// Hold the job row so both processes are queued on it before either
@@ -87,7 +87,7 @@ func TestManifestTwoProcessesDrainOneJob(t *testing.T) {
 		testproc.Start(t, bin, f.env(), "manifest", "drain", "--job", f.jobID, "--json"),
 		testproc.Start(t, bin, f.env(), "manifest", "drain", "--job", f.jobID, "--json"),
 	}
-	manifestWaitFor(t, time.Minute, "both drains wait for the job row", func() bool {
+	waitFor(t, time.Minute, "both drains wait for the job row", func() bool {
 		var waiting int
 		require.NoError(t, f.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting))
 		return waiting == 2
@@ -96,10 +96,10 @@ func TestManifestTwoProcessesDrainOneJob(t *testing.T) {
 
 	var all []string
 	for i, p := range procs {
-		require.NoError(t, p.Wait(manifestProcTimeout), "drain %d: %s", i, p.Stderr())
-		var res batch.ManifestDrainResult
+		require.NoError(t, p.Wait(procTimeout), "drain %d: %s", i, p.Stderr())
+		var res manifest.DrainResult
 		require.NoError(t, json.Unmarshal([]byte(p.Stdout()), &res), p.Stdout())
-		require.Equal(t, batch.ManifestStoppedCompleted, res.Stopped)
+		require.Equal(t, manifest.StoppedCompleted, res.Stopped)
 		t.Logf("drain %d changed %d item(s) in %d chunk(s)", i, len(res.ProcessedIDs), len(res.Chunks))
 		all = append(all, res.ProcessedIDs...)
 	}
@@ -120,14 +120,14 @@ func TestManifestTwoProcessesDrainOneJob(t *testing.T) {
 // The commands as an operator runs them: registration idempotency and
 // conflict exit codes, malformed files, drain stopping at a conflict with
 // exit 3, report (table and JSON) and status.
-func TestManifestCommands(t *testing.T) {
+func TestCommands(t *testing.T) {
 	t.Parallel()
 	bin := testproc.Build(t, "batcher")
 	ctx := context.Background()
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(40), chunkSize: 10})
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(40), chunkSize: 10})
 	run := func(env []string, args ...string) *testproc.Proc {
 		t.Helper()
-		return testproc.Run(t, manifestProcTimeout, bin, env, args...)
+		return testproc.Run(t, procTimeout, bin, env, args...)
 	}
 
 	p := run(f.env(), "manifest", "register", "--file", f.file)
@@ -138,13 +138,13 @@ func TestManifestCommands(t *testing.T) {
 	require.Equal(t, 0, p.ExitCode(), p.Stderr())
 	require.Contains(t, p.Stdout(), "already registered with the same content")
 
-	other := manifestClone(f.spec)
+	other := cloneSpec(f.spec)
 	other["tenant"] = "someone-else"
 	p = run(f.env(), "manifest", "register", "--file", f.writeFile(t, other))
 	require.Equal(t, 3, p.ExitCode(), p.Stderr())
 	require.Contains(t, p.Stderr(), "nothing changed")
 
-	p = run(f.env(), "manifest", "register", "--file", filepath.Join("testdata", "manifest", "duplicate_id.json"))
+	p = run(f.env(), "manifest", "register", "--file", filepath.Join("testdata", "duplicate_id.json"))
 	require.Equal(t, 2, p.ExitCode(), p.Stderr())
 	require.Contains(t, p.Stderr(), "items[2] (id 3): duplicate id")
 
@@ -168,9 +168,9 @@ func TestManifestCommands(t *testing.T) {
 
 	p = run(f.env(), "manifest", "report", "--job", f.jobID, "--json")
 	require.Equal(t, 0, p.ExitCode(), p.Stderr())
-	var rep batch.ManifestReport
+	var rep manifest.Report
 	require.NoError(t, json.Unmarshal([]byte(p.Stdout()), &rep))
-	require.Equal(t, batch.ManifestStateConflicted, rep.Job.State)
+	require.Equal(t, manifest.StateConflicted, rep.Job.State)
 	require.Equal(t, "15", rep.Job.Conflict.Items[0].ID)
 	require.Len(t, rep.Committed, 10)
 	require.Len(t, rep.Matching, 10)
@@ -188,7 +188,7 @@ func TestManifestCommands(t *testing.T) {
 }
 
 // waitFor polls cond until it holds or the deadline passes.
-func manifestWaitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	tick := time.NewTicker(10 * time.Millisecond)
@@ -203,11 +203,11 @@ func manifestWaitFor(t *testing.T, timeout time.Duration, what string, cond func
 
 // SIGTERM while a chunk is in flight: the chunk commits, no other starts,
 // the process exits 0 at that chunk.
-func TestManifestSoftStopFinishesTheChunkInFlight(t *testing.T) {
+func TestSoftStopFinishesTheChunkInFlight(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	bin := testproc.Build(t, "batcher")
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestNonContiguousIDs(43), chunkSize: 10})
+	f := newFixture(t, fixtureOpts{ids: nonContiguousIDs(43), chunkSize: 10})
 	f.register(t)
 
 	tx, err := f.pool.Begin(ctx)
@@ -216,17 +216,17 @@ func TestManifestSoftStopFinishesTheChunkInFlight(t *testing.T) {
 	_, err = tx.Exec(ctx, `SELECT 1 FROM manifest_jobs WHERE job_id = $1 FOR UPDATE`, f.jobID)
 	require.NoError(t, err)
 	p := testproc.Start(t, bin, f.env(), "manifest", "drain", "--job", f.jobID)
-	manifestWaitFor(t, time.Minute, "the drain waits for the job row inside its first chunk", func() bool {
+	waitFor(t, time.Minute, "the drain waits for the job row inside its first chunk", func() bool {
 		var waiting int
 		require.NoError(t, f.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting))
 		return waiting == 1
 	})
 	require.NoError(t, p.Signal(syscall.SIGTERM))
-	manifestWaitFor(t, time.Minute, "the drain logs the soft stop", func() bool {
+	waitFor(t, time.Minute, "the drain logs the soft stop", func() bool {
 		return strings.Contains(p.Stderr(), "stopping softly")
 	})
 	require.NoError(t, tx.Commit(ctx))
-	require.NoError(t, p.Wait(manifestProcTimeout), p.Stderr())
+	require.NoError(t, p.Wait(procTimeout), p.Stderr())
 	require.Contains(t, p.Stdout(), "stopped: stop")
 	f.checkExactlyOnce(t, 10)
 }

@@ -1,4 +1,4 @@
-package batch
+package manifest
 
 import (
 	"context"
@@ -11,30 +11,30 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// ManifestJob is a registered job as manifest_jobs holds it.
-type ManifestJob struct {
-	JobID      string             `json:"job_id"`
-	Tenant     string             `json:"tenant"`
-	Target     ManifestTarget     `json:"target"`
-	Transition ManifestTransition `json:"transition"`
-	Topic      string             `json:"topic"`
-	IDType     string             `json:"id_type"`
-	ChunkSize  int                `json:"chunk_size"`
-	ItemCount  int                `json:"item_count"`
-	NextIndex  int                `json:"next_index"`
-	State      string             `json:"state"`
-	ChunksDone int                `json:"chunks_done"`
+// Job is a registered job as manifest_jobs holds it.
+type Job struct {
+	JobID      string     `json:"job_id"`
+	Tenant     string     `json:"tenant"`
+	Target     Target     `json:"target"`
+	Transition Transition `json:"transition"`
+	Topic      string     `json:"topic"`
+	IDType     string     `json:"id_type"`
+	ChunkSize  int        `json:"chunk_size"`
+	ItemCount  int        `json:"item_count"`
+	NextIndex  int        `json:"next_index"`
+	State      string     `json:"state"`
+	ChunksDone int        `json:"chunks_done"`
 	// Conflict says why the job is conflicted (nil otherwise).
-	Conflict   *ManifestConflict `json:"conflict,omitempty"`
-	CreatedAt  time.Time         `json:"created_at"`
-	UpdatedAt  time.Time         `json:"updated_at"`
-	FinishedAt *time.Time        `json:"finished_at,omitempty"`
+	Conflict   *Conflict  `json:"conflict,omitempty"`
+	CreatedAt  time.Time  `json:"created_at"`
+	UpdatedAt  time.Time  `json:"updated_at"`
+	FinishedAt *time.Time `json:"finished_at,omitempty"`
 
 	itemsHash, contentHash string
 }
 
-func scanManifestJob(row pgx.Row) (ManifestJob, error) {
-	var j ManifestJob
+func scanJob(row pgx.Row) (Job, error) {
+	var j Job
 	var spec []byte
 	var conflict []byte
 	err := row.Scan(&j.JobID, &j.Tenant, &spec, &j.ChunkSize, &j.ItemCount, &j.itemsHash, &j.contentHash,
@@ -42,13 +42,13 @@ func scanManifestJob(row pgx.Row) (ManifestJob, error) {
 	if err != nil {
 		return j, err
 	}
-	var h manifestHeader
+	var h storedHeader
 	if err := json.Unmarshal(spec, &h); err != nil {
 		return j, fmt.Errorf("manifest job %s: stored spec: %w", j.JobID, err)
 	}
 	j.Target, j.Transition, j.Topic, j.IDType = h.Target, h.Transition, h.Topic, h.IDType
 	if conflict != nil {
-		j.Conflict = &ManifestConflict{}
+		j.Conflict = &Conflict{}
 		if err := json.Unmarshal(conflict, j.Conflict); err != nil {
 			return j, fmt.Errorf("manifest job %s: stored conflict: %w", j.JobID, err)
 		}
@@ -56,10 +56,10 @@ func scanManifestJob(row pgx.Row) (ManifestJob, error) {
 	return j, nil
 }
 
-func loadManifestJob(ctx context.Context, q manifestQuerier, sql, jobID string) (ManifestJob, error) {
-	j, err := scanManifestJob(q.QueryRow(ctx, sql, jobID))
+func loadJob(ctx context.Context, q querier, sql, jobID string) (Job, error) {
+	j, err := scanJob(q.QueryRow(ctx, sql, jobID))
 	if errors.Is(err, pgx.ErrNoRows) {
-		return j, fmt.Errorf("%w: %q", ErrManifestNotFound, jobID)
+		return j, fmt.Errorf("%w: %q", ErrNotFound, jobID)
 	}
 	if err != nil {
 		return j, fmt.Errorf("load manifest job %s: %w", jobID, err)
@@ -67,16 +67,16 @@ func loadManifestJob(ctx context.Context, q manifestQuerier, sql, jobID string) 
 	return j, nil
 }
 
-// ListManifestJobs returns every registered job, oldest first.
-func ListManifestJobs(ctx context.Context, db ManifestDB) ([]ManifestJob, error) {
-	rows, err := db.Query(ctx, manifestListJobsSQL)
+// ListJobs returns every registered job, oldest first.
+func ListJobs(ctx context.Context, db DB) ([]Job, error) {
+	rows, err := db.Query(ctx, listJobsSQL)
 	if err != nil {
 		return nil, fmt.Errorf("list manifest jobs: %w", err)
 	}
 	defer rows.Close()
-	var out []ManifestJob
+	var out []Job
 	for rows.Next() {
-		j, err := scanManifestJob(rows)
+		j, err := scanJob(rows)
 		if err != nil {
 			return nil, fmt.Errorf("list manifest jobs: %w", err)
 		}
@@ -88,68 +88,75 @@ func ListManifestJobs(ctx context.Context, db ManifestDB) ([]ManifestJob, error)
 	return out, nil
 }
 
-// GetManifestJob returns one job.
-func GetManifestJob(ctx context.Context, db ManifestDB, jobID string) (ManifestJob, error) {
-	return loadManifestJob(ctx, db, manifestSelectJobSQL, jobID)
+// GetJob returns one job.
+func GetJob(ctx context.Context, db DB, jobID string) (Job, error) {
+	return loadJob(ctx, db, selectJobSQL, jobID)
 }
 
-// ManifestRegistration says what RegisterManifest did.
-type ManifestRegistration struct {
+// Registration says what Register did.
+type Registration struct {
 	// Created is false when the same job was registered before (the call
 	// was a no-op).
-	Created bool        `json:"created"`
-	Job     ManifestJob `json:"job"`
+	Created bool `json:"created"`
+	Job     Job  `json:"job"`
 }
 
-// ManifestRegistrationConflictError lists what differs between a file and
-// the job registered under its id. It wraps ErrManifestRegistrationConflict.
-type ManifestRegistrationConflictError struct {
+// RegistrationConflictError lists what differs between a file and
+// the job registered under its id. It wraps ErrRegistrationConflict.
+type RegistrationConflictError struct {
 	JobID       string
 	Differences []string
 }
 
-func (e *ManifestRegistrationConflictError) Error() string {
+func (e *RegistrationConflictError) Error() string {
 	return fmt.Sprintf("manifest job %q is already registered with a different %s; nothing changed (register the new approval under a new job id)",
 		e.JobID, strings.Join(e.Differences, ", "))
 }
 
-func (e *ManifestRegistrationConflictError) Unwrap() error { return ErrManifestRegistrationConflict }
+func (e *RegistrationConflictError) Unwrap() error { return ErrRegistrationConflict }
 
-// RegisterManifest freezes an approved list (normalized by ParseManifest).
+// Register freezes an approved list (normalized by Parse).
 // The same job id with the same content, in any item order, is the same job:
 // nothing changes and Created is false. The same job id with another tenant,
 // target, transition, topic, chunk size or items is a
-// *ManifestRegistrationConflictError and nothing changes. The target table
+// *RegistrationConflictError and nothing changes. The target table
 // and columns must exist.
-func RegisterManifest(ctx context.Context, db ManifestDB, spec ManifestSpec) (ManifestRegistration, error) {
+func Register(ctx context.Context, db DB, spec Spec) (Registration, error) {
 	if spec.Topic == "" || spec.IDType == "" {
-		return ManifestRegistration{}, fmt.Errorf("%w: register a spec returned by ParseManifest", ErrManifestInvalid)
+		return Registration{}, fmt.Errorf("%w: register a spec returned by Parse", ErrInvalid)
 	}
-	if _, err := resolveManifestTarget(ctx, db, spec.Target); err != nil {
-		return ManifestRegistration{}, fmt.Errorf("register manifest job %s: %w", spec.JobID, err)
+	target, err := resolveTarget(ctx, db, spec.Target)
+	if err != nil {
+		return Registration{}, fmt.Errorf("register manifest job %s: %w", spec.JobID, err)
 	}
 	itemsHash, contentHash := spec.hashes()
 	header, err := json.Marshal(spec.header())
 	if err != nil {
-		return ManifestRegistration{}, err
+		return Registration{}, err
 	}
 	n := len(spec.Items)
 	seqs, ids, revs, fields := make([]int32, n), make([]string, n), make([]int64, n), make([]string, n)
 	for i, it := range spec.Items {
 		f, err := json.Marshal(it.Fields)
 		if err != nil {
-			return ManifestRegistration{}, fmt.Errorf("items[%d] (id %s): fields: %w", i, it.ID, err)
+			return Registration{}, fmt.Errorf("items[%d] (id %s): fields: %w", i, it.ID, err)
 		}
 		seqs[i], ids[i], revs[i], fields[i] = int32(i), it.ID, it.Revision, string(f)
 	}
 
-	var reg ManifestRegistration
+	var bad int
+	if err := db.QueryRow(ctx, target.checkFields, fields).Scan(&bad); err != nil {
+		return Registration{}, fmt.Errorf("%w: register manifest job %s: the items' fields %v do not compare as the types of %s's columns: %v",
+			ErrInvalid, spec.JobID, spec.Target.MatchFields, target.table, err)
+	}
+
+	var reg Registration
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		var got string
-		err := tx.QueryRow(ctx, manifestInsertJobSQL, spec.JobID, spec.Tenant, header, spec.ChunkSize, n, itemsHash, contentHash).Scan(&got)
+		err := tx.QueryRow(ctx, insertJobSQL, spec.JobID, spec.Tenant, header, spec.ChunkSize, n, itemsHash, contentHash).Scan(&got)
 		switch {
 		case err == nil:
-			if _, err := tx.Exec(ctx, manifestInsertItemsSQL, spec.JobID, seqs, ids, revs, fields); err != nil {
+			if _, err := tx.Exec(ctx, insertItemsSQL, spec.JobID, seqs, ids, revs, fields); err != nil {
 				return fmt.Errorf("insert %d items: %w", n, err)
 			}
 			reg.Created = true
@@ -159,28 +166,28 @@ func RegisterManifest(ctx context.Context, db ManifestDB, spec ManifestSpec) (Ma
 		default:
 			return fmt.Errorf("insert job: %w", err)
 		}
-		reg.Job, err = loadManifestJob(ctx, tx, manifestSelectJobSQL, spec.JobID)
+		reg.Job, err = loadJob(ctx, tx, selectJobSQL, spec.JobID)
 		if err != nil || reg.Created || reg.Job.contentHash == contentHash {
 			return err
 		}
-		diffs, err := manifestDifferences(ctx, tx, reg.Job, spec, itemsHash)
+		diffs, err := differences(ctx, tx, reg.Job, spec, itemsHash)
 		if err != nil {
 			return err
 		}
-		return &ManifestRegistrationConflictError{JobID: spec.JobID, Differences: diffs}
+		return &RegistrationConflictError{JobID: spec.JobID, Differences: diffs}
 	})
 	if err != nil {
-		var ce *ManifestRegistrationConflictError
+		var ce *RegistrationConflictError
 		if errors.As(err, &ce) {
-			return ManifestRegistration{}, err
+			return Registration{}, err
 		}
-		return ManifestRegistration{}, fmt.Errorf("register manifest job %s: %w", spec.JobID, err)
+		return Registration{}, fmt.Errorf("register manifest job %s: %w", spec.JobID, err)
 	}
 	return reg, nil
 }
 
-// manifestDifferences names what differs between the stored job and spec.
-func manifestDifferences(ctx context.Context, q manifestQuerier, job ManifestJob, spec ManifestSpec, itemsHash string) ([]string, error) {
+// differences names what differs between the stored job and spec.
+func differences(ctx context.Context, q querier, job Job, spec Spec, itemsHash string) ([]string, error) {
 	var d []string
 	if job.Tenant != spec.Tenant {
 		d = append(d, fmt.Sprintf("tenant (registered %q, file %q)", job.Tenant, spec.Tenant))
@@ -188,7 +195,7 @@ func manifestDifferences(ctx context.Context, q manifestQuerier, job ManifestJob
 	if job.ChunkSize != spec.ChunkSize {
 		d = append(d, fmt.Sprintf("chunk size (registered %d, file %d)", job.ChunkSize, spec.ChunkSize))
 	}
-	if a, b := manifestJSON(job.Target), manifestJSON(spec.Target); a != b {
+	if a, b := jsonString(job.Target), jsonString(spec.Target); a != b {
 		d = append(d, fmt.Sprintf("target (registered %s, file %s)", a, b))
 	}
 	if job.Transition != spec.Transition {
@@ -201,7 +208,7 @@ func manifestDifferences(ctx context.Context, q manifestQuerier, job ManifestJob
 		d = append(d, fmt.Sprintf("id type (registered %ss, file %ss)", job.IDType, spec.IDType))
 	}
 	if job.itemsHash != itemsHash {
-		d = append(d, "items ("+manifestFirstItemDifference(ctx, q, job, spec)+")")
+		d = append(d, "items ("+firstItemDifference(ctx, q, job, spec)+")")
 	}
 	if len(d) == 0 {
 		d = append(d, "content hash")
@@ -209,13 +216,13 @@ func manifestDifferences(ctx context.Context, q manifestQuerier, job ManifestJob
 	return d, nil
 }
 
-func manifestFirstItemDifference(ctx context.Context, q manifestQuerier, job ManifestJob, spec ManifestSpec) string {
-	rows, err := q.Query(ctx, manifestSelectItemsSQL, job.JobID)
+func firstItemDifference(ctx context.Context, q querier, job Job, spec Spec) string {
+	rows, err := q.Query(ctx, selectItemsSQL, job.JobID)
 	if err != nil {
 		return fmt.Sprintf("registered %d, file %d", job.ItemCount, len(spec.Items))
 	}
-	stored, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ManifestItem, error) {
-		var it ManifestItem
+	stored, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Item, error) {
+		var it Item
 		var f []byte
 		if err := r.Scan(&it.ID, &it.Revision, &f); err != nil {
 			return it, err
@@ -233,18 +240,18 @@ func manifestFirstItemDifference(ctx context.Context, q manifestQuerier, job Man
 			return fmt.Sprintf("%s; first difference at position %d: registered id %s, file id %s", prefix, i, a.ID, b.ID)
 		case a.Revision != b.Revision:
 			return fmt.Sprintf("%s; id %s: registered revision %d, file %d", prefix, a.ID, a.Revision, b.Revision)
-		case !manifestSameFields(a.Fields, b.Fields):
-			return fmt.Sprintf("%s; id %s: registered fields %s, file %s", prefix, a.ID, manifestJSON(a.Fields), manifestJSON(b.Fields))
+		case !sameFields(a.Fields, b.Fields):
+			return fmt.Sprintf("%s; id %s: registered fields %s, file %s", prefix, a.ID, jsonString(a.Fields), jsonString(b.Fields))
 		}
 	}
 	return prefix
 }
 
-func manifestSameFields(a, b map[string]json.RawMessage) bool {
-	return manifestJSON(a) == manifestJSON(b)
+func sameFields(a, b map[string]json.RawMessage) bool {
+	return jsonString(a) == jsonString(b)
 }
 
-func manifestJSON(v any) string {
+func jsonString(v any) string {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return fmt.Sprintf("%v", v)

@@ -1,24 +1,4 @@
-package batch
-
-// Manifest jobs (seed 003): finish an interrupted batch over a frozen,
-// approved list.
-//
-// An operator registers a list of items (id, approved revision, expected
-// field values) with a tenant, a target table, a transition (status from →
-// to, revision + 1) and a chunk size. The list is sorted by id and frozen.
-// [DrainManifest] then applies it chunk by chunk: it locks the job row FOR
-// UPDATE, verifies the progress against the audit, takes the next chunk by
-// next_index into the frozen list (never by re-querying the target), and in
-// one transaction applies the conditional UPDATE, writes one audit row per
-// item, enqueues one outbox event per changed row and advances next_index.
-// An item that no longer matches rolls back its whole chunk and stops the job
-// as conflicted; finished chunks stay. [ReportManifest] lists approved,
-// committed and unprocessed ids and the current state of each committed one.
-//
-//	spec, err := batch.ParseManifest(file)
-//	reg, err := batch.RegisterManifest(ctx, pool, spec)
-//	res, err := batch.DrainManifest(ctx, pool, spec.JobID, batch.ManifestDrainOptions{MaxChunks: 2})
-//	rep, err := batch.ReportManifest(ctx, pool, spec.JobID)
+package manifest
 
 import (
 	"bytes"
@@ -35,70 +15,70 @@ import (
 	"strings"
 )
 
-// ManifestDemoOrdersSQL creates the demo orders table (id bigint, tenant_id,
+// DemoOrdersSQL creates the demo orders table (id bigint, tenant_id,
 // revision, status, qty, updated_at) with a trigger that bumps revision on
 // every other write. It is the user's table, not a migration. Idempotent.
 //
-//go:embed manifest_demo_orders.sql
-var ManifestDemoOrdersSQL string
+//go:embed demo_orders.sql
+var DemoOrdersSQL string
 
-// ManifestDefaultTopic is the outbox topic of a manifest job whose file
+// DefaultTopic is the outbox topic of a manifest job whose file
 // names none.
-const ManifestDefaultTopic = "outboxrelay.orders"
+const DefaultTopic = "outboxrelay.orders"
 
 // Manifest job states (manifest_jobs.state).
 const (
-	ManifestStatePending    = "pending"
-	ManifestStateRunning    = "running"
-	ManifestStateSucceeded  = "succeeded"
-	ManifestStateConflicted = "conflicted"
+	StatePending    = "pending"
+	StateRunning    = "running"
+	StateSucceeded  = "succeeded"
+	StateConflicted = "conflicted"
 )
 
 // Errors of manifest jobs. Each is wrapped by a more specific error that
 // says which job, item or setting.
 var (
-	// ErrManifestInvalid: the manifest file is malformed (the error names
+	// ErrInvalid: the manifest file is malformed (the error names
 	// the item or setting).
-	ErrManifestInvalid = errors.New("invalid manifest")
-	// ErrManifestRegistrationConflict: the job id is registered with other
+	ErrInvalid = errors.New("invalid manifest")
+	// ErrRegistrationConflict: the job id is registered with other
 	// content. Nothing changed.
-	ErrManifestRegistrationConflict = errors.New("manifest job already registered with different content")
-	// ErrManifestNotFound: no job with that id.
-	ErrManifestNotFound = errors.New("manifest job not found")
-	// ErrManifestConflicted: an approved item no longer matches the target
+	ErrRegistrationConflict = errors.New("manifest job already registered with different content")
+	// ErrNotFound: no job with that id.
+	ErrNotFound = errors.New("manifest job not found")
+	// ErrConflicted: an approved item no longer matches the target
 	// row; the job is conflicted and needs a new approval.
-	ErrManifestConflicted = errors.New("manifest job conflicted")
-	// ErrManifestProgressMismatch: next_index and the audit disagree with
+	ErrConflicted = errors.New("manifest job conflicted")
+	// ErrProgressMismatch: next_index and the audit disagree with
 	// the frozen list. Nothing was changed or repaired.
-	ErrManifestProgressMismatch = errors.New("manifest progress does not match its audit")
+	ErrProgressMismatch = errors.New("manifest progress does not match its audit")
 )
 
-// ManifestSpec is a manifest file: what was approved.
-type ManifestSpec struct {
+// Spec is a manifest file: what was approved.
+type Spec struct {
 	// JobID names the job; registering it again with the same content is a
 	// no-op. Required.
 	JobID string `json:"job_id"`
 	// Tenant every item must still belong to. Required.
 	Tenant string `json:"tenant"`
 	// Target is the user's table and its columns.
-	Target ManifestTarget `json:"target"`
+	Target Target `json:"target"`
 	// Transition is the approved change of status; revision always + 1.
-	Transition ManifestTransition `json:"transition"`
+	Transition Transition `json:"transition"`
 	// ChunkSize is how many items commit together (the approval's unit of
 	// partial completion). Required, > 0.
 	ChunkSize int `json:"chunk_size"`
 	// Topic of the outbox events (default outboxrelay.orders).
 	Topic string `json:"topic,omitempty"`
 	// IDType is "number" or "string": how the items' ids were written, and
-	// so how they sort. Set by ParseManifest.
+	// so how they sort. Set by Parse.
 	IDType string `json:"id_type,omitempty"`
-	// Items, sorted by id by ParseManifest.
-	Items []ManifestItem `json:"items"`
+	// Items, sorted by id by Parse.
+	Items []Item `json:"items"`
 }
 
-// ManifestTarget names the table and columns a manifest job changes.
+// Target names the table and columns a manifest job changes.
 // Identifiers are quoted, never spliced raw.
-type ManifestTarget struct {
+type Target struct {
 	// Schema of the table ("" = search_path).
 	Schema string `json:"schema,omitempty"`
 	// Table is required.
@@ -111,19 +91,22 @@ type ManifestTarget struct {
 	RevisionColumn string `json:"revision_column,omitempty"`
 	StatusColumn   string `json:"status_column,omitempty"`
 	// MatchFields are the columns whose approved values each item carries
-	// and that must still be equal (compared as PostgreSQL's to_jsonb
-	// renders them), e.g. ["qty"].
+	// and that must still be equal, e.g. ["qty"]. Values are compared as
+	// the column's type (the JSON value converted as jsonb_populate_record
+	// does), so a timestamptz is the same instant whatever offset the file
+	// or a session's TimeZone writes; a column type without equality is
+	// refused at registration.
 	MatchFields []string `json:"match_fields"`
 }
 
-// ManifestTransition is the approved change: status From → To.
-type ManifestTransition struct {
+// Transition is the approved change: status From → To.
+type Transition struct {
 	From string `json:"from"`
 	To   string `json:"to"`
 }
 
-// ManifestItem is one approved item.
-type ManifestItem struct {
+// Item is one approved item.
+type Item struct {
 	// ID as text (numbers in decimal).
 	ID string `json:"id"`
 	// Revision the approval saw.
@@ -132,45 +115,45 @@ type ManifestItem struct {
 	Fields map[string]json.RawMessage `json:"fields"`
 }
 
-// ParseManifest reads a manifest file (JSON), checks it and normalizes it:
+// Parse reads a manifest file (JSON), checks it and normalizes it:
 // defaults filled in, items sorted by id. A malformed file is refused with
 // an error naming the item ("items[3] (id 15): revision: ...").
-func ParseManifest(r io.Reader) (ManifestSpec, error) {
+func Parse(r io.Reader) (Spec, error) {
 	var raw struct {
-		JobID      string             `json:"job_id"`
-		Tenant     string             `json:"tenant"`
-		Target     ManifestTarget     `json:"target"`
-		Transition ManifestTransition `json:"transition"`
-		ChunkSize  int                `json:"chunk_size"`
-		Topic      string             `json:"topic"`
-		Items      []json.RawMessage  `json:"items"`
+		JobID      string            `json:"job_id"`
+		Tenant     string            `json:"tenant"`
+		Target     Target            `json:"target"`
+		Transition Transition        `json:"transition"`
+		ChunkSize  int               `json:"chunk_size"`
+		Topic      string            `json:"topic"`
+		Items      []json.RawMessage `json:"items"`
 	}
 	dec := json.NewDecoder(r)
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&raw); err != nil {
-		return ManifestSpec{}, fmt.Errorf("%w: %v", ErrManifestInvalid, err)
+		return Spec{}, fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
-	spec := ManifestSpec{
+	spec := Spec{
 		JobID: raw.JobID, Tenant: raw.Tenant, Target: raw.Target, Transition: raw.Transition,
 		ChunkSize: raw.ChunkSize, Topic: raw.Topic,
 	}
 	spec.Target.fillDefaults()
 	if err := spec.validateHeader(); err != nil {
-		return ManifestSpec{}, err
+		return Spec{}, err
 	}
 	if len(raw.Items) == 0 {
-		return ManifestSpec{}, fmt.Errorf("%w: items: the list is empty", ErrManifestInvalid)
+		return Spec{}, fmt.Errorf("%w: items: the list is empty", ErrInvalid)
 	}
 	firstAt := map[string]int{}
 	var nums []int64
 	for i, data := range raw.Items {
-		it, isNum, n, err := parseManifestItem(data, spec.Target.MatchFields)
+		it, isNum, n, err := parseItem(data, spec.Target.MatchFields)
 		label := fmt.Sprintf("items[%d]", i)
 		if it.ID != "" {
 			label += fmt.Sprintf(" (id %s)", it.ID)
 		}
 		if err != nil {
-			return ManifestSpec{}, fmt.Errorf("%w: %s: %v", ErrManifestInvalid, label, err)
+			return Spec{}, fmt.Errorf("%w: %s: %v", ErrInvalid, label, err)
 		}
 		idType := "string"
 		if isNum {
@@ -179,10 +162,10 @@ func ParseManifest(r io.Reader) (ManifestSpec, error) {
 		if spec.IDType == "" {
 			spec.IDType = idType
 		} else if spec.IDType != idType {
-			return ManifestSpec{}, fmt.Errorf("%w: %s: id is a %s but items[0] has a %s id; write every id the same way", ErrManifestInvalid, label, idType, spec.IDType)
+			return Spec{}, fmt.Errorf("%w: %s: id is a %s but items[0] has a %s id; write every id the same way", ErrInvalid, label, idType, spec.IDType)
 		}
 		if prev, dup := firstAt[it.ID]; dup {
-			return ManifestSpec{}, fmt.Errorf("%w: %s: duplicate id, also items[%d]", ErrManifestInvalid, label, prev)
+			return Spec{}, fmt.Errorf("%w: %s: duplicate id, also items[%d]", ErrInvalid, label, prev)
 		}
 		firstAt[it.ID] = i
 		spec.Items = append(spec.Items, it)
@@ -194,18 +177,18 @@ func ParseManifest(r io.Reader) (ManifestSpec, error) {
 			idx[i] = i
 		}
 		slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(nums[a], nums[b]) })
-		sorted := make([]ManifestItem, len(idx))
+		sorted := make([]Item, len(idx))
 		for i, j := range idx {
 			sorted[i] = spec.Items[j]
 		}
 		spec.Items = sorted
 	} else {
-		slices.SortFunc(spec.Items, func(a, b ManifestItem) int { return strings.Compare(a.ID, b.ID) })
+		slices.SortFunc(spec.Items, func(a, b Item) int { return strings.Compare(a.ID, b.ID) })
 	}
 	return spec, nil
 }
 
-func (t *ManifestTarget) fillDefaults() {
+func (t *Target) fillDefaults() {
 	t.IDColumn = cmp.Or(t.IDColumn, "id")
 	t.TenantColumn = cmp.Or(t.TenantColumn, "tenant_id")
 	t.RevisionColumn = cmp.Or(t.RevisionColumn, "revision")
@@ -215,11 +198,11 @@ func (t *ManifestTarget) fillDefaults() {
 	}
 }
 
-func (s *ManifestSpec) validateHeader() error {
+func (s *Spec) validateHeader() error {
 	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: %s", ErrManifestInvalid, fmt.Sprintf(format, args...))
+		return fmt.Errorf("%w: %s", ErrInvalid, fmt.Sprintf(format, args...))
 	}
-	s.Topic = cmp.Or(s.Topic, ManifestDefaultTopic)
+	s.Topic = cmp.Or(s.Topic, DefaultTopic)
 	switch {
 	case strings.TrimSpace(s.JobID) == "":
 		return bad("job_id is missing")
@@ -256,14 +239,14 @@ func (s *ManifestSpec) validateHeader() error {
 	return nil
 }
 
-// parseManifestItem checks one item. It returns the item, whether its id was
+// parseItem checks one item. It returns the item, whether its id was
 // a JSON number and that number.
-func parseManifestItem(data json.RawMessage, fields []string) (ManifestItem, bool, int64, error) {
+func parseItem(data json.RawMessage, fields []string) (Item, bool, int64, error) {
 	var obj map[string]json.RawMessage
 	if err := json.Unmarshal(data, &obj); err != nil || obj == nil {
-		return ManifestItem{}, false, 0, fmt.Errorf("not an object: %s", manifestTruncate(string(data), 60))
+		return Item{}, false, 0, fmt.Errorf("not an object: %s", truncate(string(data), 60))
 	}
-	var it ManifestItem
+	var it Item
 	var isNum bool
 	var n int64
 	rawID, ok := obj["id"]
@@ -289,7 +272,7 @@ func parseManifestItem(data json.RawMessage, fields []string) (ManifestItem, boo
 		}
 		it.ID = v
 	default:
-		return it, false, 0, fmt.Errorf("id: want a number or a string, got %s", manifestTruncate(string(rawID), 40))
+		return it, false, 0, fmt.Errorf("id: want a number or a string, got %s", truncate(string(rawID), 40))
 	}
 	rawRev, ok := obj["revision"]
 	if !ok {
@@ -297,14 +280,14 @@ func parseManifestItem(data json.RawMessage, fields []string) (ManifestItem, boo
 	}
 	rev, err := strconv.ParseInt(string(bytes.TrimSpace(rawRev)), 10, 64)
 	if err != nil || rev < 0 {
-		return it, isNum, n, fmt.Errorf("revision: want an integer >= 0, got %s", manifestTruncate(string(rawRev), 40))
+		return it, isNum, n, fmt.Errorf("revision: want an integer >= 0, got %s", truncate(string(rawRev), 40))
 	}
 	it.Revision = rev
 	it.Fields = map[string]json.RawMessage{}
 	if rawFields, ok := obj["fields"]; ok {
 		var fm map[string]json.RawMessage
 		if err := json.Unmarshal(rawFields, &fm); err != nil || (fm == nil && len(fields) > 0) {
-			return it, isNum, n, fmt.Errorf("fields: want an object, got %s", manifestTruncate(string(rawFields), 40))
+			return it, isNum, n, fmt.Errorf("fields: want an object, got %s", truncate(string(rawFields), 40))
 		}
 		it.Fields = fm
 		if it.Fields == nil {
@@ -335,30 +318,30 @@ func parseManifestItem(data json.RawMessage, fields []string) (ManifestItem, boo
 	return it, isNum, n, nil
 }
 
-func manifestTruncate(s string, n int) string {
+func truncate(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
 	return s[:n] + "…"
 }
 
-// manifestHeader is everything of a spec but its items, as stored in
+// storedHeader is everything of a spec but its items, as stored in
 // manifest_jobs.spec.
-type manifestHeader struct {
-	Target     ManifestTarget     `json:"target"`
-	Transition ManifestTransition `json:"transition"`
-	Topic      string             `json:"topic"`
-	IDType     string             `json:"id_type"`
+type storedHeader struct {
+	Target     Target     `json:"target"`
+	Transition Transition `json:"transition"`
+	Topic      string     `json:"topic"`
+	IDType     string     `json:"id_type"`
 }
 
-func (s ManifestSpec) header() manifestHeader {
-	return manifestHeader{Target: s.Target, Transition: s.Transition, Topic: s.Topic, IDType: s.IDType}
+func (s Spec) header() storedHeader {
+	return storedHeader{Target: s.Target, Transition: s.Transition, Topic: s.Topic, IDType: s.IDType}
 }
 
 // hashes returns the sha256 of the normalized items and of the whole job.
 // Items are sorted and fields marshal with sorted keys, so the order of the
 // file does not matter.
-func (s ManifestSpec) hashes() (items, content string) {
+func (s Spec) hashes() (items, content string) {
 	hi := sha256.New()
 	for _, it := range s.Items {
 		f, _ := json.Marshal(it.Fields)

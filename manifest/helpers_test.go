@@ -1,4 +1,4 @@
-package batch_test
+package manifest_test
 
 import (
 	"bytes"
@@ -15,18 +15,18 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
+	"github.com/outboxrelay/outboxrelay/manifest"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
-const manifestTenant = "alien-desserts"
+const testTenant = "alien-desserts"
 
-// manifestFixture is a database with the demo orders table: approved orders
-// of manifestTenant, other pending orders of the same tenant that are not
+// fixture is a database with the demo orders table: approved orders
+// of testTenant, other pending orders of the same tenant that are not
 // approved, and orders of another tenant, plus the manifest file for the
 // approved ones.
-type manifestFixture struct {
+type fixture struct {
 	url      string
 	pool     *pgxpool.Pool
 	ids      []int64 // approved, ascending
@@ -36,14 +36,14 @@ type manifestFixture struct {
 	origRevs map[int64]int64
 }
 
-type manifestFixtureOpts struct {
+type fixtureOpts struct {
 	ids       []int64
 	chunkSize int
 }
 
-// manifestNonContiguousIDs returns n ids with gaps: 3, 10, 17, ... (every
+// nonContiguousIDs returns n ids with gaps: 3, 10, 17, ... (every
 // third one is followed by a gap of 11).
-func manifestNonContiguousIDs(n int) []int64 {
+func nonContiguousIDs(n int) []int64 {
 	ids := make([]int64, n)
 	next := int64(3)
 	for i := range ids {
@@ -56,7 +56,7 @@ func manifestNonContiguousIDs(n int) []int64 {
 	return ids
 }
 
-func manifestContiguousIDs(n int) []int64 {
+func contiguousIDs(n int) []int64 {
 	ids := make([]int64, n)
 	for i := range ids {
 		ids[i] = int64(i + 1)
@@ -64,17 +64,17 @@ func manifestContiguousIDs(n int) []int64 {
 	return ids
 }
 
-func newManifestFixture(t *testing.T, o manifestFixtureOpts) *manifestFixture {
+func newFixture(t *testing.T, o fixtureOpts) *fixture {
 	t.Helper()
 	ctx := context.Background()
 	url := stack.Database(t)
 	pool := stack.Pool(t, url)
-	_, err := pool.Exec(ctx, batch.ManifestDemoOrdersSQL)
+	_, err := pool.Exec(ctx, manifest.DemoOrdersSQL)
 	require.NoError(t, err)
 	// Approved orders: revision 1..3 (varied), qty derived from the id.
 	_, err = pool.Exec(ctx, `
 INSERT INTO orders (id, tenant_id, revision, status, qty)
-SELECT id, $2, 1 + id % 3, 'pending', 1 + id % 5 FROM unnest($1::bigint[]) AS id`, o.ids, manifestTenant)
+SELECT id, $2, 1 + id % 3, 'pending', 1 + id % 5 FROM unnest($1::bigint[]) AS id`, o.ids, testTenant)
 	require.NoError(t, err)
 	// Other tenants' pending orders and this tenant's unapproved ones, at ids
 	// between and beyond the approved ones.
@@ -82,10 +82,10 @@ SELECT id, $2, 1 + id % 3, 'pending', 1 + id % 5 FROM unnest($1::bigint[]) AS id
 INSERT INTO orders (id, tenant_id, revision, status, qty)
 SELECT g, CASE WHEN g % 2 = 0 THEN 'other-tenant' ELSE $2 END, 1, 'pending', 1 + g % 5
 FROM generate_series(1, 1000) AS g
-WHERE g <> ALL($1::bigint[])`, o.ids, manifestTenant)
+WHERE g <> ALL($1::bigint[])`, o.ids, testTenant)
 	require.NoError(t, err)
 
-	f := &manifestFixture{url: url, pool: pool, ids: o.ids, jobID: "festival-cancel", origRevs: map[int64]int64{}}
+	f := &fixture{url: url, pool: pool, ids: o.ids, jobID: "festival-cancel", origRevs: map[int64]int64{}}
 	items := make([]map[string]any, len(o.ids))
 	for i, id := range o.ids {
 		f.origRevs[id] = 1 + id%3
@@ -94,7 +94,7 @@ WHERE g <> ALL($1::bigint[])`, o.ids, manifestTenant)
 	// The file lists the items out of order: registration sorts them.
 	slices.Reverse(items)
 	f.spec = map[string]any{
-		"job_id": f.jobID, "tenant": manifestTenant,
+		"job_id": f.jobID, "tenant": testTenant,
 		"target":     map[string]any{"table": "orders", "match_fields": []string{"qty"}},
 		"transition": map[string]any{"from": "pending", "to": "cancelled"},
 		"chunk_size": o.chunkSize,
@@ -104,7 +104,7 @@ WHERE g <> ALL($1::bigint[])`, o.ids, manifestTenant)
 	return f
 }
 
-func (f *manifestFixture) writeFile(t *testing.T, spec map[string]any) string {
+func (f *fixture) writeFile(t *testing.T, spec map[string]any) string {
 	t.Helper()
 	b, err := json.MarshalIndent(spec, "", " ")
 	require.NoError(t, err)
@@ -113,25 +113,25 @@ func (f *manifestFixture) writeFile(t *testing.T, spec map[string]any) string {
 	return p
 }
 
-func (f *manifestFixture) parsed(t *testing.T) batch.ManifestSpec {
+func (f *fixture) parsed(t *testing.T) manifest.Spec {
 	t.Helper()
 	b, err := os.ReadFile(f.file)
 	require.NoError(t, err)
-	spec, err := batch.ParseManifest(bytes.NewReader(b))
+	spec, err := manifest.Parse(bytes.NewReader(b))
 	require.NoError(t, err)
 	return spec
 }
 
-func (f *manifestFixture) register(t *testing.T) {
+func (f *fixture) register(t *testing.T) {
 	t.Helper()
-	reg, err := batch.RegisterManifest(context.Background(), f.pool, f.parsed(t))
+	reg, err := manifest.Register(context.Background(), f.pool, f.parsed(t))
 	require.NoError(t, err)
 	require.True(t, reg.Created)
 }
 
-// manifestSnapshot is everything a chunk may change, read over a new
+// dbSnapshot is everything a chunk may change, read over a new
 // connection, so a test compares the database before and after.
-type manifestSnapshot struct {
+type dbSnapshot struct {
 	Orders    string
 	Audit     string
 	Outbox    string
@@ -140,13 +140,13 @@ type manifestSnapshot struct {
 	State     string
 }
 
-func (f *manifestFixture) snapshot(t *testing.T) manifestSnapshot {
+func (f *fixture) snapshot(t *testing.T) dbSnapshot {
 	t.Helper()
 	ctx := context.Background()
 	conn, err := pgx.Connect(ctx, f.url)
 	require.NoError(t, err)
 	defer conn.Close(ctx)
-	var s manifestSnapshot
+	var s dbSnapshot
 	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(string_agg(format('%s/%s/%s/%s/%s', id, tenant_id, revision, status, qty), ',' ORDER BY id), '') FROM orders`).Scan(&s.Orders))
 	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(string_agg(format('%s/%s/%s/%s/%s', seq, item_id, before_revision, after_revision, fields), ',' ORDER BY seq), '') FROM manifest_audit`).Scan(&s.Audit))
 	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(string_agg(event_id::text, ',' ORDER BY event_id), '') FROM outbox_events`).Scan(&s.Outbox))
@@ -158,7 +158,7 @@ func (f *manifestFixture) snapshot(t *testing.T) manifestSnapshot {
 // code under test, that exactly the first n approved orders (in id order)
 // changed once (pending → cancelled, revision + 1), each with one audit row
 // and one outbox event, and that nothing else changed.
-func (f *manifestFixture) checkExactlyOnce(t *testing.T, n int) {
+func (f *fixture) checkExactlyOnce(t *testing.T, n int) {
 	t.Helper()
 	ctx := context.Background()
 	conn, err := pgx.Connect(ctx, f.url)
@@ -195,7 +195,7 @@ func (f *manifestFixture) checkExactlyOnce(t *testing.T, n int) {
 		}
 		if isDone[r.ID] {
 			want++
-			require.Equal(t, manifestTenant, r.Tenant)
+			require.Equal(t, testTenant, r.Tenant)
 		} else {
 			require.Equal(t, "pending", r.Status, "order %d", r.ID)
 		}

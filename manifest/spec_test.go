@@ -1,4 +1,4 @@
-package batch_test
+package manifest_test
 
 import (
 	"context"
@@ -10,10 +10,10 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/manifest"
 )
 
-func TestParseManifestRefusesMalformedFilesNamingTheItem(t *testing.T) {
+func TestParseRefusesMalformedFilesNamingTheItem(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name string
@@ -35,22 +35,22 @@ func TestParseManifestRefusesMalformedFilesNamingTheItem(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			f, err := os.Open(filepath.Join("testdata", "manifest", tc.file))
+			f, err := os.Open(filepath.Join("testdata", tc.file))
 			require.NoError(t, err)
 			defer f.Close()
-			_, err = batch.ParseManifest(f)
-			require.ErrorIs(t, err, batch.ErrManifestInvalid)
+			_, err = manifest.Parse(f)
+			require.ErrorIs(t, err, manifest.ErrInvalid)
 			require.Contains(t, err.Error(), tc.want)
 		})
 	}
 }
 
-func TestParseManifestNormalizes(t *testing.T) {
+func TestParseNormalizes(t *testing.T) {
 	t.Parallel()
-	f, err := os.Open(filepath.Join("testdata", "manifest", "approved.json"))
+	f, err := os.Open(filepath.Join("testdata", "approved.json"))
 	require.NoError(t, err)
 	defer f.Close()
-	spec, err := batch.ParseManifest(f)
+	spec, err := manifest.Parse(f)
 	require.NoError(t, err)
 	var ids []string
 	for _, it := range spec.Items {
@@ -58,13 +58,13 @@ func TestParseManifestNormalizes(t *testing.T) {
 	}
 	require.Equal(t, []string{"2", "10", "15", "100"}, ids, "numeric ids sort as numbers")
 	require.Equal(t, "number", spec.IDType)
-	require.Equal(t, batch.ManifestDefaultTopic, spec.Topic)
+	require.Equal(t, manifest.DefaultTopic, spec.Topic)
 	require.Equal(t, "id", spec.Target.IDColumn)
 	require.Equal(t, "tenant_id", spec.Target.TenantColumn)
 	require.Equal(t, "revision", spec.Target.RevisionColumn)
 	require.Equal(t, "status", spec.Target.StatusColumn)
 
-	spec, err = batch.ParseManifest(strings.NewReader(`{"job_id":"j","tenant":"t","target":{"table":"x"},
+	spec, err = manifest.Parse(strings.NewReader(`{"job_id":"j","tenant":"t","target":{"table":"x"},
 		"transition":{"from":"a","to":"b"},"chunk_size":1,"items":[{"id":"b","revision":1},{"id":"a","revision":1}]}`))
 	require.NoError(t, err)
 	require.Equal(t, "a", spec.Items[0].ID)
@@ -74,21 +74,21 @@ func TestParseManifestNormalizes(t *testing.T) {
 // Same job id with the same content in any order is the same job; same job
 // id with a different tenant, items or chunk size is a conflict and changes
 // nothing.
-func TestRegisterManifestIdempotentOrConflict(t *testing.T) {
+func TestRegisterIdempotentOrConflict(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(12), chunkSize: 5})
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(12), chunkSize: 5})
 	f.register(t)
 	before := f.snapshot(t)
 	items := f.spec["items"].([]map[string]any)
 
 	// The same items in another order (the fixture wrote them reversed).
-	sameSpec := manifestClone(f.spec)
+	sameSpec := cloneSpec(f.spec)
 	reordered := append([]map[string]any(nil), items...)
 	reordered[0], reordered[5] = reordered[5], reordered[0]
 	sameSpec["items"] = reordered
-	spec := manifestParseFile(t, f.writeFile(t, sameSpec))
-	reg, err := batch.RegisterManifest(ctx, f.pool, spec)
+	spec := parseFile(t, f.writeFile(t, sameSpec))
+	reg, err := manifest.Register(ctx, f.pool, spec)
 	require.NoError(t, err)
 	require.False(t, reg.Created)
 	require.Equal(t, 12, reg.Job.ItemCount)
@@ -110,12 +110,12 @@ func TestRegisterManifestIdempotentOrConflict(t *testing.T) {
 		}, "transition (registered pending → cancelled, file pending → shipped)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := manifestClone(f.spec)
+			s := cloneSpec(f.spec)
 			tc.change(s)
-			_, err := batch.RegisterManifest(ctx, f.pool, manifestParseFile(t, f.writeFile(t, s)))
-			var ce *batch.ManifestRegistrationConflictError
+			_, err := manifest.Register(ctx, f.pool, parseFile(t, f.writeFile(t, s)))
+			var ce *manifest.RegistrationConflictError
 			require.ErrorAs(t, err, &ce)
-			require.True(t, errors.Is(err, batch.ErrManifestRegistrationConflict))
+			require.True(t, errors.Is(err, manifest.ErrRegistrationConflict))
 			require.Contains(t, err.Error(), tc.want)
 			require.Contains(t, err.Error(), "nothing changed")
 			require.Equal(t, before, f.snapshot(t))
@@ -126,10 +126,10 @@ func TestRegisterManifestIdempotentOrConflict(t *testing.T) {
 	require.Equal(t, 12, items2)
 }
 
-func TestRegisterManifestChecksTheTarget(t *testing.T) {
+func TestRegisterChecksTheTarget(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	f := newManifestFixture(t, manifestFixtureOpts{ids: manifestContiguousIDs(2), chunkSize: 5})
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(2), chunkSize: 5})
 	for _, tc := range []struct {
 		name   string
 		target map[string]any
@@ -138,17 +138,26 @@ func TestRegisterManifestChecksTheTarget(t *testing.T) {
 		{"no table", map[string]any{"table": "nope", "match_fields": []string{"qty"}}, `target table "nope" does not exist`},
 		{"no column", map[string]any{"table": "orders", "match_fields": []string{"qty"}, "revision_column": "rev"}, `has no column(s) rev`},
 	} {
-		s := manifestClone(f.spec)
+		s := cloneSpec(f.spec)
 		s["target"] = tc.target
-		_, err := batch.RegisterManifest(ctx, f.pool, manifestParseFile(t, f.writeFile(t, s)))
+		_, err := manifest.Register(ctx, f.pool, parseFile(t, f.writeFile(t, s)))
 		require.ErrorContains(t, err, tc.want, tc.name)
 	}
+	// A value that does not convert to its column's type is refused at
+	// registration, not at the first drain.
+	s := cloneSpec(f.spec)
+	items := []map[string]any{{"id": 1, "revision": 2, "fields": map[string]any{"qty": "two"}}}
+	s["items"] = items
+	_, err := manifest.Register(ctx, f.pool, parseFile(t, f.writeFile(t, s)))
+	require.ErrorIs(t, err, manifest.ErrInvalid)
+	require.ErrorContains(t, err, `invalid input syntax for type integer: "two"`)
+
 	var jobs int
 	require.NoError(t, f.pool.QueryRow(ctx, `SELECT count(*) FROM manifest_jobs`).Scan(&jobs))
 	require.Zero(t, jobs)
 }
 
-func manifestClone(m map[string]any) map[string]any {
+func cloneSpec(m map[string]any) map[string]any {
 	out := make(map[string]any, len(m))
 	for k, v := range m {
 		out[k] = v
@@ -156,12 +165,12 @@ func manifestClone(m map[string]any) map[string]any {
 	return out
 }
 
-func manifestParseFile(t *testing.T, path string) batch.ManifestSpec {
+func parseFile(t *testing.T, path string) manifest.Spec {
 	t.Helper()
 	f, err := os.Open(path)
 	require.NoError(t, err)
 	defer f.Close()
-	spec, err := batch.ParseManifest(f)
+	spec, err := manifest.Parse(f)
 	require.NoError(t, err)
 	return spec
 }

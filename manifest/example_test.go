@@ -1,17 +1,17 @@
-package batch_test
+package manifest_test
 
 import (
 	"fmt"
 	"strings"
 
-	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/manifest"
 )
 
 // A manifest file is checked and normalized before it is registered: the
 // items are sorted by id, so the same approval in another order is the same
 // job, and a malformed item is refused by name.
-func ExampleParseManifest() {
-	spec, err := batch.ParseManifest(strings.NewReader(`{
+func ExampleParse() {
+	spec, err := manifest.Parse(strings.NewReader(`{
 	  "job_id": "festival-cancel", "tenant": "alien-desserts",
 	  "target": {"table": "orders", "match_fields": ["qty"]},
 	  "transition": {"from": "pending", "to": "cancelled"},
@@ -28,7 +28,7 @@ func ExampleParseManifest() {
 	}
 	fmt.Println(spec.Topic)
 
-	_, err = batch.ParseManifest(strings.NewReader(`{
+	_, err = manifest.Parse(strings.NewReader(`{
 	  "job_id": "j", "tenant": "t", "target": {"table": "orders", "match_fields": ["qty"]},
 	  "transition": {"from": "pending", "to": "cancelled"}, "chunk_size": 10,
 	  "items": [{"id": 1, "revision": 1, "fields": {"qty": 2}}, {"id": 2, "revision": 1}]}`))

@@ -1,4 +1,4 @@
-package batch_test
+package manifest_test
 
 import (
 	"context"
@@ -10,19 +10,19 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
+	"github.com/outboxrelay/outboxrelay/manifest"
 )
 
-// BenchmarkManifestDrain measures a manifest job of 100,000 approved orders
+// BenchmarkDrain measures a manifest job of 100,000 approved orders
 // (every other order of a 200,000-row table) in chunks of 1,000: register,
 // then drain with conditional UPDATE, audit, outbox events and next_index per
 // chunk. The baseline is the bare set-based UPDATE of the same rows in the
 // same chunk size without audit, outbox or verification; raw_ratio is the
 // drain's rate over the baseline's.
 //
-//	go test -run '^$' -bench BenchmarkManifestDrain -benchtime 1x ./batch/
-func BenchmarkManifestDrain(b *testing.B) {
+//	go test -run '^$' -bench BenchmarkDrain -benchtime 1x ./batch/
+func BenchmarkDrain(b *testing.B) {
 	const items, chunk = 100_000, 1_000
 	ctx := context.Background()
 	var drainDur, regDur, rawDur time.Duration
@@ -30,7 +30,7 @@ func BenchmarkManifestDrain(b *testing.B) {
 	for range b.N {
 		b.StopTimer()
 		pool := stack.Pool(b, stack.Database(b))
-		_, err := pool.Exec(ctx, batch.ManifestDemoOrdersSQL)
+		_, err := pool.Exec(ctx, manifest.DemoOrdersSQL)
 		require.NoError(b, err)
 		_, err = pool.Exec(ctx, `
 INSERT INTO orders (id, tenant_id, revision, status, qty)
@@ -55,13 +55,13 @@ FROM generate_series(1, $1::bigint) AS g`, 2*items)
 		var m0, m1 runtime.MemStats
 		runtime.ReadMemStats(&m0)
 		start := time.Now()
-		spec, err := batch.ParseManifest(strings.NewReader(sb.String()))
+		spec, err := manifest.Parse(strings.NewReader(sb.String()))
 		require.NoError(b, err)
-		_, err = batch.RegisterManifest(ctx, pool, spec)
+		_, err = manifest.Register(ctx, pool, spec)
 		require.NoError(b, err)
 		regDur += time.Since(start)
 		start = time.Now()
-		res, err := batch.DrainManifest(ctx, pool, "bench", batch.ManifestDrainOptions{})
+		res, err := manifest.Drain(ctx, pool, "bench", manifest.DrainOptions{})
 		require.NoError(b, err)
 		drainDur += time.Since(start)
 		runtime.ReadMemStats(&m1)
@@ -76,7 +76,7 @@ FROM generate_series(1, $1::bigint) AS g`, 2*items)
 			_, err := pool.Exec(ctx, `
 UPDATE orders AS t SET status = 'cancelled', revision = t.revision + 1
 FROM unnest($1::text[]) AS u(id)
-WHERE t.id = u.id::bigint AND t.tenant_id = 'other' AND t.status = 'pending'`, manifestOddIDs(from, chunk))
+WHERE t.id = u.id::bigint AND t.tenant_id = 'other' AND t.status = 'pending'`, oddIDs(from, chunk))
 			require.NoError(b, err)
 		}
 		rawDur += time.Since(start)
@@ -90,7 +90,7 @@ WHERE t.id = u.id::bigint AND t.tenant_id = 'other' AND t.status = 'pending'`, m
 	b.ReportMetric(float64(allocBytes)/float64(b.N), "alloc_bytes/op")
 }
 
-func manifestOddIDs(from, n int) []string {
+func oddIDs(from, n int) []string {
 	out := make([]string, n)
 	for i := range out {
 		out[i] = fmt.Sprint(2*(from+i) + 1)

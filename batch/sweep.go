@@ -1,0 +1,351 @@
+package batch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxrelay/outboxrelay/internal/failpoint"
+)
+
+// The sweep of a full run (Spec.Vanished = delete): once every partition
+// succeeded, the live rows of normalized_records for the job's source name
+// whose source row is no longer in the run's scope become tombstones and
+// delete events. It goes through normalized_records by source_id in chunks;
+// each chunk is one transaction with its tombstones, its events and its
+// checkpoint (batch_sweeps.cursor), fenced by the sweep's lease token and
+// the previous cursor like a partition's chunk. A crash anywhere resumes
+// from the last committed chunk, and a chunk swept twice changes nothing
+// (a tombstone is not a live row).
+
+// Failpoints of a sweep chunk.
+const (
+	failpointSweepAfterDelete     = "batch.sweep_after_delete"     // tombstones and events written, not checkpointed
+	failpointSweepAfterCheckpoint = "batch.sweep_after_checkpoint" // + checkpoint, not committed
+	failpointSweepAfterCommit     = "batch.sweep_after_commit"     // committed
+)
+
+const (
+	// createSweepSQL: a new full run that sweeps.
+	createSweepSQL = `INSERT INTO batch_sweeps (job, logical_run_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`
+	// retrySweepSQL: a rerun retries a failed sweep, as it does a failed
+	// partition.
+	retrySweepSQL = `UPDATE batch_sweeps SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`
+	// supersedeSweepSQL: --restart.
+	supersedeSweepSQL = `UPDATE batch_sweeps SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`
+	// unfinishedSweepRunSQL is the newest run of the job whose sweep is not
+	// over, even though its partitions are.
+	unfinishedSweepRunSQL = `
+SELECT w.logical_run_id FROM batch_sweeps w
+WHERE w.job = $1 AND w.state IN ('pending', 'running', 'failed')
+  AND NOT EXISTS (SELECT 1 FROM batch_runs r WHERE r.job = $1 AND r.created_at > w.created_at)
+ORDER BY w.created_at DESC LIMIT 1`
+
+	claimSweepSQL = `
+UPDATE batch_sweeps SET state = 'running', lease_owner = $3, lease_token = gen_random_uuid(), heartbeat_at = now(),
+  lease_expires_at = now() + $4::interval, attempt = attempt + 1, started_at = COALESCE(started_at, now()), updated_at = now(), error = NULL
+WHERE job = $1 AND logical_run_id = $2
+  AND (state = 'pending' OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
+RETURNING lease_token::text, cursor, attempt`
+
+	sweepStateSQL = `SELECT state FROM batch_sweeps WHERE job = $1 AND logical_run_id = $2`
+
+	sweepFence = ` WHERE job = $1 AND logical_run_id = $2 AND lease_token = $3::uuid AND state = 'running'`
+
+	heartbeatSweepSQL = `UPDATE batch_sweeps SET heartbeat_at = now(), lease_expires_at = now() + $4::interval` + sweepFence
+	// checkpointSweepSQL is also fenced by the cursor the chunk started
+	// after: a second sweeper cannot interleave.
+	checkpointSweepSQL = `
+UPDATE batch_sweeps SET cursor = $5, swept_count = swept_count + $6, deleted_count = deleted_count + $7, chunks = chunks + 1,
+  checkpoint_at = now(), updated_at = now()` + sweepFence + ` AND cursor IS NOT DISTINCT FROM $4`
+	finishSweepSQL  = `UPDATE batch_sweeps SET state = 'succeeded', finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
+	releaseSweepSQL = `UPDATE batch_sweeps SET updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
+	failSweepSQL    = `UPDATE batch_sweeps SET state = 'failed', error = $4, finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
+
+	sweepPartitionsSQL = `SELECT coalesce(array_agg(partition_key), '{}') FROM batch_runs WHERE job = $1 AND logical_run_id = $2`
+)
+
+// sweepOnResumeSQL is what resuming a run does to its sweep: retry it if
+// it failed, or, when the spec now says vanished: keep, drop it.
+func sweepOnResumeSQL(s Spec) string {
+	if s.Vanished == VanishedKeep {
+		return supersedeSweepSQL
+	}
+	return retrySweepSQL
+}
+
+// sweepSQL is one sweep chunk: the next live rows of the source name after
+// the cursor, those whose source row is not in scope any more, their
+// tombstones (version + 1, guarded by the version the chunk read, so a
+// concurrent newer upsert wins) and one delete event each. It returns the
+// candidates read, the last candidate's id and the tombstones written.
+func (c *compiled) sweepSQL(partitions bool) stmt {
+	b := newBuilder()
+	// The filter without the single-partition term; partitions listed in
+	// the spec bound the scope by the run's partition keys instead.
+	filter := *c
+	filter.spec.Source.Partition = ""
+	scope := filter.scopeWhere(b)
+	if p := c.spec.Source.Partition; p != "" && partitions {
+		scope += " AND s." + q(p) + " = ANY(" + b.p("pkeys", "text[]") + "::" + c.types[p] + "[])"
+	}
+	id := c.spec.Source.ID
+	sql := `
+WITH cand AS MATERIALIZED (
+  SELECT n.source_id, n.source_version FROM normalized_records n
+  WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.deleted
+    AND (` + b.p("cursor", "text") + ` IS NULL OR n.source_id > ` + b.p("cursor", "text") + `)
+  ORDER BY n.source_id
+  LIMIT ` + b.p("limit", "int") + `
+), gone AS (
+  SELECT cand.source_id, cand.source_version FROM cand
+  WHERE NOT EXISTS (SELECT 1 FROM ` + c.table + ` s WHERE s.` + q(id) + ` = cand.source_id::` + c.types[id] + ` AND ` + scope + `)
+), up AS (
+  UPDATE normalized_records n
+  SET document = NULL, deleted = true, source_version = gone.source_version + 1,
+      processor_version = ` + b.p("pv", "text") + `, updated_at = now()
+  FROM gone
+  WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = gone.source_id
+    AND n.source_version = gone.source_version AND NOT n.deleted
+  RETURNING n.source_id, n.source_version, n.document, n.deleted
+),
+` + c.outboxCTE(b) + `
+SELECT (SELECT count(*) FROM cand), (SELECT max(source_id) FROM cand), (SELECT count(*) FROM up)`
+	return b.stmt(sql)
+}
+
+// sweep runs the run's sweep, if it has one that is not over. It returns
+// true when there is nothing left to sweep, false when another worker holds
+// the sweep or a soft stop ended it at a checkpoint.
+func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
+	job, run := r.spec.Job, r.runID
+	log := r.cfg.Logger.With(slog.String("job", job), slog.String("run", run), slog.String("phase", "sweep"))
+	var token string
+	var cursor *string
+	var attempt int
+	for {
+		err := r.pool.QueryRow(hard, claimSweepSQL, job, run, r.cfg.WorkerID, r.cfg.LeaseTTL.String()).Scan(&token, &cursor, &attempt)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return false, fmt.Errorf("claim the sweep of %s/%s: %w", job, run, err)
+		}
+		var state string
+		err = r.pool.QueryRow(hard, sweepStateSQL, job, run).Scan(&state)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			return true, nil // no sweep (vanished: keep, or a run from before)
+		case err != nil:
+			return false, fmt.Errorf("sweep of %s/%s: %w", job, run, err)
+		case state == "failed":
+			return false, fmt.Errorf("sweep of %s/%s failed; rerun to retry it", job, run)
+		case state != "running":
+			return state == "succeeded" || state == "superseded", nil
+		}
+		// Another worker holds it; wait in case its lease goes stale.
+		select {
+		case <-soft.Done():
+			return false, nil
+		case <-time.After(r.cfg.HeartbeatInterval):
+		}
+	}
+	log.Info("sweep claimed", slog.Int("attempt", attempt), slog.Any("cursor", cursor))
+
+	ctx, cancel := context.WithCancelCause(hard)
+	defer cancel(nil)
+	hbDone := make(chan struct{})
+	go func() {
+		defer close(hbDone)
+		t := time.NewTicker(r.cfg.HeartbeatInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			hctx, hcancel := context.WithTimeout(ctx, r.cfg.HeartbeatInterval)
+			tag, err := r.pool.Exec(hctx, heartbeatSweepSQL, job, run, token, r.cfg.LeaseTTL.String())
+			hcancel()
+			if err != nil {
+				log.Warn("sweep heartbeat failed", slog.String("error", err.Error()))
+				continue
+			}
+			if tag.RowsAffected() != 1 {
+				cancel(fmt.Errorf("%w: the sweep of %s/%s", ErrLeaseLost, job, run))
+				return
+			}
+		}
+	}()
+	defer func() { cancel(nil); <-hbDone }()
+	cleanup, ccancel := context.WithTimeout(context.WithoutCancel(hard), time.Minute)
+	defer ccancel()
+
+	var keys []string
+	if len(r.spec.Source.Partitions) > 0 {
+		if err := r.pool.QueryRow(ctx, sweepPartitionsSQL, job, run).Scan(&keys); err != nil {
+			return false, fmt.Errorf("sweep of %s/%s: read partitions: %w", job, run, err)
+		}
+	}
+	st := r.c.sweepSQL(len(r.spec.Source.Partitions) > 0)
+	// A sweep chunk does little per row (an index probe of the source):
+	// the largest chunk size keeps the transactions few.
+	size := r.spec.Chunk.Max
+	var swept, deleted int64
+	for {
+		if soft.Err() != nil {
+			if _, err := r.pool.Exec(cleanup, releaseSweepSQL, job, run, token); err != nil {
+				log.Warn("release the sweep lease", slog.String("error", err.Error()))
+			}
+			log.Info("sweep stopped at the last committed checkpoint", slog.Any("cursor", cursor))
+			return false, nil
+		}
+		n, last, dels, err := r.sweepChunkWithRetry(ctx, st, token, cursor, keys, size, log)
+		if err != nil {
+			if cause := context.Cause(ctx); cause != nil && errors.Is(cause, ErrLeaseLost) {
+				err = cause
+			}
+			switch {
+			case errors.Is(err, ErrLeaseLost):
+				log.Error("sweep lease lost; stopping without writing", slog.String("error", err.Error()))
+				return false, err
+			case hard.Err() != nil:
+				_, _ = r.pool.Exec(cleanup, releaseSweepSQL, job, run, token)
+				return false, context.Cause(hard)
+			}
+			if _, ferr := r.pool.Exec(cleanup, failSweepSQL, job, run, token, err.Error()); ferr != nil {
+				log.Error("record sweep failure", slog.String("error", ferr.Error()))
+			}
+			return false, fmt.Errorf("sweep of %s/%s: %w", job, run, err)
+		}
+		swept, deleted = swept+n, deleted+dels
+		if n > 0 {
+			cursor = last
+			log.Info("sweep chunk committed", slog.Int64("candidates", n), slog.Int64("deleted", dels), slog.Any("cursor_to", cursor))
+		}
+		if n < int64(size) {
+			break
+		}
+	}
+	tag, err := r.pool.Exec(cleanup, finishSweepSQL, job, run, token)
+	if err != nil {
+		return false, fmt.Errorf("finish the sweep of %s/%s: %w", job, run, err)
+	}
+	if tag.RowsAffected() != 1 {
+		return false, fmt.Errorf("%w: the sweep of %s/%s", ErrLeaseLost, job, run)
+	}
+	log.Info("sweep succeeded", slog.Int64("candidates", swept), slog.Int64("deleted", deleted))
+	return true, nil
+}
+
+// sweepChunkWithRetry runs one sweep chunk, retrying transient errors with
+// the spec's bounded backoff.
+func (r *Runner) sweepChunkWithRetry(ctx context.Context, st stmt, token string, cursor *string, keys []string, size int, log *slog.Logger) (n int64, last *string, deleted int64, err error) {
+	expo := backoff.NewExponentialBackOff()
+	expo.InitialInterval = time.Duration(r.spec.Errors.InitialBackoff)
+	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
+	expo.MaxElapsedTime = 0
+	bo := backoff.WithContext(backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries)), ctx)
+	op := func() error {
+		var err error
+		n, last, deleted, err = r.sweepChunk(ctx, st, token, cursor, keys, size)
+		if err != nil && (ctx.Err() != nil || !IsRetryable(err)) {
+			return backoff.Permanent(err)
+		}
+		return err
+	}
+	notify := func(err error, d time.Duration) {
+		if r.cfg.Metrics != nil {
+			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, "sweep").Inc()
+		}
+		log.Warn("sweep chunk rolled back; retrying", slog.String("error", err.Error()), slog.Duration("backoff", d))
+	}
+	err = backoff.RetryNotify(op, bo, notify)
+	return n, last, deleted, err
+}
+
+func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	// As a scan chunk: bounded lock waits, and a frozen sweeper's session
+	// ends a lease TTL after its last statement.
+	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $2, true)`,
+		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
+		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)
+	}
+	vals := map[string]any{"source": r.spec.SourceName, "cursor": cursor, "limit": size, "pv": r.spec.ProcessorVersion, "pkeys": keys}
+	if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &last, &deleted); err != nil {
+		return 0, nil, 0, fmt.Errorf("sweep chunk after %v: %w", cursor, err)
+	}
+	if n == 0 {
+		return 0, nil, 0, nil
+	}
+	failpoint.Hit(failpointSweepAfterDelete)
+	tag, err := tx.Exec(ctx, checkpointSweepSQL, r.spec.Job, r.runID, token, cursor, last, n, deleted)
+	if err != nil {
+		return 0, nil, 0, fmt.Errorf("write sweep checkpoint: %w", err)
+	}
+	if tag.RowsAffected() != 1 {
+		return 0, nil, 0, fmt.Errorf("%w: the sweep of %s/%s (or its cursor moved)", ErrLeaseLost, r.spec.Job, r.runID)
+	}
+	failpoint.Hit(failpointSweepAfterCheckpoint)
+	if err := tx.Commit(ctx); err != nil {
+		return 0, nil, 0, fmt.Errorf("commit sweep chunk: %w", err)
+	}
+	failpoint.Hit(failpointSweepAfterCommit)
+	return n, last, deleted, nil
+}
+
+// sweepDone says whether the run has no sweep left to do.
+func (r *Runner) sweepDone(ctx context.Context) (bool, error) {
+	var state string
+	err := r.pool.QueryRow(ctx, sweepStateSQL, r.spec.Job, r.runID).Scan(&state)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return true, nil
+	}
+	return state == "succeeded" || state == "superseded", err
+}
+
+// SweepStatus is the sweep of a full run, as `batcher status` shows it.
+type SweepStatus struct {
+	Job, RunID, State string
+	// Cursor is the last normalized_records.source_id swept (nil: none).
+	Cursor *string
+	// Swept counts the live rows checked, Deleted the tombstones written.
+	Swept, Deleted int64
+	Attempt        int
+	LeaseOwner     *string
+	Error          *string
+	CheckpointAt   *time.Time
+	FinishedAt     *time.Time
+}
+
+const sweepStatusSQL = `
+SELECT job, logical_run_id, state, cursor, swept_count, deleted_count, attempt, lease_owner, error, checkpoint_at, finished_at
+FROM (SELECT *, row_number() OVER (PARTITION BY job ORDER BY created_at DESC) AS rn FROM batch_sweeps WHERE $1 = '' OR job = $1) w
+WHERE rn <= $2
+ORDER BY job, created_at DESC`
+
+// Sweeps lists the sweeps of the newest runs (at most runs per job; job ""
+// = every job), newest first.
+func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatus, error) {
+	rows, err := db.Query(ctx, sweepStatusSQL, job, runs)
+	if err != nil {
+		return nil, fmt.Errorf("read sweeps: %w", err)
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (SweepStatus, error) {
+		var s SweepStatus
+		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
+		return s, err
+	})
+}

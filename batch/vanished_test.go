@@ -1,0 +1,204 @@
+package batch_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/failpoint"
+	"github.com/outboxrelay/outboxrelay/internal/testproc"
+)
+
+// vanishedSpec is a full run over tenants t0..t2 (a filter) in chunks of 50.
+func vanishedSpec(mut ...func(*batch.Spec)) batch.Spec {
+	return spec(append([]func(*batch.Spec){func(s *batch.Spec) {
+		s.Chunk = batch.ChunkSettings{Size: 50, Min: 50, Max: 50}
+		s.Source.Filter = []batch.Condition{{Column: "tenant_id", Op: "in", Values: []string{"t0", "t1", "t2"}}}
+	}}, mut...)...)
+}
+
+// deleteEvents lists, over a new connection, the delete events per
+// aggregate id with their versions ("id@version").
+func deleteEvents(t *testing.T, url string) []string {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), url)
+	require.NoError(t, err)
+	defer pool.Close()
+	rows, err := pool.Query(context.Background(), `SELECT aggregate_id || '@' || aggregate_version FROM outbox_events WHERE event_type = 'delete' ORDER BY aggregate_id::bigint, aggregate_version`)
+	require.NoError(t, err)
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s string
+		require.NoError(t, rows.Scan(&s))
+		out = append(out, s)
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+// A full run after rows were hard-deleted from the source or left the
+// job's filter turns each of them into one delete event (and a tombstone in
+// normalized_records) whose version is one more than the last one
+// normalized, so the index's external version takes it and a replay of the
+// older upsert cannot undo it. Soft deletes still come from the scan; rows
+// that stayed produce nothing; a further run produces nothing new.
+func TestFullRunTurnsVanishedRowsIntoDeletes(t *testing.T) {
+	t.Parallel()
+	for _, partitioned := range []bool{false, true} {
+		t.Run(fmt.Sprintf("partitioned=%v", partitioned), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			url, pool := newDB(t)
+			seed(t, pool, 1, 300, 1, 3) // ids 7..2100, tenants t0..t2
+			s := vanishedSpec(func(s *batch.Spec) {
+				if partitioned {
+					s.Source.Partition = "tenant_id"
+				}
+			})
+			_, err := run(t, pool, s, batch.Config{Workers: 2})
+			require.NoError(t, err)
+			require.Empty(t, deleteEvents(t, url))
+
+			_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id <= 20 * 7`) // 20 rows
+			require.NoError(t, err)
+			_, err = pool.Exec(ctx, `UPDATE source_records SET tenant_id = 't9' WHERE id > 1000 AND id <= 1070`) // 10 rows leave the filter
+			require.NoError(t, err)
+			_, err = pool.Exec(ctx, `UPDATE source_records SET deleted_at = now() WHERE id > 2000 AND id <= 2035`) // 5 soft deletes
+			require.NoError(t, err)
+
+			sum, err := run(t, pool, s, batch.Config{Workers: 2})
+			require.NoError(t, err)
+			require.True(t, sum.Done)
+			var want []string
+			for id := 7; id <= 2100; id += 7 {
+				if id <= 140 || (id > 1000 && id <= 1070) || (id > 2000 && id <= 2035) {
+					want = append(want, fmt.Sprintf("%d@2", id))
+				}
+			}
+			require.Equal(t, want, deleteEvents(t, url), "one delete per vanished or soft-deleted row, version + 1")
+			require.Equal(t, int64(35), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE deleted AND document IS NULL AND source_version = 2`))
+			require.Equal(t, int64(265), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE NOT deleted AND source_version = 1`))
+			require.Equal(t, int64(300+35), queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "nothing for the rows that stayed")
+			require.Equal(t, int64(30), queryInt(t, pool, `SELECT deleted_count FROM batch_sweeps WHERE state = 'succeeded' AND logical_run_id = (SELECT max(logical_run_id) FROM batch_runs)`))
+
+			_, err = run(t, pool, s, batch.Config{Workers: 2})
+			require.NoError(t, err)
+			require.Equal(t, int64(300+35), queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "a further run: nothing new")
+
+			// A row back in the filter with a newer version wins over its tombstone.
+			_, err = pool.Exec(ctx, `UPDATE source_records SET tenant_id = 't1' WHERE id = 1008`)
+			require.NoError(t, err)
+			_, err = run(t, pool, s, batch.Config{Workers: 2})
+			require.NoError(t, err)
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '1008' AND NOT deleted AND source_version = 3`))
+		})
+	}
+}
+
+// vanished: keep turns the sweep off: a hard-deleted row stays in
+// normalized_records and produces no event.
+func TestVanishedKeepProducesNoDeletes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, pool := newDB(t)
+	seed(t, pool, 1, 100, 1, 3)
+	s := vanishedSpec(func(s *batch.Spec) { s.Vanished = batch.VanishedKeep })
+	_, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id <= 70`)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Empty(t, deleteEvents(t, url))
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE deleted`))
+}
+
+// A run whose sweep did not finish, resumed with vanished: keep, drops the
+// sweep and finishes; the next run is a new one.
+func TestVanishedKeepDropsAnUnfinishedSweep(t *testing.T) {
+	t.Parallel()
+	_, pool := newDB(t)
+	seed(t, pool, 1, 100, 1, 3)
+	s := vanishedSpec()
+	_, err := run(t, pool, s, batch.Config{MaxChunks: 2}) // partitions not done: no sweep yet
+	require.NoError(t, err)
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'pending'`))
+	s.Vanished = batch.VanishedKeep
+	sum, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'superseded'`))
+	sum2, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum2.Done)
+	require.NotEqual(t, sum.RunID, sum2.RunID, "a new run")
+}
+
+// The batcher is killed in the middle of the sweep (SIGKILL at a
+// failpoint of its third chunk): the tombstones of the committed sweep
+// chunks are there (as the sweep's checkpoint counts them), nothing of the
+// killed one; the next start resumes the
+// same run's sweep from its checkpoint and ends with one delete per
+// vanished row.
+func TestVanishedSweepCrashAndResume(t *testing.T) {
+	t.Parallel()
+	bin := testproc.Build(t, "batcher")
+	for _, tc := range []struct {
+		point     string
+		committed int64 // sweep chunks committed when the process dies
+	}{
+		{"batch.sweep_after_delete", 2},
+		{"batch.sweep_after_checkpoint", 2},
+		{"batch.sweep_after_commit", 3},
+	} {
+		t.Run(tc.point, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			url, pool := newDB(t)
+			seed(t, pool, 1, 600, 1, 3)
+			specFile := writeSpec(t, vanishedSpec())
+			p := testproc.Run(t, 2*time.Minute, bin, env(url, crashLease), "run", "--spec", specFile)
+			require.Equal(t, 0, p.ExitCode(), p.Stderr())
+
+			// Every other row vanishes: 25 of each sweep chunk of 50.
+			_, err := pool.Exec(ctx, `DELETE FROM source_records WHERE id % 14 = 0`)
+			require.NoError(t, err)
+			p = testproc.Run(t, 2*time.Minute, bin, env(url, crashLease, failpoint.EnvVar+"="+tc.point+"@3"), "run", "--spec", specFile)
+			require.True(t, p.Killed(), "killed at %s; stderr:\n%s", tc.point, p.Stderr())
+			require.Contains(t, p.Stderr(), "failpoint "+tc.point)
+
+			// Tombstones, events and the sweep's checkpoint agree: whole
+			// chunks of 50 candidates, nothing of the killed one.
+			tombstones := queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE deleted`)
+			require.Positive(t, tombstones)
+			require.Len(t, deleteEvents(t, url), int(tombstones))
+			require.Equal(t, tombstones, queryInt(t, pool, `SELECT deleted_count FROM batch_sweeps WHERE state = 'running'`))
+			require.Equal(t, 50*tc.committed, queryInt(t, pool, `SELECT swept_count FROM batch_sweeps WHERE state = 'running'`))
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'running'`))
+
+			p = testproc.Run(t, 2*time.Minute, bin, env(url, crashLease), "run", "--spec", specFile)
+			require.Equal(t, 0, p.ExitCode(), p.Stderr())
+			require.Contains(t, p.Stdout(), "succeeded")
+			var want []string
+			for id := 14; id <= 4200; id += 14 {
+				want = append(want, fmt.Sprintf("%d@2", id))
+			}
+			require.Equal(t, want, deleteEvents(t, url), "one delete per vanished row")
+			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE deleted AND source_version = 2`))
+			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE NOT deleted AND source_version = 1`))
+			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs`), "the rerun resumed the killed run")
+			require.Equal(t, int64(300), queryInt(t, pool, `SELECT deleted_count FROM batch_sweeps WHERE state = 'succeeded' AND logical_run_id = (SELECT max(logical_run_id) FROM batch_runs)`))
+
+			p = testproc.Run(t, time.Minute, bin, env(url), "status", "--job", "records")
+			require.Equal(t, 0, p.ExitCode(), p.Stderr())
+			require.Regexp(t, `SWEEP +CURSOR +CHECKED +DELETED`, p.Stdout())
+			require.Regexp(t, `succeeded +\S+ +600 +300 +2 `, p.Stdout(), "the resumed sweep: 600 rows checked, 300 deleted, in 2 attempts")
+		})
+	}
+}

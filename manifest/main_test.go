@@ -1,0 +1,9 @@
+package manifest_test
+
+import (
+	"testing"
+
+	"github.com/outboxrelay/outboxrelay/internal/stack"
+)
+
+func TestMain(m *testing.M) { stack.Main(m) }
