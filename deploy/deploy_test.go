@@ -1,6 +1,8 @@
 package deploy_test
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"os"
 	"regexp"
@@ -8,6 +10,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
@@ -46,6 +51,29 @@ type family struct {
 	histogram bool
 }
 
+// noDB satisfies batch.NewMetrics' database parameter: a database with no
+// runs, so batch_checkpoint_age_seconds is registered and collects nothing.
+type noDB struct{}
+
+type noRows struct{}
+
+func (noRows) Close()                                       {}
+func (noRows) Err() error                                   { return nil }
+func (noRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (noRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (noRows) Next() bool                                   { return false }
+func (noRows) Scan(...any) error                            { return errors.New("no rows") }
+func (noRows) Values() ([]any, error)                       { return nil, errors.New("no rows") }
+func (noRows) RawValues() [][]byte                          { return nil }
+func (noRows) Conn() *pgx.Conn                              { return nil }
+func (noRows) TypeMap() *pgtype.Map                         { return nil }
+
+func (noDB) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return pgconn.CommandTag{}, errors.New("no database")
+}
+func (noDB) Query(context.Context, string, ...any) (pgx.Rows, error) { return noRows{}, nil }
+func (noDB) QueryRow(context.Context, string, ...any) pgx.Row        { return nil }
+
 var descRE = regexp.MustCompile(`fqName: "([^"]+)".*variableLabels: \{([^}]*)\}`)
 
 // registered builds the three services' metrics the way their binaries do
@@ -54,7 +82,7 @@ var descRE = regexp.MustCompile(`fqName: "([^"]+)".*variableLabels: \{([^}]*)\}`
 func registered(t *testing.T) map[string]family {
 	t.Helper()
 	rec := &recorder{Registry: metrics.NewRegistry()}
-	batch.NewMetrics(rec)
+	batch.NewMetrics(rec, noDB{})
 	_, err := outbox.NewPublisher(nil, outbox.Config{Brokers: []string{"127.0.0.1:1"}, Registerer: rec})
 	require.NoError(t, err)
 	_, err = sink.New(sink.Config{Brokers: []string{"127.0.0.1:1"}, URL: "http://127.0.0.1:1", Registerer: rec})
