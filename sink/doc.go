@@ -59,7 +59,8 @@
 // sent. A request the engine refuses as a whole with 400 (what one invalid
 // action causes) or 413 is split in halves and sent again until the item
 // at fault is alone, and that item is dead-lettered; a 400 that every item
-// gets alone is not one item's fault and stops the indexer. If the engine cannot be reached, the whole batch waits and
+// gets alone is not one item's fault and stops the indexer (so does a
+// lone document's 400 that is not the engine's own error, a proxy's). If the engine cannot be reached, the whole batch waits and
 // retries: its offsets are not committed, so nothing is skipped; when the
 // retry budget runs out, [Indexer.Run] returns an error and a restart
 // replays the batch. `indexer dead-letter replay` re-publishes dead letters
