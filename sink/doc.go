@@ -89,7 +89,12 @@
 // version_type=external_gte — it hides exactly what is indexed, a later
 // record with a higher version shows again, and a replay of an older or
 // equal version is a conflict. Its version never comes from the Kafka
-// offset (see the design's "version from the source row").
+// offset (see the design's "version from the source row"). With
+// NullValues "delete" every document also carries [FieldPosition], the
+// partition and offset it was written from: a null value replayed (after
+// a crash or a rebalance) once a later record of its key on the same
+// partition is indexed is a conflict, instead of hiding that record for
+// good.
 //
 // A record goes to the read alias targetAlias returns — Config.Routes by
 // aggregate type, else Config.Alias — through that alias's write alias.

@@ -199,6 +199,9 @@ func TestParseRules(t *testing.T) {
 		{name: "unrouted type to the default alias", cfg: Config{Routes: map[string]string{"orders": "orders_idx"}}, msg: typed(upsert("a", 1, `{}`), "users"), wantID: "a", wantTarget: "records-write", wantVer: 1},
 		{name: "typed id", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert("a", 1, `{}`), "orders"), wantID: "orders:a", wantTarget: "records-write", wantVer: 1},
 		{name: "typed id needs the type", cfg: Config{IDFormat: IDFormatTypeID}, msg: upsert("a", 1, `{}`).message(), wantCode: CodeMissingAggregateType},
+		{name: "_pos is the user's by default", msg: upsert("a", 1, `{"_pos":1}`).message(), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "_pos reserved with NULL_VALUES=delete", cfg: Config{NullValues: NullValuesDelete}, msg: upsert("a", 1, `{"_pos":1}`).message(), wantCode: CodeReservedField},
+		{name: "_pos does not hide a later reserved field", msg: upsert("a", 1, `{"_pos":1,"_deleted":true}`).message(), wantCode: CodeReservedField},
 		{name: "typed id length checked", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert(strings.Repeat("k", MaxIDBytes-3), 1, `{}`), "orders"), wantCode: CodeIDTooLong},
 	}
 	for _, tt := range tests {
