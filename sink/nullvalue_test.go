@@ -29,7 +29,10 @@ func TestNullValueDeleteReplayKeepsLaterRecord(t *testing.T) {
 	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
 	defer ix.dlq.Close()
 
-	at := func(m kafka.Message, offset int64) kafka.Message { m.Topic, m.Partition, m.Offset = cfg.Topic, 0, offset; return m }
+	at := func(m kafka.Message, offset int64) kafka.Message {
+		m.Topic, m.Partition, m.Offset = cfg.Topic, 0, offset
+		return m
+	}
 	v5 := at(upsert("x", 5, docN(5)).message(), 10)
 	null := at(kafka.Message{Key: []byte("x")}, 11) // no headers, no value
 	v6 := at(upsert("x", 6, docN(6)).message(), 12)

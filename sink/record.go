@@ -104,7 +104,7 @@ type doc struct {
 	// withPosition: FieldPosition is written (NullValues "delete").
 	withPosition bool
 	op           op
-	body             []byte // document or tombstone, without the reconcile fields
+	body         []byte // document or tombstone, without the reconcile fields
 	// bucket and idv are the reconcile fields, computed by the fetch loop,
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
 	bucket  int
