@@ -206,6 +206,15 @@ func (c Config) validate() error {
 	}
 	if c.DeadLetterMaxBytes < 1<<20 {
 		bad("DEAD_LETTER_MAX_BYTES=%d: must be at least 1 MiB (1048576)", c.DeadLetterMaxBytes)
+	} else if c.DeadLetterMaxBytes < c.MaxDocumentBytes {
+		// A document the engine refuses could not be dead-lettered: the
+		// indexer would stop on it at every start.
+		bad("DEAD_LETTER_MAX_BYTES=%d: must be at least the largest document indexed (MaxDocumentBytes=%d)", c.DeadLetterMaxBytes, c.MaxDocumentBytes)
+	}
+	for _, t := range c.SkipEventTypes {
+		if t == typeUpsert || t == typeDelete {
+			bad("SKIP_EVENT_TYPES: %q is the pipeline's own event type and is always indexed", t)
+		}
 	}
 	if c.BatchSize < 1 {
 		bad("BATCH_SIZE=%d: must be at least 1", c.BatchSize)

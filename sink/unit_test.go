@@ -107,6 +107,8 @@ func TestConfigValidate(t *testing.T) {
 		{name: "negative rate", mutate: func(c *Config) { c.MaxRate = -1 }, want: "MAX_RATE=-1"},
 		{name: "short session", mutate: func(c *Config) { c.SessionTimeout = time.Second }, want: "SESSION_TIMEOUT=1s"},
 		{name: "lanes", mutate: func(c *Config) { c.Lanes = 1000 }, want: "LANES=1000"},
+		{name: "dead letters smaller than documents", mutate: func(c *Config) { c.DeadLetterMaxBytes = 2 << 20 }, want: "DEAD_LETTER_MAX_BYTES=2097152"},
+		{name: "skipping the pipeline's own type", mutate: func(c *Config) { c.SkipEventTypes = []string{"outboxrelay.delete"} }, want: `SKIP_EVENT_TYPES: "outboxrelay.delete"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
