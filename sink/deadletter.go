@@ -212,6 +212,10 @@ func (ix *Indexer) watchDeadLetters(ctx context.Context) {
 // dead-letter topic mark what `dead-letter replay` has re-published.
 func ReplayGroup(cfg Config) string { return cfg.withDefaults().Group + ".dlq-replay" }
 
+// replayChunk is how many dead letters a replay re-publishes (and records
+// as replayed) at a time.
+const replayChunk = 500
+
 // ReplayResult says what [ReplayDeadLetters] re-published.
 type ReplayResult struct {
 	Republished int
@@ -237,6 +241,9 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 		// The publisher's partitioner: a replayed key joins its other events.
 		Addr: kafka.TCP(cfg.Brokers...), Balancer: kafkakey.Balancer(), RequiredAcks: kafka.RequireAll,
 		BatchTimeout: 5 * time.Millisecond, MaxAttempts: 10,
+		// A dead letter is as large as the dead-letter writer took it
+		// (kafka-go's default is 1 MiB).
+		BatchBytes: int64(cfg.DeadLetterMaxBytes),
 	}
 	defer w.Close()
 	for _, po := range offs {
@@ -252,15 +259,44 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 			r.Close()
 			return res, err
 		}
+		// Re-published and recorded a chunk at a time: the topic keeps
+		// dead letters forever, each up to DeadLetterMaxBytes.
 		var out []kafka.Message
+		outBytes := 0
 		last := from - 1
+		flush := func() error {
+			if len(out) == 0 {
+				return nil
+			}
+			if err := w.WriteMessages(ctx, out...); err != nil {
+				return fmt.Errorf("re-publish %d dead-lettered message(s): %w", len(out), err)
+			}
+			res.Republished += len(out)
+			for _, m := range out {
+				res.ByTopic[m.Topic]++
+			}
+			cr, err := c.OffsetCommit(ctx, &kafka.OffsetCommitRequest{
+				GroupID: group, GenerationID: -1,
+				Topics: map[string][]kafka.OffsetCommit{cfg.DeadLetterTopic: {{Partition: po.Partition, Offset: last + 1}}},
+			})
+			if err == nil {
+				for _, p := range cr.Topics[cfg.DeadLetterTopic] {
+					err = cmp.Or(err, p.Error)
+				}
+			}
+			if err != nil {
+				return fmt.Errorf("record replay progress of %s/%d: %w", cfg.DeadLetterTopic, po.Partition, err)
+			}
+			cfg.Logger.Info("dead letters re-published", slog.Int("partition", po.Partition), slog.Int("messages", len(out)))
+			out, outBytes = out[:0], 0
+			return nil
+		}
 		for last < po.End-1 {
 			m, err := r.FetchMessage(ctx)
 			if err != nil {
 				r.Close()
 				return res, fmt.Errorf("read %s/%d: %w", cfg.DeadLetterTopic, po.Partition, err)
 			}
-			last = m.Offset
 			topic, _ := header(m, HeaderDLQTopic)
 			if topic == "" {
 				topic = cfg.Topic
@@ -271,27 +307,20 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 					h = append(h, mh)
 				}
 			}
+			if len(out) > 0 && (len(out) >= replayChunk || outBytes+len(m.Value) > cfg.DeadLetterMaxBytes) {
+				if err := flush(); err != nil {
+					r.Close()
+					return res, err
+				}
+			}
+			last = m.Offset
 			out = append(out, kafka.Message{Topic: topic, Key: m.Key, Value: m.Value, Headers: h})
-			res.ByTopic[topic]++
+			outBytes += len(m.Key) + len(m.Value)
 		}
 		r.Close()
-		if err := w.WriteMessages(ctx, out...); err != nil {
-			return res, fmt.Errorf("re-publish %d dead-lettered message(s): %w", len(out), err)
+		if err := flush(); err != nil {
+			return res, err
 		}
-		res.Republished += len(out)
-		cr, err := c.OffsetCommit(ctx, &kafka.OffsetCommitRequest{
-			GroupID: group, GenerationID: -1,
-			Topics: map[string][]kafka.OffsetCommit{cfg.DeadLetterTopic: {{Partition: po.Partition, Offset: last + 1}}},
-		})
-		if err == nil {
-			for _, p := range cr.Topics[cfg.DeadLetterTopic] {
-				err = cmp.Or(err, p.Error)
-			}
-		}
-		if err != nil {
-			return res, fmt.Errorf("record replay progress of %s/%d: %w", cfg.DeadLetterTopic, po.Partition, err)
-		}
-		cfg.Logger.Info("dead letters re-published", slog.Int("partition", po.Partition), slog.Int("messages", len(out)))
 	}
 	return res, nil
 }
