@@ -76,7 +76,8 @@ type Config struct {
 	// SkipEventTypes are event types (ce_type) other than
 	// "outboxrelay.upsert" and "outboxrelay.delete" to skip the same way:
 	// other producers' application events on the topic. "*" skips every
-	// other type. Default none: an unknown type is dead-lettered
+	// other type, and records without ce_type that have a value (their null
+	// values are NullValues'). Default none: an unknown type is dead-lettered
 	// (unknown_type), which catches a typo.
 	SkipEventTypes []string
 	// NullValues says what a record with a null value (a Kafka tombstone)

@@ -162,7 +162,9 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 	}
 	typ, hasType := headerBytes(m, outbox.HeaderType)
 	isUpsert, isDelete := string(typ) == typeUpsert, string(typ) == typeDelete
-	if hasType && !isUpsert && !isDelete && r.skipsEventType(typ) {
+	// "*" skips another producer's records without ce_type too (a plain
+	// Kafka producer sets no headers); their null values are NullValues'.
+	if (hasType && !isUpsert && !isDelete && r.skipsEventType(typ)) || (!hasType && m.Value != nil && r.skipAllOthers) {
 		d.skip = SkipEventType
 		return d
 	}

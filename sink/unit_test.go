@@ -188,6 +188,8 @@ func TestParseRules(t *testing.T) {
 		{name: "listed event type skipped", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_shipped"), wantSkip: SkipEventType},
 		{name: "unlisted event type still dead-lettered", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_paid"), wantCode: CodeUnknownType},
 		{name: "star skips every other event type", cfg: Config{SkipEventTypes: []string{"*"}}, msg: event("shop.order_paid"), wantSkip: SkipEventType},
+		{name: "star skips a foreign record without headers", cfg: Config{SkipEventTypes: []string{"*"}}, msg: kafka.Message{Key: []byte("a"), Value: []byte(`{"x":1}`)}, wantSkip: SkipEventType},
+		{name: "star leaves a foreign null value to NULL_VALUES", cfg: Config{SkipEventTypes: []string{"*"}, NullValues: NullValuesIgnore}, msg: foreignTombstone, wantSkip: SkipNullValue},
 		{name: "star keeps upserts", cfg: Config{SkipEventTypes: []string{"*"}}, msg: upsert("a", 1, `{}`).message(), wantID: "a", wantTarget: "records-write", wantVer: 1},
 		{name: "aggregate type not indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "invoices"), wantSkip: SkipAggregateType},
 		{name: "aggregate type indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "records"), wantID: "a", wantTarget: "records-write", wantVer: 1},
