@@ -45,8 +45,10 @@ type Config struct {
 	// DeadLetterRetention is the retention.ms the dead-letter topic is
 	// created with. 0 (default) means forever (retention.ms=-1): the main
 	// offsets are committed once a dead letter is written, so one that
-	// expires is lost unseen. An existing topic is not changed (a warning
-	// says when it differs).
+	// expires is lost unseen. On an existing topic it is set at start when
+	// the topic inherits the broker's value (as one an older indexer
+	// created); a value set on the topic is kept (a warning says when it
+	// differs). The same holds for DeadLetterMaxBytes.
 	DeadLetterRetention time.Duration
 	// DeadLetterMaxBytes is the largest dead letter (message plus error
 	// headers) the writer sends, and the max.message.bytes the dead-letter

@@ -147,12 +147,15 @@ func deadLetterTopicConfigs(cfg Config) []kafka.ConfigEntry {
 	}
 }
 
-// ensureDeadLetterTopic creates the dead-letter topic when missing. An
-// existing one is left as it is (its configs are the operator's), with a
-// warning for each config that differs from what the indexer would set.
+// ensureDeadLetterTopic creates the dead-letter topic when missing. On an
+// existing one, a config the topic inherits from the broker (a topic an
+// older indexer created: 7-day retention, 1 MiB messages) is set to the
+// indexer's; a config set on the topic is the operator's and stays, with a
+// warning when it differs.
 func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
+	topic := ix.cfg.DeadLetterTopic
 	want := deadLetterTopicConfigs(ix.cfg)
-	if err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1, want...); err != nil {
+	if err := ensureTopic(ctx, ix.cfg.Brokers, topic, 1, want...); err != nil {
 		return err
 	}
 	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 30 * time.Second}
@@ -160,22 +163,38 @@ func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
 	for i, e := range want {
 		names[i] = e.ConfigName
 	}
-	have, err := topicConfig(ctx, c, ix.cfg.DeadLetterTopic, names...)
+	have, err := topicConfigEntries(ctx, c, topic, names...)
 	if err != nil {
-		ix.log.Warn("cannot read the dead-letter topic's configs", slog.String("topic", ix.cfg.DeadLetterTopic), slog.String("error", err.Error()))
+		ix.log.Warn("cannot read the dead-letter topic's configs", slog.String("topic", topic), slog.String("error", err.Error()))
 		return nil
 	}
+	var set []kafka.ConfigEntry
 	for _, e := range want {
-		if v, ok := have[e.ConfigName]; ok && v != e.ConfigValue {
-			ix.log.Warn("dead-letter topic config differs from the indexer's setting; dead letters may expire or be refused",
-				slog.String("topic", ix.cfg.DeadLetterTopic), slog.String("config", e.ConfigName),
-				slog.String("topic_value", v), slog.String("wanted", e.ConfigValue))
+		h, ok := have[e.ConfigName]
+		switch {
+		case !ok || h.ConfigValue == e.ConfigValue:
+		case !setOnTopic(h):
+			set = append(set, e)
+		default:
+			ix.log.Warn("dead-letter topic config set on the topic differs from the indexer's setting; dead letters may expire or be refused",
+				slog.String("topic", topic), slog.String("config", e.ConfigName),
+				slog.String("topic_value", h.ConfigValue), slog.String("wanted", e.ConfigValue))
 		}
 	}
-	// A topic that takes less (created before, or by hand) bounds the
-	// writer's batches too, or a batch of small dead letters would be
-	// refused as a whole. No write has happened yet: Run calls this first.
-	if n, err := strconv.Atoi(have["max.message.bytes"]); err == nil && n > 0 && int64(n) < ix.dlq.w.BatchBytes {
+	if len(set) > 0 {
+		if err := setTopicConfigs(ctx, c, topic, set); err != nil {
+			return err
+		}
+		for _, e := range set {
+			ix.log.Info("dead-letter topic config set", slog.String("topic", topic), slog.String("config", e.ConfigName),
+				slog.String("was", have[e.ConfigName].ConfigValue), slog.String("value", e.ConfigValue))
+			have[e.ConfigName] = kafka.DescribeConfigResponseConfigEntry{ConfigName: e.ConfigName, ConfigValue: e.ConfigValue}
+		}
+	}
+	// A topic that takes less (set by hand) bounds the writer's batches
+	// too, or a batch of small dead letters would be refused as a whole.
+	// No write has happened yet: Run calls this first.
+	if n, err := strconv.Atoi(have["max.message.bytes"].ConfigValue); err == nil && n > 0 && int64(n) < ix.dlq.w.BatchBytes {
 		ix.dlq.w.BatchBytes = int64(n)
 	}
 	return nil

@@ -231,3 +231,38 @@ func TestDeadLetterReplayLargeMessage(t *testing.T) {
 	}
 	require.Equal(t, []string{"small", "big"}, keys)
 }
+
+// A dead-letter topic created by an older indexer has the broker's
+// defaults (retention of days, 1 MiB messages): its dead letters would
+// still expire unseen and large ones be refused. What was never set on the
+// topic takes the indexer's settings at start; what an operator set on it
+// stays.
+func TestDeadLetterExistingTopicDefaultsUpgraded(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, "http://127.0.0.1:1", "http://127.0.0.1:1", 1)
+	ctx := context.Background()
+	cfg := f.cfg.withDefaults()
+	require.NoError(t, ensureTopic(ctx, cfg.Brokers, cfg.DeadLetterTopic, 1)) // as before: broker defaults
+	ix, err := New(f.cfg)
+	require.NoError(t, err)
+	defer ix.dlq.Close()
+	require.NoError(t, ix.ensureDeadLetterTopic(ctx))
+	conf, err := topicConfig(ctx, f.kclient, cfg.DeadLetterTopic, "retention.ms", "max.message.bytes")
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"retention.ms": "-1", "max.message.bytes": strconv.Itoa(cfg.DeadLetterMaxBytes)}, conf)
+	require.EqualValues(t, cfg.DeadLetterMaxBytes, ix.dlq.w.BatchBytes)
+
+	// An operator's own value is left as it is (and bounds the writer).
+	cfg2 := f.cfg
+	cfg2.DeadLetterTopic = stack.UniqueName("dlq-own")
+	require.NoError(t, ensureTopic(ctx, cfg.Brokers, cfg2.DeadLetterTopic, 1,
+		kafka.ConfigEntry{ConfigName: "retention.ms", ConfigValue: "3600000"}, kafka.ConfigEntry{ConfigName: "max.message.bytes", ConfigValue: "2097152"}))
+	ix2, err := New(cfg2)
+	require.NoError(t, err)
+	defer ix2.dlq.Close()
+	require.NoError(t, ix2.ensureDeadLetterTopic(ctx))
+	conf, err = topicConfig(ctx, f.kclient, cfg2.DeadLetterTopic, "retention.ms", "max.message.bytes")
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"retention.ms": "3600000", "max.message.bytes": "2097152"}, conf)
+	require.EqualValues(t, 2097152, ix2.dlq.w.BatchBytes)
+}
