@@ -24,6 +24,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				url, alias  string
 				writeAlias  string
 				source      string
+				idFormat    string
 				topic       string
 				repair      bool
 				full        bool
@@ -38,6 +39,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			fs.String(&writeAlias, "write-alias", "WRITE_ALIAS", "", `unfiltered alias compared (tombstones included) ("" = <alias>-write)`)
 			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare (the job's source name)")
 			fs.String(&topic, "topic", "TOPIC", sink.DefaultTopic, "topic of the repair events")
+			fs.String(&idFormat, "id-format", "ID_FORMAT", sink.IDFormatID, `the indexer's ID_FORMAT; only "id" can be reconciled`)
 			fs.Bool(&repair, "repair", "", false, "re-enqueue outbox events for missing and stale ids and delete extra documents")
 			fs.Bool(&full, "full", "", false, "compare every document's real _version (reads both sides whole; finds partial updates made by hand)")
 			fs.Bool(&asJSON, "json", "", false, "print the report as JSON")
@@ -48,6 +50,11 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			}
 			if url == "" {
 				return cli.UsageError("ELASTICSEARCH_URL is required (e.g. http://127.0.0.1:9200)")
+			}
+			if idFormat != sink.IDFormatID {
+				// Every _id would differ from its source_id: all "missing"
+				// and all "extra", and --repair would delete the index.
+				return cli.UsageError("ID_FORMAT=%s: reconcile compares normalized_records ids with _id and needs ID_FORMAT=%s", idFormat, sink.IDFormatID)
 			}
 			pool, err := pgconn.Open(ctx, common.DatabaseURL, 4)
 			if err != nil {
