@@ -3,6 +3,7 @@ package sink
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
@@ -79,4 +80,21 @@ func TestNullValueDeleteReplayKeepsLaterRecord(t *testing.T) {
 	// A replay that starts before v5 ends as the first run did.
 	resolve(v5, null, v6)
 	live("replay from v5")
+}
+
+// With NULL_VALUES=delete the indexer writes _pos into every document; an
+// index whose mapping is strict (it declares _deleted, _bucket and _idv,
+// as the README asks) must take it, or every document would be
+// dead-lettered.
+func TestNullValueDeleteStrictMapping(t *testing.T) {
+	t.Parallel()
+	real := stack.ElasticsearchURL(t)
+	f := newFixture(t, real, real, 1)
+	cfg := f.cfg
+	cfg.NullValues = NullValuesDelete
+	cfg.Mapping = []byte(`{"settings":{"number_of_shards":1,"number_of_replicas":0,"refresh_interval":"1s"},"mappings":{"dynamic":"strict","properties":{"_deleted":{"type":"boolean"},"_bucket":{"type":"integer"},"_idv":{"type":"long"},"n":{"type":"integer"},"title":{"type":"keyword"}}}}`)
+	f.produce(upsert("a", 1, docN(1)))
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"a": "v1 " + docN(1)}, f.search(f.cfg.Alias))
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 
@@ -126,13 +127,23 @@ func ParseRoutes(s string) (map[string]string, error) {
 }
 
 // ensureIndexes makes sure every alias records may go to exists (see
-// [EnsureIndex]) and returns the index behind Config.WriteAlias.
+// [EnsureIndex]) and returns the index behind Config.WriteAlias. With
+// NullValues "delete" it also maps FieldPosition, which the documents then
+// carry: an index with a strict mapping would refuse every one of them.
 func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
 	var first string
 	for i, alias := range ix.rules.aliases() {
 		index, err := EnsureIndex(ctx, ix.client, alias, ix.rules.writeAliasOf(alias), ix.cfg.Mapping)
 		if err != nil {
 			return "", err
+		}
+		if ix.cfg.NullValues == NullValuesDelete {
+			if _, err := ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{
+				Method: http.MethodPut, Path: "/" + url.PathEscape(index) + "/_mapping",
+				Body: map[string]any{"properties": map[string]any{FieldPosition: map[string]any{"type": "long"}}},
+			}); err != nil {
+				return "", fmt.Errorf("map %s in index %s (NULL_VALUES=delete): %w", FieldPosition, index, err)
+			}
 		}
 		if i == 0 {
 			first = index
