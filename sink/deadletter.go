@@ -183,7 +183,10 @@ func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
 	}
 	if len(set) > 0 {
 		if err := setTopicConfigs(ctx, c, topic, set); err != nil {
-			return err
+			// Not allowed to (ACLs), say: the warning is what is left.
+			ix.log.Warn("cannot set the dead-letter topic's configs; dead letters may expire or be refused",
+				slog.String("topic", topic), slog.String("error", err.Error()))
+			set = nil
 		}
 		for _, e := range set {
 			ix.log.Info("dead-letter topic config set", slog.String("topic", topic), slog.String("config", e.ConfigName),
