@@ -152,9 +152,6 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 		d.poison = &itemError{Code: code, Reason: fmt.Sprintf(format, args...)}
 		return d
 	}
-	if len(m.Key) == 0 {
-		return poison(CodeMissingKey, "message has no key (the aggregate id)")
-	}
 	aggType, hasAggType := headerBytes(m, outbox.HeaderAggregateType)
 	if r.aggregateTypes != nil && hasAggType && !r.aggregateTypes[string(aggType)] {
 		d.skip = SkipAggregateType
@@ -167,6 +164,10 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 	if (hasType && !isUpsert && !isDelete && r.skipsEventType(typ)) || (!hasType && m.Value != nil && r.skipAllOthers) {
 		d.skip = SkipEventType
 		return d
+	}
+	// After the skips: another producer's records may have no key.
+	if len(m.Key) == 0 {
+		return poison(CodeMissingKey, "message has no key (the aggregate id)")
 	}
 	d.target = r.writeAliasOf(r.targetAlias(m))
 	if r.typedIDs {
