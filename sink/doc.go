@@ -75,8 +75,9 @@
 // # Other producers' records, routing and ids
 //
 // A topic may carry records the pipeline did not write. Config.SkipEventTypes
-// lists other event types (ce_type; "*" for all) and Config.AggregateTypes
-// the aggregate types indexed: the rest is skipped — committed, never sent,
+// lists other event types (ce_type; "*" for all, records without ce_type
+// included) and Config.AggregateTypes the aggregate types indexed: the
+// rest, keyed or not, is skipped — committed, never sent,
 // counted in indexer_skipped_total{reason} and Batch.Skipped — instead of
 // dead-lettered as unknown_type. Config.NullValues says what a null value
 // (a Kafka tombstone) that is not a delete event means, as Kafka Connect's
