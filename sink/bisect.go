@@ -31,20 +31,30 @@ type bulkPart struct {
 // request's error, and the rest of the batch goes through. When every
 // document of the batch is refused alone, the cause is not one bad item (a
 // proxy or a setting refuses every request): the refusal is returned as
-// the error, and nothing is dead-lettered. (A 413 for each document alone
-// is each document's own size: those are dead-lettered.)
+// the error, and nothing is dead-lettered. A batch of one document (a
+// quiet topic) has no other document to tell the two apart: its 400 is the
+// document's fault only when the engine itself gave it (an engine error
+// body, not a proxy's page). (A 413 for each document alone is each
+// document's own size: those are dead-lettered.)
 func (ix *Indexer) bulkBisect(ctx context.Context, docs []*doc, buf *bytes.Buffer) []bulkPart {
 	parts := ix.bisect(ctx, docs, buf, nil)
-	if len(docs) > 1 && len(parts) == len(docs) {
+	if len(parts) == len(docs) {
 		all := true
 		for _, p := range parts {
 			all = all && p.refused && elastic.IsStatusCode(p.cause, http.StatusBadRequest)
 		}
-		if all {
+		if all && (len(docs) > 1 || !fromEngine(parts[0].cause)) {
 			return []bulkPart{{docs: docs, err: parts[0].cause}}
 		}
 	}
 	return parts
+}
+
+// fromEngine reports whether a request-level error carries the engine's
+// own error body.
+func fromEngine(err error) bool {
+	var ee *elastic.Error
+	return errors.As(err, &ee) && ee.Details != nil && ee.Details.Type != ""
 }
 
 func (ix *Indexer) bisect(ctx context.Context, docs []*doc, buf *bytes.Buffer, parts []bulkPart) []bulkPart {

@@ -45,8 +45,10 @@ type Config struct {
 	// DeadLetterRetention is the retention.ms the dead-letter topic is
 	// created with. 0 (default) means forever (retention.ms=-1): the main
 	// offsets are committed once a dead letter is written, so one that
-	// expires is lost unseen. An existing topic is not changed (a warning
-	// says when it differs).
+	// expires is lost unseen. On an existing topic it is set at start when
+	// the topic inherits the broker's value (as one an older indexer
+	// created); a value set on the topic is kept (a warning says when it
+	// differs). The same holds for DeadLetterMaxBytes.
 	DeadLetterRetention time.Duration
 	// DeadLetterMaxBytes is the largest dead letter (message plus error
 	// headers) the writer sends, and the max.message.bytes the dead-letter
@@ -76,7 +78,8 @@ type Config struct {
 	// SkipEventTypes are event types (ce_type) other than
 	// "outboxrelay.upsert" and "outboxrelay.delete" to skip the same way:
 	// other producers' application events on the topic. "*" skips every
-	// other type. Default none: an unknown type is dead-lettered
+	// other type, and records without ce_type that have a value (their null
+	// values are NullValues'). Default none: an unknown type is dead-lettered
 	// (unknown_type), which catches a typo.
 	SkipEventTypes []string
 	// NullValues says what a record with a null value (a Kafka tombstone)
@@ -209,6 +212,15 @@ func (c Config) validate() error {
 	}
 	if c.DeadLetterMaxBytes < 1<<20 {
 		bad("DEAD_LETTER_MAX_BYTES=%d: must be at least 1 MiB (1048576)", c.DeadLetterMaxBytes)
+	} else if c.DeadLetterMaxBytes < c.MaxDocumentBytes {
+		// A document the engine refuses could not be dead-lettered: the
+		// indexer would stop on it at every start.
+		bad("DEAD_LETTER_MAX_BYTES=%d: must be at least the largest document indexed (MaxDocumentBytes=%d)", c.DeadLetterMaxBytes, c.MaxDocumentBytes)
+	}
+	for _, t := range c.SkipEventTypes {
+		if t == typeUpsert || t == typeDelete {
+			bad("SKIP_EVENT_TYPES: %q is the pipeline's own event type and is always indexed", t)
+		}
 	}
 	if c.BatchSize < 1 {
 		bad("BATCH_SIZE=%d: must be at least 1", c.BatchSize)

@@ -147,12 +147,15 @@ func deadLetterTopicConfigs(cfg Config) []kafka.ConfigEntry {
 	}
 }
 
-// ensureDeadLetterTopic creates the dead-letter topic when missing. An
-// existing one is left as it is (its configs are the operator's), with a
-// warning for each config that differs from what the indexer would set.
+// ensureDeadLetterTopic creates the dead-letter topic when missing. On an
+// existing one, a config the topic inherits from the broker (a topic an
+// older indexer created: 7-day retention, 1 MiB messages) is set to the
+// indexer's; a config set on the topic is the operator's and stays, with a
+// warning when it differs.
 func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
+	topic := ix.cfg.DeadLetterTopic
 	want := deadLetterTopicConfigs(ix.cfg)
-	if err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1, want...); err != nil {
+	if err := ensureTopic(ctx, ix.cfg.Brokers, topic, 1, want...); err != nil {
 		return err
 	}
 	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 30 * time.Second}
@@ -160,22 +163,41 @@ func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
 	for i, e := range want {
 		names[i] = e.ConfigName
 	}
-	have, err := topicConfig(ctx, c, ix.cfg.DeadLetterTopic, names...)
+	have, err := topicConfigEntries(ctx, c, topic, names...)
 	if err != nil {
-		ix.log.Warn("cannot read the dead-letter topic's configs", slog.String("topic", ix.cfg.DeadLetterTopic), slog.String("error", err.Error()))
+		ix.log.Warn("cannot read the dead-letter topic's configs", slog.String("topic", topic), slog.String("error", err.Error()))
 		return nil
 	}
+	var set []kafka.ConfigEntry
 	for _, e := range want {
-		if v, ok := have[e.ConfigName]; ok && v != e.ConfigValue {
-			ix.log.Warn("dead-letter topic config differs from the indexer's setting; dead letters may expire or be refused",
-				slog.String("topic", ix.cfg.DeadLetterTopic), slog.String("config", e.ConfigName),
-				slog.String("topic_value", v), slog.String("wanted", e.ConfigValue))
+		h, ok := have[e.ConfigName]
+		switch {
+		case !ok || h.ConfigValue == e.ConfigValue:
+		case !setOnTopic(h):
+			set = append(set, e)
+		default:
+			ix.log.Warn("dead-letter topic config set on the topic differs from the indexer's setting; dead letters may expire or be refused",
+				slog.String("topic", topic), slog.String("config", e.ConfigName),
+				slog.String("topic_value", h.ConfigValue), slog.String("wanted", e.ConfigValue))
 		}
 	}
-	// A topic that takes less (created before, or by hand) bounds the
-	// writer's batches too, or a batch of small dead letters would be
-	// refused as a whole. No write has happened yet: Run calls this first.
-	if n, err := strconv.Atoi(have["max.message.bytes"]); err == nil && n > 0 && int64(n) < ix.dlq.w.BatchBytes {
+	if len(set) > 0 {
+		if err := setTopicConfigs(ctx, c, topic, set); err != nil {
+			// Not allowed to (ACLs), say: the warning is what is left.
+			ix.log.Warn("cannot set the dead-letter topic's configs; dead letters may expire or be refused",
+				slog.String("topic", topic), slog.String("error", err.Error()))
+			set = nil
+		}
+		for _, e := range set {
+			ix.log.Info("dead-letter topic config set", slog.String("topic", topic), slog.String("config", e.ConfigName),
+				slog.String("was", have[e.ConfigName].ConfigValue), slog.String("value", e.ConfigValue))
+			have[e.ConfigName] = kafka.DescribeConfigResponseConfigEntry{ConfigName: e.ConfigName, ConfigValue: e.ConfigValue}
+		}
+	}
+	// A topic that takes less (set by hand) bounds the writer's batches
+	// too, or a batch of small dead letters would be refused as a whole.
+	// No write has happened yet: Run calls this first.
+	if n, err := strconv.Atoi(have["max.message.bytes"].ConfigValue); err == nil && n > 0 && int64(n) < ix.dlq.w.BatchBytes {
 		ix.dlq.w.BatchBytes = int64(n)
 	}
 	return nil
@@ -212,6 +234,10 @@ func (ix *Indexer) watchDeadLetters(ctx context.Context) {
 // dead-letter topic mark what `dead-letter replay` has re-published.
 func ReplayGroup(cfg Config) string { return cfg.withDefaults().Group + ".dlq-replay" }
 
+// replayChunk is how many dead letters a replay re-publishes (and records
+// as replayed) at a time.
+const replayChunk = 500
+
 // ReplayResult says what [ReplayDeadLetters] re-published.
 type ReplayResult struct {
 	Republished int
@@ -237,6 +263,9 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 		// The publisher's partitioner: a replayed key joins its other events.
 		Addr: kafka.TCP(cfg.Brokers...), Balancer: kafkakey.Balancer(), RequiredAcks: kafka.RequireAll,
 		BatchTimeout: 5 * time.Millisecond, MaxAttempts: 10,
+		// A dead letter is as large as the dead-letter writer took it
+		// (kafka-go's default is 1 MiB).
+		BatchBytes: int64(cfg.DeadLetterMaxBytes),
 	}
 	defer w.Close()
 	for _, po := range offs {
@@ -252,15 +281,44 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 			r.Close()
 			return res, err
 		}
+		// Re-published and recorded a chunk at a time: the topic keeps
+		// dead letters forever, each up to DeadLetterMaxBytes.
 		var out []kafka.Message
+		outBytes := 0
 		last := from - 1
+		flush := func() error {
+			if len(out) == 0 {
+				return nil
+			}
+			if err := w.WriteMessages(ctx, out...); err != nil {
+				return fmt.Errorf("re-publish %d dead-lettered message(s): %w", len(out), err)
+			}
+			res.Republished += len(out)
+			for _, m := range out {
+				res.ByTopic[m.Topic]++
+			}
+			cr, err := c.OffsetCommit(ctx, &kafka.OffsetCommitRequest{
+				GroupID: group, GenerationID: -1,
+				Topics: map[string][]kafka.OffsetCommit{cfg.DeadLetterTopic: {{Partition: po.Partition, Offset: last + 1}}},
+			})
+			if err == nil {
+				for _, p := range cr.Topics[cfg.DeadLetterTopic] {
+					err = cmp.Or(err, p.Error)
+				}
+			}
+			if err != nil {
+				return fmt.Errorf("record replay progress of %s/%d: %w", cfg.DeadLetterTopic, po.Partition, err)
+			}
+			cfg.Logger.Info("dead letters re-published", slog.Int("partition", po.Partition), slog.Int("messages", len(out)))
+			out, outBytes = out[:0], 0
+			return nil
+		}
 		for last < po.End-1 {
 			m, err := r.FetchMessage(ctx)
 			if err != nil {
 				r.Close()
 				return res, fmt.Errorf("read %s/%d: %w", cfg.DeadLetterTopic, po.Partition, err)
 			}
-			last = m.Offset
 			topic, _ := header(m, HeaderDLQTopic)
 			if topic == "" {
 				topic = cfg.Topic
@@ -271,27 +329,20 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 					h = append(h, mh)
 				}
 			}
+			if len(out) > 0 && (len(out) >= replayChunk || outBytes+len(m.Value) > cfg.DeadLetterMaxBytes) {
+				if err := flush(); err != nil {
+					r.Close()
+					return res, err
+				}
+			}
+			last = m.Offset
 			out = append(out, kafka.Message{Topic: topic, Key: m.Key, Value: m.Value, Headers: h})
-			res.ByTopic[topic]++
+			outBytes += len(m.Key) + len(m.Value)
 		}
 		r.Close()
-		if err := w.WriteMessages(ctx, out...); err != nil {
-			return res, fmt.Errorf("re-publish %d dead-lettered message(s): %w", len(out), err)
+		if err := flush(); err != nil {
+			return res, err
 		}
-		res.Republished += len(out)
-		cr, err := c.OffsetCommit(ctx, &kafka.OffsetCommitRequest{
-			GroupID: group, GenerationID: -1,
-			Topics: map[string][]kafka.OffsetCommit{cfg.DeadLetterTopic: {{Partition: po.Partition, Offset: last + 1}}},
-		})
-		if err == nil {
-			for _, p := range cr.Topics[cfg.DeadLetterTopic] {
-				err = cmp.Or(err, p.Error)
-			}
-		}
-		if err != nil {
-			return res, fmt.Errorf("record replay progress of %s/%d: %w", cfg.DeadLetterTopic, po.Partition, err)
-		}
-		cfg.Logger.Info("dead letters re-published", slog.Int("partition", po.Partition), slog.Int("messages", len(out)))
 	}
 	return res, nil
 }

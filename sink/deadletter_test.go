@@ -189,3 +189,80 @@ func TestDeadLetterExistingSmallTopicBoundsBatches(t *testing.T) {
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 	require.Len(t, f.deadLetters(30), 30)
 }
+
+// A dead letter as large as the dead-letter writer takes (the main topic
+// allowing it) can be replayed too: the replay writer is sized like the
+// dead-letter writer, not kafka-go's 1 MiB default.
+func TestDeadLetterReplayLargeMessage(t *testing.T) {
+	t.Parallel()
+	real := stack.ElasticsearchURL(t)
+	f := newFixture(t, real, real, 1)
+	ctx := context.Background()
+	const topicMax = 4 << 20
+	f.cfg.Topic = fixtureTopic(t, f, topicMax)
+	dlq := f.cfg.withDefaults().DeadLetterTopic
+	require.NoError(t, ensureTopic(ctx, f.cfg.Brokers, dlq, 1, deadLetterTopicConfigs(f.cfg.withDefaults())...))
+
+	doc := `{"n":1,"title":"` + strings.Repeat("r", 2<<20) + `"}`
+	small := upsert("small", 1, docN(1)).message()
+	big := upsert("big", 1, doc).message()
+	for _, m := range []*kafka.Message{&small, &big} {
+		m.Headers = append(m.Headers, kafka.Header{Key: HeaderDLQTopic, Value: []byte(f.cfg.Topic)})
+	}
+	w := &kafka.Writer{Addr: kafka.TCP(f.cfg.Brokers...), Topic: dlq, RequiredAcks: kafka.RequireAll, BatchBytes: topicMax}
+	defer w.Close()
+	require.NoError(t, w.WriteMessages(ctx, small, big))
+
+	res, err := ReplayDeadLetters(ctx, f.cfg)
+	require.NoError(t, err)
+	require.Equal(t, 2, res.Republished)
+	r := kafka.NewReader(kafka.ReaderConfig{Brokers: f.cfg.Brokers, Topic: f.cfg.Topic, Partition: 0, MaxWait: 100 * time.Millisecond})
+	defer r.Close()
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	var keys []string
+	for range 2 {
+		m, err := r.FetchMessage(rctx)
+		require.NoError(t, err)
+		keys = append(keys, string(m.Key))
+		if string(m.Key) == "big" {
+			require.Equal(t, doc, string(m.Value))
+		}
+	}
+	require.Equal(t, []string{"small", "big"}, keys)
+}
+
+// A dead-letter topic created by an older indexer has the broker's
+// defaults (retention of days, 1 MiB messages): its dead letters would
+// still expire unseen and large ones be refused. What was never set on the
+// topic takes the indexer's settings at start; what an operator set on it
+// stays.
+func TestDeadLetterExistingTopicDefaultsUpgraded(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, "http://127.0.0.1:1", "http://127.0.0.1:1", 1)
+	ctx := context.Background()
+	cfg := f.cfg.withDefaults()
+	require.NoError(t, ensureTopic(ctx, cfg.Brokers, cfg.DeadLetterTopic, 1)) // as before: broker defaults
+	ix, err := New(f.cfg)
+	require.NoError(t, err)
+	defer ix.dlq.Close()
+	require.NoError(t, ix.ensureDeadLetterTopic(ctx))
+	conf, err := topicConfig(ctx, f.kclient, cfg.DeadLetterTopic, "retention.ms", "max.message.bytes")
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"retention.ms": "-1", "max.message.bytes": strconv.Itoa(cfg.DeadLetterMaxBytes)}, conf)
+	require.EqualValues(t, cfg.DeadLetterMaxBytes, ix.dlq.w.BatchBytes)
+
+	// An operator's own value is left as it is (and bounds the writer).
+	cfg2 := f.cfg
+	cfg2.DeadLetterTopic = stack.UniqueName("dlq-own")
+	require.NoError(t, ensureTopic(ctx, cfg.Brokers, cfg2.DeadLetterTopic, 1,
+		kafka.ConfigEntry{ConfigName: "retention.ms", ConfigValue: "3600000"}, kafka.ConfigEntry{ConfigName: "max.message.bytes", ConfigValue: "2097152"}))
+	ix2, err := New(cfg2)
+	require.NoError(t, err)
+	defer ix2.dlq.Close()
+	require.NoError(t, ix2.ensureDeadLetterTopic(ctx))
+	conf, err = topicConfig(ctx, f.kclient, cfg2.DeadLetterTopic, "retention.ms", "max.message.bytes")
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"retention.ms": "3600000", "max.message.bytes": "2097152"}, conf)
+	require.EqualValues(t, 2097152, ix2.dlq.w.BatchBytes)
+}

@@ -59,7 +59,8 @@
 // sent. A request the engine refuses as a whole with 400 (what one invalid
 // action causes) or 413 is split in halves and sent again until the item
 // at fault is alone, and that item is dead-lettered; a 400 that every item
-// gets alone is not one item's fault and stops the indexer. If the engine cannot be reached, the whole batch waits and
+// gets alone is not one item's fault and stops the indexer (so does a
+// lone document's 400 that is not the engine's own error, a proxy's). If the engine cannot be reached, the whole batch waits and
 // retries: its offsets are not committed, so nothing is skipped; when the
 // retry budget runs out, [Indexer.Run] returns an error and a restart
 // replays the batch. `indexer dead-letter replay` re-publishes dead letters
@@ -74,8 +75,9 @@
 // # Other producers' records, routing and ids
 //
 // A topic may carry records the pipeline did not write. Config.SkipEventTypes
-// lists other event types (ce_type; "*" for all) and Config.AggregateTypes
-// the aggregate types indexed: the rest is skipped — committed, never sent,
+// lists other event types (ce_type; "*" for all, records without ce_type
+// included) and Config.AggregateTypes the aggregate types indexed: the
+// rest, keyed or not, is skipped — committed, never sent,
 // counted in indexer_skipped_total{reason} and Batch.Skipped — instead of
 // dead-lettered as unknown_type. Config.NullValues says what a null value
 // (a Kafka tombstone) that is not a delete event means, as Kafka Connect's
@@ -88,7 +90,12 @@
 // version_type=external_gte — it hides exactly what is indexed, a later
 // record with a higher version shows again, and a replay of an older or
 // equal version is a conflict. Its version never comes from the Kafka
-// offset (see the design's "version from the source row").
+// offset (see the design's "version from the source row"). With
+// NullValues "delete" every document also carries [FieldPosition], the
+// partition and offset it was written from: a null value replayed (after
+// a crash or a rebalance) once a later record of its key on the same
+// partition is indexed is a conflict, instead of hiding that record for
+// good.
 //
 // A record goes to the read alias targetAlias returns — Config.Routes by
 // aggregate type, else Config.Alias — through that alias's write alias.

@@ -21,6 +21,11 @@ const (
 	// FieldPV holds the processor version that built the document (absent
 	// for events that carry none).
 	FieldPV = "_pv"
+	// FieldPosition holds [partition, offset] of the Kafka record a
+	// document was written from, with NullValues "delete" only: a null
+	// value without a version replayed after a later record of its key was
+	// indexed must see that it is overtaken (see versionsFromIndex).
+	FieldPosition = "_pos"
 )
 
 // Buckets is the number of id ranges reconciliation compares.
@@ -61,7 +66,15 @@ func IDV(id string, version int64, deleted bool, pv string) int64 {
 // summaries instead of scanning documents. They are added while the bulk
 // body is written, which saves copying every document once more.
 func appendDocument(dst []byte, d *doc) []byte {
-	return appendReconcileFields(dst, d.body, d.bucket, d.idv, d.pv)
+	dst = appendReconcileFields(dst, d.body, d.bucket, d.idv, d.pv)
+	if !d.withPosition {
+		return dst
+	}
+	dst = append(dst[:len(dst)-1], `,"`+FieldPosition+`":[`...)
+	dst = strconv.AppendInt(dst, int64(d.msg.Partition), 10)
+	dst = append(dst, ',')
+	dst = strconv.AppendInt(dst, d.msg.Offset, 10)
+	return append(dst, "]}"...)
 }
 
 // appendReconcileFields appends obj, a JSON object, with the reconcile

@@ -40,6 +40,9 @@ type faultInjector struct {
 	// that holds it, as a whole (as OpenSearch answers 400 to a bulk with one
 	// invalid action).
 	refuseRequestsWith map[string]int
+	// refuseAllPlain, when set, is the status of a plain-text answer (a
+	// proxy's, not the engine's JSON error) to every bulk request.
+	refuseAllPlain int
 	// failItems: id → how many more times its bulk item fails, and how.
 	failItems map[string]*itemFault
 	// bulks records the ids of every bulk request that reached the engine.
@@ -75,6 +78,12 @@ func (fi *faultInjector) refuseRequestsHolding(id string, status int) {
 	fi.mu.Lock()
 	defer fi.mu.Unlock()
 	fi.refuseRequestsWith[id] = status
+}
+
+func (fi *faultInjector) refuseAllPlainText(status int) {
+	fi.mu.Lock()
+	defer fi.mu.Unlock()
+	fi.refuseAllPlain = status
 }
 
 func (fi *faultInjector) failItem(id string, times, status int, typ string) {
@@ -137,6 +146,13 @@ func (fi *faultInjector) bulk(w http.ResponseWriter, r *http.Request) {
 		forwardIdx = append(forwardIdx, i)
 	}
 	fi.bulks = append(fi.bulks, ids)
+	if status := fi.refuseAllPlain; status != 0 {
+		fi.mu.Unlock()
+		w.Header().Set("Content-Type", "text/html")
+		w.WriteHeader(status)
+		fmt.Fprint(w, "<html><body><h1>400 Bad Request</h1>injected by a proxy</body></html>")
+		return
+	}
 	for _, id := range ids {
 		if status := fi.refuseRequestsWith[id]; status != 0 {
 			fi.mu.Unlock()

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -395,6 +396,13 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 	if err := ix.versionsFromIndex(ctx, pending); err != nil {
 		return res, err
 	}
+	pending = slices.DeleteFunc(pending, func(d *doc) bool {
+		if d.overtaken {
+			res.Conflicts++
+			ix.m.docs.WithLabelValues("conflict").Inc()
+		}
+		return d.overtaken
+	})
 	if err := ix.throttle.wait(ctx, len(pending)); err != nil {
 		return res, err
 	}

@@ -34,10 +34,10 @@ const MaxIDBytes = 512
 
 // ReservedFields are top-level document fields an upsert may not carry:
 // the indexer's own (a document with _deleted would be hidden as a
-// tombstone; _bucket or _idv would be written twice) and the engine's
-// metadata fields, which fail the item.
+// tombstone; _bucket, _idv, _pv or, with NullValues "delete", _pos would be
+// written twice) and the engine's metadata fields, which fail the item.
 var ReservedFields = []string{
-	FieldDeleted, FieldBucket, FieldIDV,
+	FieldDeleted, FieldBucket, FieldIDV, FieldPV, FieldPosition,
 	"_id", "_index", "_routing", "_source", "_version", "_seq_no", "_primary_term", "_type",
 	"_field_names", "_ignored", "_doc_count", "_data_stream_timestamp", "_nested_path", "_tier",
 }
@@ -51,8 +51,9 @@ var reservedField = func() map[string]bool {
 }()
 
 // firstReserved returns the first of names (raw JSON string contents) that
-// is a reserved field, or "".
-func firstReserved(names [][]byte) string {
+// is a reserved field, or "". allowPosition: FieldPosition is the user's
+// (the indexer writes it with NullValues "delete" only).
+func firstReserved(names [][]byte, allowPosition bool) string {
 	for _, raw := range names {
 		name := string(raw)
 		if bytes.IndexByte(raw, '\\') >= 0 {
@@ -60,7 +61,7 @@ func firstReserved(names [][]byte) string {
 				continue
 			}
 		}
-		if reservedField[name] {
+		if reservedField[name] && !(allowPosition && name == FieldPosition) {
 			return name
 		}
 	}
@@ -101,8 +102,13 @@ type doc struct {
 	// another producer); version is filled in from the index and the
 	// tombstone written with version_type=external_gte.
 	versionFromIndex bool
-	op               op
-	body             []byte // document or tombstone, without the reconcile fields
+	// overtaken: a versionFromIndex delete replayed after a later record
+	// of its id was indexed; resolved as a conflict, never sent.
+	overtaken bool
+	// withPosition: FieldPosition is written (NullValues "delete").
+	withPosition bool
+	op           op
+	body         []byte // document or tombstone, without the reconcile fields
 	// bucket and idv are the reconcile fields, computed by the fetch loop,
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
 	bucket int
@@ -149,13 +155,10 @@ func headerBytes(m kafka.Message, key string) ([]byte, bool) {
 // be indexed comes back with poison set, one the deployment does not index
 // with skip set.
 func (r *recordRules) parse(m kafka.Message) *doc {
-	d := &doc{msg: m}
+	d := &doc{msg: m, withPosition: r.nullValues == NullValuesDelete}
 	poison := func(code, format string, args ...any) *doc {
 		d.poison = &itemError{Code: code, Reason: fmt.Sprintf(format, args...)}
 		return d
-	}
-	if len(m.Key) == 0 {
-		return poison(CodeMissingKey, "message has no key (the aggregate id)")
 	}
 	aggType, hasAggType := headerBytes(m, outbox.HeaderAggregateType)
 	if r.aggregateTypes != nil && hasAggType && !r.aggregateTypes[string(aggType)] {
@@ -164,9 +167,15 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 	}
 	typ, hasType := headerBytes(m, outbox.HeaderType)
 	isUpsert, isDelete := string(typ) == typeUpsert, string(typ) == typeDelete
-	if hasType && !isUpsert && !isDelete && r.skipsEventType(typ) {
+	// "*" skips another producer's records without ce_type too (a plain
+	// Kafka producer sets no headers); their null values are NullValues'.
+	if (hasType && !isUpsert && !isDelete && r.skipsEventType(typ)) || (!hasType && m.Value != nil && r.skipAllOthers) {
 		d.skip = SkipEventType
 		return d
+	}
+	// After the skips: another producer's records may have no key.
+	if len(m.Key) == 0 {
+		return poison(CodeMissingKey, "message has no key (the aggregate id)")
 	}
 	d.alias = r.targetAlias(m)
 	d.target = r.writeAliasOf(d.alias)
@@ -228,7 +237,7 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 		if !valid {
 			return poison(CodeInvalidJSON, "document is not a JSON object")
 		}
-		if name := firstReserved(underscored); name != "" {
+		if name := firstReserved(underscored, !d.withPosition); name != "" {
 			return poison(CodeReservedField, "document has the reserved top-level field %q", name)
 		}
 		if bytes.IndexByte(trimmed, '\n') >= 0 || bytes.IndexByte(trimmed, '\r') >= 0 {

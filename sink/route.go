@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 
@@ -126,13 +127,23 @@ func ParseRoutes(s string) (map[string]string, error) {
 }
 
 // ensureIndexes makes sure every alias records may go to exists (see
-// [EnsureIndex]) and returns the index behind Config.WriteAlias.
+// [EnsureIndex]) and returns the index behind Config.WriteAlias. With
+// NullValues "delete" it also maps FieldPosition, which the documents then
+// carry: an index with a strict mapping would refuse every one of them.
 func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
 	var first string
 	for i, alias := range ix.rules.aliases() {
 		index, err := EnsureIndex(ctx, ix.client, alias, ix.rules.writeAliasOf(alias), ix.cfg.Mapping)
 		if err != nil {
 			return "", err
+		}
+		if ix.cfg.NullValues == NullValuesDelete {
+			if _, err := ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{
+				Method: http.MethodPut, Path: "/" + url.PathEscape(index) + "/_mapping",
+				Body: map[string]any{"properties": map[string]any{FieldPosition: map[string]any{"type": "long"}}},
+			}); err != nil {
+				return "", fmt.Errorf("map %s in index %s (NULL_VALUES=delete): %w", FieldPosition, index, err)
+			}
 		}
 		if i == 0 {
 			first = index
@@ -148,6 +159,11 @@ func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
 // the tombstone hides exactly what is indexed, a later record of the key
 // with a higher version still goes through, and a late replay of an older
 // or equal one is a conflict. An id not in the index gets version 0.
+//
+// Such a delete is replayed after a crash or a rebalance, and by then the
+// index may hold a later record of the id (same partition, higher offset,
+// by FieldPosition): taking that record's version would hide it for good,
+// so the delete is marked overtaken instead.
 func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 	var need []*doc
 	for _, d := range batch {
@@ -158,18 +174,16 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 	if len(need) == 0 {
 		return nil
 	}
-	type mgetDoc struct {
-		Index   string `json:"_index"`
-		ID      string `json:"_id"`
-		Source  bool   `json:"_source"`
-		Found   bool   `json:"found,omitempty"`
-		Version int64  `json:"_version,omitempty"`
+	type mgetReq struct {
+		Index  string   `json:"_index"`
+		ID     string   `json:"_id"`
+		Source []string `json:"_source"`
 	}
 	req := struct {
-		Docs []mgetDoc `json:"docs"`
+		Docs []mgetReq `json:"docs"`
 	}{}
 	for _, d := range need {
-		req.Docs = append(req.Docs, mgetDoc{Index: d.target, ID: d.id})
+		req.Docs = append(req.Docs, mgetReq{Index: d.target, ID: d.id, Source: []string{FieldPosition}})
 	}
 	var res *elastic.Response
 	err := backoff.Retry(func() error {
@@ -184,20 +198,39 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 		return fmt.Errorf("read the versions of %d null-value delete(s): %w", len(need), err)
 	}
 	var got struct {
-		Docs []mgetDoc `json:"docs"`
+		Docs []struct {
+			Found   bool  `json:"found"`
+			Version int64 `json:"_version"`
+			Source  struct {
+				Position []int64 `json:"_pos"`
+			} `json:"_source"`
+		} `json:"docs"`
 	}
 	if err := json.NewDecoder(bytes.NewReader(res.Body)).Decode(&got); err != nil || len(got.Docs) != len(need) {
 		return fmt.Errorf("read the versions of %d null-value delete(s): bad _mget answer (%v)", len(need), err)
 	}
-	current := map[[2]string]int64{}
+	type key [2]string
+	current := map[key]int64{}
+	type position struct{ partition, offset int64 }
+	written := map[key]position{} // where the indexed document came from
 	for i, d := range need {
-		if got.Docs[i].Found {
-			current[[2]string{d.target, d.id}] = got.Docs[i].Version
+		g := got.Docs[i]
+		if !g.Found {
+			continue
+		}
+		k := key{d.target, d.id}
+		current[k] = g.Version
+		if p := g.Source.Position; len(p) == 2 {
+			written[k] = position{p[0], p[1]}
 		}
 	}
 	for _, d := range batch { // in order: an earlier record of the id counts
-		k := [2]string{d.target, d.id}
+		k := key{d.target, d.id}
 		if d.versionFromIndex {
+			if p, ok := written[k]; ok && p.partition == int64(d.msg.Partition) && p.offset > d.msg.Offset {
+				d.overtaken = true
+				continue
+			}
 			d.version = current[k]
 			d.idv = IDV(d.id, d.version, true, d.pv)
 		} else if d.poison == nil && d.skip == "" {

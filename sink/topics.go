@@ -1,6 +1,7 @@
 package sink
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -32,22 +33,65 @@ func ensureTopic(ctx context.Context, brokers []string, topic string, partitions
 
 // topicConfig returns the values of the named configs of topic.
 func topicConfig(ctx context.Context, c *kafka.Client, topic string, names ...string) (map[string]string, error) {
+	entries, err := topicConfigEntries(ctx, c, topic, names...)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for name, e := range entries {
+		out[name] = e.ConfigValue
+	}
+	return out, nil
+}
+
+// topicConfigEntries returns the named configs of topic with their source.
+func topicConfigEntries(ctx context.Context, c *kafka.Client, topic string, names ...string) (map[string]kafka.DescribeConfigResponseConfigEntry, error) {
 	res, err := c.DescribeConfigs(ctx, &kafka.DescribeConfigsRequest{Resources: []kafka.DescribeConfigRequestResource{{
 		ResourceType: kafka.ResourceTypeTopic, ResourceName: topic, ConfigNames: names,
 	}}})
 	if err != nil {
 		return nil, fmt.Errorf("describe configs of topic %s: %w", topic, err)
 	}
-	out := map[string]string{}
+	out := map[string]kafka.DescribeConfigResponseConfigEntry{}
 	for _, r := range res.Resources {
 		if r.Error != nil {
 			return nil, fmt.Errorf("describe configs of topic %s: %w", topic, r.Error)
 		}
 		for _, e := range r.ConfigEntries {
-			out[e.ConfigName] = e.ConfigValue
+			out[e.ConfigName] = e
 		}
 	}
 	return out, nil
+}
+
+// configSourceTopic is DescribeConfigs' DYNAMIC_TOPIC_CONFIG: a value set
+// on the topic itself, not inherited from the broker.
+const configSourceTopic = 1
+
+// setOnTopic reports whether a config's value was set on the topic.
+func setOnTopic(e kafka.DescribeConfigResponseConfigEntry) bool {
+	if e.ConfigSource == 0 { // DescribeConfigs v0: no source
+		return !e.IsDefault
+	}
+	return e.ConfigSource == configSourceTopic
+}
+
+// setTopicConfigs sets configs on topic.
+func setTopicConfigs(ctx context.Context, c *kafka.Client, topic string, configs []kafka.ConfigEntry) error {
+	req := kafka.IncrementalAlterConfigsRequestResource{ResourceType: kafka.ResourceTypeTopic, ResourceName: topic}
+	for _, e := range configs {
+		req.Configs = append(req.Configs, kafka.IncrementalAlterConfigsRequestConfig{Name: e.ConfigName, Value: e.ConfigValue, ConfigOperation: kafka.ConfigOperationSet})
+	}
+	res, err := c.IncrementalAlterConfigs(ctx, &kafka.IncrementalAlterConfigsRequest{Resources: []kafka.IncrementalAlterConfigsRequestResource{req}})
+	if err == nil {
+		for _, r := range res.Resources {
+			err = cmp.Or(err, r.Error)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("set configs of topic %s: %w", topic, err)
+	}
+	return nil
 }
 
 // topicPartitions lists the partition ids of topic.

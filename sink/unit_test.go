@@ -107,6 +107,8 @@ func TestConfigValidate(t *testing.T) {
 		{name: "negative rate", mutate: func(c *Config) { c.MaxRate = -1 }, want: "MAX_RATE=-1"},
 		{name: "short session", mutate: func(c *Config) { c.SessionTimeout = time.Second }, want: "SESSION_TIMEOUT=1s"},
 		{name: "lanes", mutate: func(c *Config) { c.Lanes = 1000 }, want: "LANES=1000"},
+		{name: "dead letters smaller than documents", mutate: func(c *Config) { c.DeadLetterMaxBytes = 2 << 20 }, want: "DEAD_LETTER_MAX_BYTES=2097152"},
+		{name: "skipping the pipeline's own type", mutate: func(c *Config) { c.SkipEventTypes = []string{"outboxrelay.delete"} }, want: `SKIP_EVENT_TYPES: "outboxrelay.delete"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -186,6 +188,11 @@ func TestParseRules(t *testing.T) {
 		{name: "listed event type skipped", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_shipped"), wantSkip: SkipEventType},
 		{name: "unlisted event type still dead-lettered", cfg: Config{SkipEventTypes: []string{"shop.order_shipped"}}, msg: event("shop.order_paid"), wantCode: CodeUnknownType},
 		{name: "star skips every other event type", cfg: Config{SkipEventTypes: []string{"*"}}, msg: event("shop.order_paid"), wantSkip: SkipEventType},
+		{name: "star skips a foreign record without headers", cfg: Config{SkipEventTypes: []string{"*"}}, msg: kafka.Message{Key: []byte("a"), Value: []byte(`{"x":1}`)}, wantSkip: SkipEventType},
+		{name: "star leaves a foreign null value to NULL_VALUES", cfg: Config{SkipEventTypes: []string{"*"}, NullValues: NullValuesIgnore}, msg: foreignTombstone, wantSkip: SkipNullValue},
+		{name: "star skips a keyless foreign record", cfg: Config{SkipEventTypes: []string{"*"}}, msg: kafka.Message{Value: []byte(`{"x":1}`)}, wantSkip: SkipEventType},
+		{name: "keyless record of a type not indexed skipped", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("", 1, `{}`), "invoices"), wantSkip: SkipAggregateType},
+		{name: "keyless upsert still missing_key", cfg: Config{SkipEventTypes: []string{"*"}}, msg: upsert("", 1, `{}`).message(), wantCode: CodeMissingKey},
 		{name: "star keeps upserts", cfg: Config{SkipEventTypes: []string{"*"}}, msg: upsert("a", 1, `{}`).message(), wantID: "a", wantTarget: "records-write", wantVer: 1},
 		{name: "aggregate type not indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "invoices"), wantSkip: SkipAggregateType},
 		{name: "aggregate type indexed", cfg: Config{AggregateTypes: []string{"records"}}, msg: typed(upsert("a", 1, `{}`), "records"), wantID: "a", wantTarget: "records-write", wantVer: 1},
@@ -199,6 +206,9 @@ func TestParseRules(t *testing.T) {
 		{name: "unrouted type to the default alias", cfg: Config{Routes: map[string]string{"orders": "orders_idx"}}, msg: typed(upsert("a", 1, `{}`), "users"), wantID: "a", wantTarget: "records-write", wantVer: 1},
 		{name: "typed id", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert("a", 1, `{}`), "orders"), wantID: "orders:a", wantTarget: "records-write", wantVer: 1},
 		{name: "typed id needs the type", cfg: Config{IDFormat: IDFormatTypeID}, msg: upsert("a", 1, `{}`).message(), wantCode: CodeMissingAggregateType},
+		{name: "_pos is the user's by default", msg: upsert("a", 1, `{"_pos":1}`).message(), wantID: "a", wantTarget: "records-write", wantVer: 1},
+		{name: "_pos reserved with NULL_VALUES=delete", cfg: Config{NullValues: NullValuesDelete}, msg: upsert("a", 1, `{"_pos":1}`).message(), wantCode: CodeReservedField},
+		{name: "_pos does not hide a later reserved field", msg: upsert("a", 1, `{"_pos":1,"_deleted":true}`).message(), wantCode: CodeReservedField},
 		{name: "typed id length checked", cfg: Config{IDFormat: IDFormatTypeID}, msg: typed(upsert(strings.Repeat("k", MaxIDBytes-3), 1, `{}`), "orders"), wantCode: CodeIDTooLong},
 	}
 	for _, tt := range tests {

@@ -45,7 +45,7 @@ func (s *settings) registerEngine(fs *cli.FlagSet) {
 func (s *settings) registerRecords(fs *cli.FlagSet) {
 	fs.String(&s.routes, "routes", "ROUTES", "", `aggregate type → read alias, e.g. "orders=orders_idx,users=users_idx", written through "<alias>-write" ("" = everything to ALIAS)`)
 	fs.String(&s.aggregateTypes, "aggregate-types", "AGGREGATE_TYPES", "", `comma-separated aggregate types (ce_aggregatetype) to index; others are skipped, counted ("" = all)`)
-	fs.String(&s.skipEventTypes, "skip-event-types", "SKIP_EVENT_TYPES", "", `comma-separated event types (ce_type) of other producers to skip, counted ("*" = every type but upsert/delete; "" = dead-letter them as unknown_type)`)
+	fs.String(&s.skipEventTypes, "skip-event-types", "SKIP_EVENT_TYPES", "", `comma-separated event types (ce_type) of other producers to skip, counted ("*" = every type but upsert/delete, and records without ce_type; "" = dead-letter them as unknown_type)`)
 	fs.String(&s.cfg.NullValues, "null-values", "NULL_VALUES", sink.NullValuesFail, "a null value (Kafka tombstone) that is not a delete event: fail (dead-letter), ignore (skip, counted) or delete")
 	fs.String(&s.cfg.IDFormat, "id-format", "ID_FORMAT", sink.IDFormatID, `_id of a document: id (the key) or type:id ("<aggregate type>:<key>", where ids collide across types; reconcile needs id)`)
 }

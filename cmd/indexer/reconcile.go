@@ -26,6 +26,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				url, alias  string
 				writeAlias  string
 				source, job string
+				idFormat    string
 				topic       string
 				repair      bool
 				full        bool
@@ -41,6 +42,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			fs.String(&job, "job", "JOB", "", "scan job to compare: its source, processor version and that version's index generation come from its stored spec")
 			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare against the write alias (without --job)")
 			fs.String(&topic, "topic", "TOPIC", sink.DefaultTopic, "topic of the repair events")
+			fs.String(&idFormat, "id-format", "ID_FORMAT", sink.IDFormatID, `the indexer's ID_FORMAT; only "id" can be reconciled`)
 			fs.Bool(&repair, "repair", "", false, "re-enqueue outbox events for missing and stale ids and delete extra documents")
 			fs.Bool(&full, "full", "", false, "compare every document's real _version (reads both sides whole; finds partial updates made by hand)")
 			fs.Bool(&asJSON, "json", "", false, "print the report as JSON")
@@ -51,6 +53,11 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			}
 			if url == "" {
 				return cli.UsageError("ELASTICSEARCH_URL is required (e.g. http://127.0.0.1:9200)")
+			}
+			if idFormat != sink.IDFormatID {
+				// Every _id would differ from its source_id: all "missing"
+				// and all "extra", and --repair would delete the index.
+				return cli.UsageError("ID_FORMAT=%s: reconcile compares normalized_records ids with _id and needs ID_FORMAT=%s", idFormat, sink.IDFormatID)
 			}
 			pool, err := pgconn.Open(ctx, common.DatabaseURL, 4)
 			if err != nil {

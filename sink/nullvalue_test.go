@@ -1,0 +1,100 @@
+package sink
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/internal/stack"
+)
+
+// A null value without a version (another producer's tombstone) takes the
+// version the index holds when it is resolved. Replays are normal (a crash
+// before the commit, a rebalance): replaying the tombstone after a later
+// record of the key was indexed must not hide that later record — in a
+// later batch or in the same one.
+func TestNullValueDeleteReplayKeepsLaterRecord(t *testing.T) {
+	t.Parallel()
+	real := stack.ElasticsearchURL(t)
+	f := newFixture(t, real, real, 1)
+	cfg := f.cfg
+	cfg.NullValues = NullValuesDelete
+	ix, err := New(cfg)
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
+	require.NoError(t, err)
+	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
+	defer ix.dlq.Close()
+
+	at := func(m kafka.Message, offset int64) kafka.Message {
+		m.Topic, m.Partition, m.Offset = cfg.Topic, 0, offset
+		return m
+	}
+	v5 := at(upsert("x", 5, docN(5)).message(), 10)
+	null := at(kafka.Message{Key: []byte("x")}, 11) // no headers, no value
+	v6 := at(upsert("x", 6, docN(6)).message(), 12)
+	resolve := func(msgs ...kafka.Message) Batch {
+		t.Helper()
+		var batch []*doc
+		for _, m := range msgs {
+			d := ix.rules.parse(m)
+			require.Nil(t, d.poison)
+			batch = append(batch, d)
+		}
+		res, err := ix.resolve(ctx, batch)
+		require.NoError(t, err)
+		require.Zero(t, res.Dead)
+		return res
+	}
+	live := func(what string) {
+		t.Helper()
+		x := f.get("x")
+		require.True(t, x.Found, what)
+		require.Equal(t, int64(6), x.Version, what)
+		require.JSONEq(t, docN(6), string(x.Source), what)
+	}
+
+	// First run, one batch each.
+	resolve(v5)
+	resolve(null)
+	x := f.get("x")
+	require.Equal(t, int64(5), x.Version)
+	require.JSONEq(t, `{"_deleted":true}`, string(x.Source), "the tombstone hides v5")
+	resolve(v6)
+	live("v6 after the tombstone")
+
+	// Replay from the tombstone's offset, batch by batch.
+	resolve(null)
+	live("replayed tombstone (a later batch's v6 is indexed)")
+	resolve(v6)
+	live("replayed v6")
+
+	// Replay with both in one batch.
+	resolve(null, v6)
+	live("replayed tombstone and v6 in one batch")
+
+	// A replay that starts before v5 ends as the first run did.
+	resolve(v5, null, v6)
+	live("replay from v5")
+}
+
+// With NULL_VALUES=delete the indexer writes _pos into every document; an
+// index whose mapping is strict (it declares _deleted, _bucket and _idv,
+// as the README asks) must take it, or every document would be
+// dead-lettered.
+func TestNullValueDeleteStrictMapping(t *testing.T) {
+	t.Parallel()
+	real := stack.ElasticsearchURL(t)
+	f := newFixture(t, real, real, 1)
+	cfg := f.cfg
+	cfg.NullValues = NullValuesDelete
+	cfg.Mapping = []byte(`{"settings":{"number_of_shards":1,"number_of_replicas":0,"refresh_interval":"1s"},"mappings":{"dynamic":"strict","properties":{"_deleted":{"type":"boolean"},"_bucket":{"type":"integer"},"_idv":{"type":"long"},"n":{"type":"integer"},"title":{"type":"keyword"}}}}`)
+	f.produce(upsert("a", 1, docN(1)))
+	f.start(cfg)
+	f.waitCaughtUp(f.cfg.Group, time.Minute)
+	require.Equal(t, map[string]string{"a": "v1 " + docN(1)}, f.search(f.cfg.Alias))
+}
