@@ -503,6 +503,8 @@ func (e *itemError) Error() string {
 // bulk writes docs, each through the alias of its target: its processor
 // version's index generation (created on first sight), or the write alias.
 func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
+	ctx, span := startBulkSpan(ctx, docs)
+	defer span.End()
 	ctx, cancel := context.WithTimeout(ctx, ix.cfg.RequestTimeout)
 	defer cancel()
 	if err := ix.router.route(ctx, docs); err != nil {
