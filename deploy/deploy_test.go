@@ -55,6 +55,7 @@ func registered(t *testing.T) map[string]family {
 	t.Helper()
 	rec := &recorder{Registry: metrics.NewRegistry()}
 	batch.NewMetrics(rec)
+	rec.MustRegister(batch.NewRunStates(nil, nil)) // the publisher's, from the database
 	_, err := outbox.NewPublisher(nil, outbox.Config{Brokers: []string{"127.0.0.1:1"}, Registerer: rec})
 	require.NoError(t, err)
 	_, err = sink.New(sink.Config{Brokers: []string{"127.0.0.1:1"}, URL: "http://127.0.0.1:1", Registerer: rec})
