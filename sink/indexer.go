@@ -45,6 +45,7 @@ type Indexer struct {
 	// onBatch, if set, is called after every resolved and committed batch
 	// (tests).
 	onBatch func(Batch)
+	genRefresh time.Duration // watchGenerations' interval; 0: generationRefresh (tests shorten it)
 
 	clientIdentity // GroupReady (ready.go)
 }
@@ -190,6 +191,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 		g.Go(func() error { return ix.runLane(gctx, bl, lane, resolved) })
 	}
 	g.Go(func() error { ix.watchDeadLetters(gctx); return nil })
+	g.Go(func() error { ix.watchGenerations(gctx); return nil })
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
