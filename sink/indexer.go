@@ -45,6 +45,7 @@ type Indexer struct {
 	// onBatch, if set, is called after every resolved and committed batch
 	// (tests).
 	onBatch func(Batch)
+
 	genRefresh time.Duration // watchGenerations' interval; 0: generationRefresh (tests shorten it)
 
 	clientIdentity // GroupReady (ready.go)
