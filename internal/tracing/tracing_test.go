@@ -3,6 +3,7 @@ package tracing
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -59,4 +60,23 @@ func TestLinkedSpanLinksEachDistinctTraceParent(t *testing.T) {
 	require.Len(t, spans, 2)
 	require.Len(t, spans[1].Links, 1)
 	require.Equal(t, sc.SpanID(), spans[1].Links[0].SpanContext.SpanID())
+}
+
+// An endpoint turns tracing on: spans record, traceparents are written,
+// and shutdown turns it off again.
+func TestSetupWithAnEndpointTurnsTracingOn(t *testing.T) {
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+	t.Setenv("OTEL_TRACES_SAMPLER", "always_on")
+	stop, err := Setup(context.Background(), "test")
+	require.NoError(t, err)
+	require.True(t, Enabled())
+	ctx, span := Start(context.Background(), "x")
+	require.True(t, span.IsRecording())
+	_, ok := Parse(TraceParent(ctx))
+	require.True(t, ok)
+	span.End()
+	sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = stop(sctx) // nothing listens at the endpoint
+	require.False(t, Enabled())
 }
