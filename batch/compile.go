@@ -426,9 +426,10 @@ SELECT (SELECT count(*) FROM src),
 // outboxCTE inserts one outbox event per row the upsert CTE "up" returned.
 // The processor version travels in the event's headers (a Kafka header for
 // the indexer, which routes the document to that version's index
-// generation).
+// generation), and so does the chunk span's traceparent ("tp", NULL while
+// tracing is off: no header).
 func (c *compiled) outboxCTE(b *builder) string {
-	headers := `jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `)`
+	headers := `jsonb_strip_nulls(jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `, ` + b.c(outbox.HeaderTraceParent, "text") + `, ` + b.p("tp", "text") + `))`
 	return `ev AS (
   INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
   SELECT outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `),

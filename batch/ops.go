@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
 
 // actor names who moved a checkpoint when the caller does not say.
@@ -358,7 +360,7 @@ func (r *Runner) retryIDs(ctx context.Context, conn *pgx.Conn, run, key string, 
 		return 0, 0, err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	vals := map[string]any{"ids": ids, "pkey": key, "pkeytext": key, "job": r.spec.Job, "run": run, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion}
+	vals := map[string]any{"ids": ids, "pkey": key, "pkeytext": key, "job": r.spec.Job, "run": run, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion, "tp": tracing.Arg(ctx)}
 	var n int
 	var resolved int64
 	if r.cfg.Processor == nil {

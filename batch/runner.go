@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
+	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
 
 // Config configures a [Runner]. Zero values take the defaults named on
@@ -696,6 +697,8 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retries int64) (chunkResult, error) {
 	conn, cursor := f.conn, f.prev
 	res := chunkResult{size: size}
+	ctx, span := tracing.Start(ctx, "batch.chunk")
+	defer span.End()
 	failpoint.Hit("batch.before_tx")
 	t0 := time.Now()
 	tx, err := conn.Begin(ctx)
@@ -720,6 +723,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	vals := map[string]any{
 		"cursor": cursor, "boundary": cl.boundary, "limit": size, "pkey": cl.key, "pkeytext": cl.key,
 		"job": r.spec.Job, "run": r.runID, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion,
+		"tp": tracing.Arg(ctx),
 	}
 	if f.upto != nil {
 		vals["boundary"] = f.upto // the planned range: (cursor, upto]

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
+	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
 
 // The sweep of a full run (Spec.Vanished = delete): once every partition
@@ -283,7 +284,7 @@ func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)
 	}
-	vals := map[string]any{"source": r.spec.SourceName, "cursor": cursor, "limit": size, "pv": r.spec.ProcessorVersion, "pkeys": keys}
+	vals := map[string]any{"source": r.spec.SourceName, "cursor": cursor, "limit": size, "pv": r.spec.ProcessorVersion, "tp": tracing.Arg(ctx), "pkeys": keys}
 	if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &last, &deleted); err != nil {
 		return 0, nil, 0, fmt.Errorf("sweep chunk after %v: %w", cursor, err)
 	}

@@ -83,6 +83,7 @@ func registered(t *testing.T) map[string]family {
 	t.Helper()
 	rec := &recorder{Registry: metrics.NewRegistry()}
 	batch.NewMetrics(rec, noDB{})
+	rec.MustRegister(batch.NewRunStates(noDB{}, nil)) // the publisher serves it, from the database
 	_, err := outbox.NewPublisher(nil, outbox.Config{Brokers: []string{"127.0.0.1:1"}, Registerer: rec})
 	require.NoError(t, err)
 	_, err = sink.New(sink.Config{Brokers: []string{"127.0.0.1:1"}, URL: "http://127.0.0.1:1", Registerer: rec})

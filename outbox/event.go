@@ -39,7 +39,9 @@ type Event struct {
 	// it must be what the consumers accept (the indexer's search engine
 	// rejects an object with a duplicate key, for one). nil for deletes.
 	Payload json.RawMessage
-	// Headers are extra headers carried to Kafka, e.g. "traceparent".
+	// Headers are extra headers carried to Kafka, e.g. "traceparent". When
+	// tracing is on and there is no "traceparent", Enqueue adds the one of
+	// ctx's span.
 	Headers map[string]string
 }
 
@@ -94,11 +96,12 @@ func Enqueue(ctx context.Context, tx Querier, events ...Event) (int64, error) {
 			p := string(e.Payload)
 			payloads[i] = &p
 		}
-		h, err := json.Marshal(e.Headers)
+		eh := withTraceParent(ctx, e.Headers)
+		h, err := json.Marshal(eh)
 		if err != nil {
 			return 0, fmt.Errorf("event %s: headers: %w", e.ID, err)
 		}
-		if e.Headers == nil {
+		if eh == nil {
 			h = []byte("{}")
 		}
 		headers[i] = string(h)

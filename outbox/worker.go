@@ -244,6 +244,8 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) 
 	}
 	p.fit(w, len(all), len(events), bytes)
 	b.all = all
+	ctx, span := startPublishSpan(ctx, all)
+	defer span.End()
 
 	retried, err := p.produce(ctx, w, b)
 	if err != nil {

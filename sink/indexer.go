@@ -47,6 +47,8 @@ type Indexer struct {
 	// (tests).
 	onBatch func(Batch)
 
+	genRefresh time.Duration // watchGenerations' interval; 0: generationRefresh (tests shorten it)
+
 	clientIdentity // GroupReady (ready.go)
 }
 
@@ -191,6 +193,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 		g.Go(func() error { return ix.runLane(gctx, bl, lane, resolved) })
 	}
 	g.Go(func() error { ix.watchDeadLetters(gctx); return nil })
+	g.Go(func() error { ix.watchGenerations(gctx); return nil })
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
@@ -511,6 +514,8 @@ func (e *itemError) Error() string {
 // bulk writes docs, each through the alias of its target: its processor
 // version's index generation (created on first sight), or the write alias.
 func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
+	ctx, span := startBulkSpan(ctx, docs)
+	defer span.End()
 	ctx, cancel := context.WithTimeout(ctx, ix.cfg.RequestTimeout)
 	defer cancel()
 	if err := ix.router.route(ctx, docs); err != nil {

@@ -21,6 +21,9 @@ type metrics struct {
 	// deadLetterTopic: state = stored (in the dead-letter topic) | pending
 	// (not re-published by `dead-letter replay` yet).
 	deadLetterTopic *prometheus.GaugeVec
+	// generationDocs: alias, index, state = live | building | old
+	// (watchGenerations).
+	generationDocs *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -68,13 +71,17 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "indexer_commit_errors_total",
 			Help: "Offset commits that failed (the messages are replayed, harmlessly).",
 		}),
+		generationDocs: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "indexer_generation_docs",
+			Help: "Documents (tombstones included) in each index generation of the indexer's aliases, read from the engine every 30s; state = live (the read alias points at it), building (created after the live one: a rebuild not cut over yet), old (kept for rollback).",
+		}, []string{"alias", "index", "state"}),
 		deadLetterTopic: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "indexer_dead_letter_topic_messages",
 			Help: "Messages in the dead-letter topic (state=stored) and those of them not re-published by `indexer dead-letter replay` yet (state=pending); alert on pending > 0.",
 		}, []string{"state"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.skipped, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs, m.deadLetterTopic)
+		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.skipped, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs, m.deadLetterTopic, m.generationDocs)
 	}
 	return m
 }

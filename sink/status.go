@@ -114,22 +114,14 @@ func (s *Status) Write(w io.Writer) {
 // normalized rows of their processor version) and the older ones kept
 // for a rollback.
 func (s *Status) writeGenerations(w io.Writer) {
-	var live *Generation
-	for i := range s.Generations {
-		if s.Generations[i].Live {
-			live = &s.Generations[i]
-		}
-	}
+	states := generationStates(s.Generations)
 	fmt.Fprintf(w, "generations of %s:\n", s.ReadAlias)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "  INDEX\tPROCESSOR VERSION\tSTATE\tDOCUMENTS\tTOMBSTONES\tPROGRESS\tCREATED\tCUTOVER")
-	for _, g := range s.Generations {
-		state := "old (kept for rollback)"
-		switch {
-		case g.Live:
-			state = "live"
-		case live == nil || g.Meta.CreatedAt > live.Meta.CreatedAt:
-			state = "building"
+	for i, g := range s.Generations {
+		state := states[i]
+		if state == stateOld {
+			state = "old (kept for rollback)"
 		}
 		progress := "-"
 		if rows, ok := s.RowsByPV[g.Meta.ProcessorVersion]; ok && g.Meta.ProcessorVersion != "" {

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
 	"github.com/outboxrelay/outboxrelay/internal/pgconn"
@@ -75,6 +76,7 @@ func runCommand() cli.Command {
 				return cli.UsageError("%v", err)
 			}
 			health.AddCheck("shards", pub.Ready)
+			reg.MustRegister(batch.NewRunStates(pool, logger)) // failed runs outlive their batcher
 			if err := metrics.Serve(hard, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}

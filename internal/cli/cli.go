@@ -16,6 +16,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
 
 // Command is one sub-command of a binary.
@@ -90,7 +92,17 @@ func Dispatch(ctx context.Context, binary, about string, commands []Command, arg
 		usage(stderr)
 		return ExitUsage
 	}
-	err := cmd.Run(ctx, rest)
+	// Tracing is on only when OTEL_EXPORTER_OTLP_ENDPOINT says so; spans
+	// still buffered are flushed before the exit.
+	stopTracing, err := tracing.Setup(ctx, binary)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s %s: %v\n", binary, cmd.Name, err)
+		return ExitUsage
+	}
+	err = cmd.Run(ctx, rest)
+	flushCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	_ = stopTracing(flushCtx) // an unreachable collector must not fail the command
+	cancel()
 	if err == nil {
 		return ExitOK
 	}
