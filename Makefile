@@ -26,6 +26,7 @@ test: test-alerts ## run every test against the real stack (starts it when neede
 
 .PHONY: test-alerts
 test-alerts: ## check the Prometheus alert rules and run their unit tests (promtool)
+	@scripts/stack/prometheus.sh version >/dev/null # installs Debian's prometheus (promtool) when missing
 	promtool check rules deploy/prometheus/alerts.yml
 	cd deploy/prometheus && promtool test rules alerts_test.yml
 
