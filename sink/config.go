@@ -2,6 +2,7 @@ package sink
 
 import (
 	"cmp"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/segmentio/kafka-go/sasl"
 )
 
 // Defaults, in one place.
@@ -34,6 +36,10 @@ const (
 type Config struct {
 	// Brokers are the Kafka bootstrap addresses (KAFKA_BROKERS). Required.
 	Brokers []string
+	// TLS and SASL secure the Kafka connections (internal/kafkaconn builds
+	// them from KAFKA_TLS* and KAFKA_SASL_*). nil: plaintext, no SASL.
+	TLS  *tls.Config
+	SASL sasl.Mechanism
 	// Topic is the topic to consume. Default "outboxrelay.records".
 	Topic string
 	// Group is the consumer group id. Default "outboxrelay-indexer". A group

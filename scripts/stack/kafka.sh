@@ -25,6 +25,14 @@
 #   KAFKA_JVM_OPTS       extra JVM flags
 #   KAFKA_START_TIMEOUT  readiness wait in seconds (default 90)
 #   KAFKA_STOP_TIMEOUT   SIGTERM grace in seconds  (default 30)
+#   KAFKA_SECURE         1 adds two secured listeners beside the plaintext one
+#                        (scripts/stack/kafka-secure.sh sets it): SASL_SSL
+#                        (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512; user alice,
+#                        password alice-secret, SCRAM credentials created at
+#                        format time) and SSL with required client
+#                        certificates (mTLS). Certificates are made by openssl
+#                        in $STACK_DIR/kafka/tls; $STACK_DIR/kafka/secure.env
+#                        lists the addresses and files.
 #
 # State ($STACK_DIR/kafka): stack.conf (ports, cluster id), server.properties
 # (regenerated each start), data/ (log.dirs), kafka.pid, server.log, console.log, env.
@@ -50,6 +58,10 @@ STATE=$STACK_DIR/kafka
 PIDFILE=$STATE/kafka.pid
 START_TIMEOUT=${KAFKA_START_TIMEOUT:-90}
 STOP_TIMEOUT=${KAFKA_STOP_TIMEOUT:-30}
+SECURE=${KAFKA_SECURE:-0}
+TLSDIR=$STATE/tls
+SCRAM_USER=alice
+SCRAM_PASSWORD=alice-secret
 
 if [[ -n ${JAVA_HOME:-} ]]; then JAVA=$JAVA_HOME/bin/java; else JAVA=java; fi
 
@@ -155,6 +167,7 @@ broker_addr() {
 
 print_env() {
 	local line="KAFKA_BROKERS=$1"
+	[[ $SECURE == 1 ]] && write_secure_env
 	echo "$line" >"$STATE/env"
 	echo "$line"
 }
@@ -192,6 +205,71 @@ num.recovery.threads.per.data.dir=1
 log.retention.hours=168
 log.segment.bytes=104857600
 EOF
+	[[ $SECURE == 1 ]] || return 0
+	# The secured listeners are added to, not swapped for, the plaintext one,
+	# which stays the inter-broker listener.
+	sed -i \
+		-e "s|^listeners=.*|listeners=PLAINTEXT://127.0.0.1:$BROKER_PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT,SASL_SSL://127.0.0.1:$SASL_SSL_PORT,SSL://127.0.0.1:$SSL_PORT|" \
+		-e "s|^advertised.listeners=.*|advertised.listeners=PLAINTEXT://127.0.0.1:$BROKER_PORT,SASL_SSL://127.0.0.1:$SASL_SSL_PORT,SSL://127.0.0.1:$SSL_PORT|" \
+		-e "s|^listener.security.protocol.map=.*|listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL|" \
+		"$STATE/server.properties"
+	cat >>"$STATE/server.properties" <<EOF
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$TLSDIR/server.p12
+ssl.keystore.password=changeit
+ssl.key.password=changeit
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLSDIR/ca.pem
+listener.name.ssl.ssl.client.auth=required
+sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$SCRAM_USER="$SCRAM_PASSWORD";
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+EOF
+}
+
+write_secure_env() {
+	# shellcheck disable=SC1091
+	source "$STATE/stack.conf"
+	cat >"$STATE/secure.env" <<EOF
+KAFKA_SASL_SSL_BROKERS=127.0.0.1:$SASL_SSL_PORT
+KAFKA_SSL_BROKERS=127.0.0.1:$SSL_PORT
+KAFKA_TLS_CA_FILE=$TLSDIR/ca.pem
+KAFKA_TLS_CERT_FILE=$TLSDIR/client.pem
+KAFKA_TLS_KEY_FILE=$TLSDIR/client.key
+KAFKA_OTHER_CA_FILE=$TLSDIR/other-ca.pem
+KAFKA_OTHER_CERT_FILE=$TLSDIR/other-client.pem
+KAFKA_OTHER_KEY_FILE=$TLSDIR/other-client.key
+KAFKA_SASL_USERNAME=$SCRAM_USER
+KAFKA_SASL_PASSWORD=$SCRAM_PASSWORD
+EOF
+}
+
+# sign NAME CA SUBJECT-CN EXTENSIONS: a key and a certificate signed by CA.
+sign() {
+	local d=$TLSDIR
+	openssl req -newkey rsa:2048 -nodes -subj "/CN=$3" -keyout "$d/$1.key" -out "$d/$1.csr" 2>/dev/null &&
+		openssl x509 -req -in "$d/$1.csr" -CA "$d/$2.pem" -CAkey "$d/$2.key" -CAcreateserial -days 3650 \
+			-extfile <(printf '%s\n' "$4") -out "$d/$1.pem" 2>/dev/null || die "openssl: cannot sign $1"
+}
+
+# make_certs: a CA, a server certificate for 127.0.0.1/localhost, a client
+# certificate (mTLS), and a second, untrusted CA with its own client
+# certificate (for the tests' "untrusted" cases). openssl only.
+make_certs() {
+	command -v openssl >/dev/null || die "openssl not found (apt-get install openssl)"
+	mkdir -p "$TLSDIR"
+	local d=$TLSDIR ca
+	for ca in ca other-ca; do
+		openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=outboxrelay test $ca" \
+			-keyout "$d/$ca.key" -out "$d/$ca.pem" 2>/dev/null || die "openssl: cannot make $ca"
+	done
+	sign server ca localhost $'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth'
+	sign client ca "$SCRAM_USER" "extendedKeyUsage=clientAuth"
+	sign other-client other-ca "$SCRAM_USER" "extendedKeyUsage=clientAuth"
+	openssl pkcs12 -export -in "$d/server.pem" -inkey "$d/server.key" -certfile "$d/ca.pem" \
+		-name server -passout pass:changeit -out "$d/server.p12" || die "openssl: cannot write server.p12"
+	chmod 600 "$d"/*.key
 }
 
 java_opts() {
@@ -217,9 +295,14 @@ java_opts() {
 format_storage() {
 	# shellcheck disable=SC1091
 	source "$STATE/stack.conf"
+	local -a SCRAM_ARGS=()
+	if [[ $SECURE == 1 ]]; then
+		SCRAM_ARGS=(--add-scram "SCRAM-SHA-256=[name=$SCRAM_USER,password=$SCRAM_PASSWORD]"
+			--add-scram "SCRAM-SHA-512=[name=$SCRAM_USER,password=$SCRAM_PASSWORD]")
+	fi
 	log "formatting $STATE/data (cluster id $CLUSTER_ID)"
 	"$JAVA" -Xmx256m "-Dlog4j.configuration=file:$LOG4J" "-Dkafka.logs.dir=$STATE" -cp "$LIBS/*" \
-		kafka.tools.StorageTool format --cluster-id="$CLUSTER_ID" -c "$STATE/server.properties" >&2 \
+		kafka.tools.StorageTool format --cluster-id="$CLUSTER_ID" -c "$STATE/server.properties" ${SCRAM_ARGS[@]+"${SCRAM_ARGS[@]}"} >&2 \
 		|| die "kafka-storage format failed"
 }
 
@@ -228,7 +311,7 @@ new_state() {
 	mkdir -p "$STATE/data"
 	local ports cid
 	# Below the ephemeral range, so a restart finds its port free (see freeport.py).
-	ports=$(python3 "$SCRIPT_DIR/freeport.py" 2) || die "cannot pick free ports"
+	ports=$(python3 "$SCRIPT_DIR/freeport.py" 4) || die "cannot pick free ports"
 	# A Kafka cluster id is 16 random bytes, base64url without padding (22
 	# chars). Like Kafka's own random ids, never one that starts with '-':
 	# kafka-storage took such an id for an option (1 start in 64 failed).
@@ -240,7 +323,10 @@ new_state() {
 		echo "BROKER_PORT=$(sed -n 1p <<<"$ports")"
 		echo "CONTROLLER_PORT=$(sed -n 2p <<<"$ports")"
 		echo "CLUSTER_ID=$cid"
+		echo "SASL_SSL_PORT=$(sed -n 3p <<<"$ports")"
+		echo "SSL_PORT=$(sed -n 4p <<<"$ports")"
 	} >"$STATE/stack.conf"
+	if [[ $SECURE == 1 ]]; then make_certs; fi
 }
 
 STARTED_PID=
