@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"strings"
 	"time"
 
@@ -64,6 +65,9 @@ type Config struct {
 
 	// URL is the search engine's HTTP address (ELASTICSEARCH_URL). Required.
 	URL string
+	// HTTPClient sends the engine requests (credentials, TLS; internal/esconn
+	// builds it). nil: a plain client.
+	HTTPClient *http.Client
 	// Alias is the read alias users search; it filters out delete tombstones.
 	// Default "records".
 	Alias string

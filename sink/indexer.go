@@ -62,7 +62,7 @@ func New(cfg Config) (*Indexer, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, &ConfigError{Err: err}
 	}
-	client, err := NewClient(cfg.URL)
+	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return nil, &ConfigError{Err: err}
 	}

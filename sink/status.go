@@ -51,7 +51,7 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 		return nil, err
 	}
 	if cfg.URL != "" {
-		client, err := NewClient(cfg.URL)
+		client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 		if err != nil {
 			return nil, err
 		}

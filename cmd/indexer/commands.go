@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/esconn"
 	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
 	"github.com/outboxrelay/outboxrelay/internal/pgconn"
@@ -25,6 +26,7 @@ type settings struct {
 	mappingFile string
 	metrics     cli.Metrics
 	kafkaSec    kafkaconn.Settings
+	engineSec   esconn.Settings
 	// record settings, parsed into cfg by load
 	routes, aggregateTypes, skipEventTypes string
 	cfg                                    sink.Config
@@ -40,6 +42,7 @@ func (s *settings) registerKafka(fs *cli.FlagSet) {
 
 func (s *settings) registerEngine(fs *cli.FlagSet) {
 	fs.Secret(&s.cfg.URL, "elasticsearch-url", "ELASTICSEARCH_URL", "", "search engine URL, e.g. http://127.0.0.1:9200 (required)")
+	s.engineSec.Register(fs)
 	fs.String(&s.cfg.Alias, "alias", "ALIAS", sink.DefaultAlias, "read alias users search (filters out delete tombstones)")
 	fs.String(&s.cfg.WriteAlias, "write-alias", "WRITE_ALIAS", "", `alias the indexer writes through ("" = <alias>-write)`)
 	fs.String(&s.mappingFile, "mapping-file", "MAPPING_FILE", "", `create-index body (settings, mappings) used when the index is created ("" = built-in mapping.json)`)
@@ -106,6 +109,18 @@ func (s *settings) load(ctx context.Context, needEngine bool) (*slog.Logger, err
 	}
 	if needEngine && s.cfg.URL == "" {
 		return nil, cli.UsageError("ELASTICSEARCH_URL is required (e.g. http://127.0.0.1:9200)")
+	}
+	if s.cfg.URL != "" {
+		conn, err := s.engineSec.Build(s.cfg.URL)
+		if err != nil {
+			return nil, err
+		}
+		if needEngine {
+			if err := conn.Probe(ctx, logger); err != nil {
+				return nil, err
+			}
+		}
+		s.cfg.URL, s.cfg.HTTPClient = conn.URL, conn.HTTP
 	}
 	if s.mappingFile != "" {
 		b, err := os.ReadFile(s.mappingFile)

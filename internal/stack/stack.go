@@ -38,6 +38,7 @@ type Server struct {
 	Kind string // postgres, kafka or opensearch
 	Dir  string // STACK_DIR
 	Env  string // the value printed by the script, e.g. 127.0.0.1:9092
+	Vars []string // extra environment of the script ("K=V")
 }
 
 var (
@@ -156,7 +157,7 @@ func (s *Server) runOut(verb string) (string, error) {
 	defer cancel()
 	script := filepath.Join(RepoRoot(), "scripts", "stack", s.Kind+".sh")
 	cmd := exec.CommandContext(ctx, "bash", script, verb)
-	cmd.Env = append(os.Environ(), "STACK_DIR="+s.Dir)
+	cmd.Env = append(append(os.Environ(), s.Vars...), "STACK_DIR="+s.Dir)
 	if os.Getenv("CACHE_DIR") == "" {
 		cmd.Env = append(cmd.Env, "CACHE_DIR="+filepath.Join(RepoRoot(), ".cache"))
 	}
