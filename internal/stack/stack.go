@@ -57,6 +57,8 @@ var envNames = map[string]string{
 	"postgres":   "DATABASE_URL",
 	"kafka":      "KAFKA_BROKERS",
 	"opensearch": "ELASTICSEARCH_URL",
+	// The second engine: Elasticsearch 7.17 (scripts/stack/elasticsearch.sh).
+	"elasticsearch": "ELASTICSEARCH7_URL",
 }
 
 // RepoRoot returns the module root (the directory holding go.mod).
@@ -216,6 +218,13 @@ func KafkaBrokers(tb testing.TB) []string {
 func ElasticsearchURL(tb testing.TB) string {
 	tb.Helper()
 	return sharedEnv(tb, "opensearch")
+}
+
+// Elasticsearch7URL returns the URL of the shared Elasticsearch 7.17 node,
+// the second engine the engine-facing suites run against.
+func Elasticsearch7URL(tb testing.TB) string {
+	tb.Helper()
+	return sharedEnv(tb, "elasticsearch")
 }
 
 // UniqueName returns prefix plus a random suffix, for topics, indices and
