@@ -5,7 +5,7 @@ SHELL := /bin/bash
 GO        ?= go
 STACK     := scripts/stack/stack.sh
 # Each target that needs servers starts the local stack (idempotent) and
-# exports DATABASE_URL, KAFKA_BROKERS and ELASTICSEARCH_URL for its command.
+# exports DATABASE_URL, KAFKA_BROKERS, ELASTICSEARCH_URL and ELASTICSEARCH7_URL for its command.
 WITH_STACK = eval "$$($(STACK) up)" &&
 TEST_FLAGS ?= -race -count=1 -timeout 50m
 BENCH_FLAGS ?= -run '^$$' -bench . -benchtime 1x -timeout 60m -v
@@ -41,7 +41,7 @@ lint: ## gofmt, go vet and staticcheck
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 ./...
 
 .PHONY: stack-up
-stack-up: ## start PostgreSQL, Kafka and OpenSearch locally; prints their settings
+stack-up: ## start PostgreSQL, Kafka, OpenSearch and Elasticsearch 7.17 locally; prints their settings
 	@$(STACK) up
 
 .PHONY: stack-down

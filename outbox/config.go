@@ -3,6 +3,7 @@ package outbox
 import (
 	"cmp"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"fmt"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/segmentio/kafka-go/sasl"
 
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
 )
@@ -33,6 +35,10 @@ const (
 type Config struct {
 	// Brokers are the Kafka bootstrap addresses ("host:port"). Required.
 	Brokers []string
+	// TLS and SASL secure the Kafka connections (internal/kafkaconn builds
+	// them from KAFKA_TLS* and KAFKA_SASL_*). nil: plaintext, no SASL.
+	TLS  *tls.Config
+	SASL sasl.Mechanism
 	// ID names this publisher in the lease table. Default: hostname-pid-random.
 	// Two running publishers must never share an ID.
 	ID string

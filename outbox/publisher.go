@@ -78,6 +78,8 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 			IdleTimeout: 30 * time.Second,
 			MetadataTTL: 10 * time.Second,
 			ClientID:    "outboxrelay-publisher",
+			TLS:         cfg.TLS,
+			SASL:        cfg.SASL,
 		},
 	}
 	return p, nil

@@ -88,7 +88,7 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	case r.Succeeded < r.Partitions:
 		r.Missing = append(r.Missing, fmt.Sprintf("run %s has not succeeded in every partition (%s)", r.Run, r.Unfinished))
 	}
-	client, err := sink.NewClient(cfg.URL)
+	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return r, err
 	}

@@ -34,9 +34,14 @@ func indexDocPV(id string, version int64, deleted bool, pv string) *elastic.Bulk
 
 func TestReconcileFindsAndRepairsDrift(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testReconcileFindsAndRepairsDrift)
+}
+
+func testReconcileFindsAndRepairsDrift(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(stack.ElasticsearchURL(t))
+	client, err := sink.NewClient(engineURL)
 	require.NoError(t, err)
 	index := stack.UniqueName("reconcile")
 	_, err = client.CreateIndex(index).BodyString(`{"settings":{"number_of_shards":1,"number_of_replicas":0,"index.gc_deletes":"1s"},"mappings":{"properties":{"_bucket":{"type":"integer"},"_idv":{"type":"long"},"_deleted":{"type":"boolean"}}}}`).Do(ctx)

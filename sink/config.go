@@ -2,13 +2,16 @@ package sink
 
 import (
 	"cmp"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/segmentio/kafka-go/sasl"
 )
 
 // Defaults, in one place.
@@ -34,6 +37,10 @@ const (
 type Config struct {
 	// Brokers are the Kafka bootstrap addresses (KAFKA_BROKERS). Required.
 	Brokers []string
+	// TLS and SASL secure the Kafka connections (internal/kafkaconn builds
+	// them from KAFKA_TLS* and KAFKA_SASL_*). nil: plaintext, no SASL.
+	TLS  *tls.Config
+	SASL sasl.Mechanism
 	// Topic is the topic to consume. Default "outboxrelay.records".
 	Topic string
 	// Group is the consumer group id. Default "outboxrelay-indexer". A group
@@ -58,6 +65,9 @@ type Config struct {
 
 	// URL is the search engine's HTTP address (ELASTICSEARCH_URL). Required.
 	URL string
+	// HTTPClient sends the engine requests (credentials, TLS; internal/esconn
+	// builds it). nil: a plain client.
+	HTTPClient *http.Client
 	// Alias is the read alias users search; it filters out delete tombstones.
 	// Default "records".
 	Alias string

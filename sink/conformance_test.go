@@ -31,10 +31,13 @@ type engineUnderTest struct {
 	// open returns the indexer-facing URL and, for the injector, the
 	// injector itself.
 	open func(t *testing.T, real string) (string, *faultInjector)
+	// real is the engine behind it; nil means the stack's OpenSearch node.
+	real func(testing.TB) string
 }
 
 var enginesUnderTest = []engineUnderTest{
 	{name: "opensearch", open: func(t *testing.T, real string) (string, *faultInjector) { return real, nil }},
+	{name: "elasticsearch-7.17", real: stack.Elasticsearch7URL, open: func(t *testing.T, real string) (string, *faultInjector) { return real, nil }},
 	{name: "fault-injector", features: Features{InjectsFaults: true}, open: func(t *testing.T, real string) (string, *faultInjector) {
 		fi := newFaultInjector(t, real)
 		return fi.URL(), fi
@@ -79,7 +82,11 @@ func runSuite(t *testing.T, e engineUnderTest) {
 		}
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			real := stack.ElasticsearchURL(t)
+			realURL := stack.ElasticsearchURL
+			if e.real != nil {
+				realURL = e.real
+			}
+			real := realURL(t)
 			u, fi := e.open(t, real)
 			f := newFixture(t, u, real, 3)
 			tt.run(t, f, fi)

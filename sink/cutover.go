@@ -19,7 +19,7 @@ import (
 // checks that the move is safe (package reconcile's Cutover does).
 func MoveAliases(ctx context.Context, cfg Config, index string) ([]string, error) {
 	cfg = cfg.withDefaults()
-	client, err := NewClient(cfg.URL)
+	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return nil, err
 	}
@@ -83,7 +83,7 @@ func moveAliases(ctx context.Context, client *elastic.Client, cfg Config, index 
 // it was dropped.
 func Rollback(ctx context.Context, cfg Config) (from, into string, err error) {
 	cfg = cfg.withDefaults()
-	client, err := NewClient(cfg.URL)
+	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return "", "", err
 	}
@@ -119,7 +119,7 @@ func Rollback(ctx context.Context, cfg Config) (from, into string, err error) {
 // DropGeneration deletes a generation index that neither alias points at.
 func DropGeneration(ctx context.Context, cfg Config, index string) error {
 	cfg = cfg.withDefaults()
-	client, err := NewClient(cfg.URL)
+	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return err
 	}

@@ -50,6 +50,7 @@ func newDeadLetterWriter(cfg Config) *deadLetterWriter {
 		// write retries with backoff, which stops when the run ends;
 		// kafka-go's own retries would not.
 		MaxAttempts: 1,
+		Transport:   cfg.kafkaTransport(),
 	}}
 }
 
@@ -155,10 +156,10 @@ func deadLetterTopicConfigs(cfg Config) []kafka.ConfigEntry {
 func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
 	topic := ix.cfg.DeadLetterTopic
 	want := deadLetterTopicConfigs(ix.cfg)
-	if err := ensureTopic(ctx, ix.cfg.Brokers, topic, 1, want...); err != nil {
+	if err := ensureTopicVia(ctx, ix.cfg.kafkaTransport(), ix.cfg.Brokers, topic, 1, want...); err != nil {
 		return err
 	}
-	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 30 * time.Second}
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 30 * time.Second, Transport: ix.cfg.kafkaTransport()}
 	names := make([]string, len(want))
 	for i, e := range want {
 		names[i] = e.ConfigName
@@ -210,7 +211,7 @@ const deadLetterRefresh = 30 * time.Second
 // watchDeadLetters keeps the indexer_dead_letter_topic_messages gauges
 // current until ctx ends.
 func (ix *Indexer) watchDeadLetters(ctx context.Context) {
-	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 15 * time.Second}
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: 15 * time.Second, Transport: ix.cfg.kafkaTransport()}
 	tick := time.NewTicker(deadLetterRefresh)
 	defer tick.Stop()
 	for {
@@ -253,7 +254,7 @@ type ReplayResult struct {
 func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 	cfg = cfg.withDefaults()
 	res := ReplayResult{ByTopic: map[string]int{}}
-	c := &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 30 * time.Second}
+	c := &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 30 * time.Second, Transport: cfg.kafkaTransport()}
 	group := ReplayGroup(cfg)
 	offs, err := topicOffsets(ctx, c, cfg.DeadLetterTopic, group)
 	if err != nil {
@@ -266,6 +267,7 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 		// A dead letter is as large as the dead-letter writer took it
 		// (kafka-go's default is 1 MiB).
 		BatchBytes: int64(cfg.DeadLetterMaxBytes),
+		Transport:  c.Transport,
 	}
 	defer w.Close()
 	for _, po := range offs {
@@ -276,7 +278,7 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 		if from >= po.End {
 			continue
 		}
-		r := kafka.NewReader(kafka.ReaderConfig{Brokers: cfg.Brokers, Topic: cfg.DeadLetterTopic, Partition: po.Partition, MaxWait: 250 * time.Millisecond})
+		r := kafka.NewReader(kafka.ReaderConfig{Brokers: cfg.Brokers, Dialer: cfg.kafkaDialer("outboxrelay-indexer"), Topic: cfg.DeadLetterTopic, Partition: po.Partition, MaxWait: 250 * time.Millisecond})
 		if err := r.SetOffset(from); err != nil {
 			r.Close()
 			return res, err

@@ -25,14 +25,21 @@ var DefaultMapping []byte
 // Sniffing and the health checker are off: they assume a cluster whose node
 // addresses are reachable from here, which a single loopback node, a proxy
 // or a managed service behind a load balancer are not.
-func NewClient(rawURL string) (*elastic.Client, error) {
-	tr := http.DefaultTransport.(*http.Transport).Clone()
-	tr.MaxIdleConnsPerHost = 64
+func NewClient(rawURL string) (*elastic.Client, error) { return NewClientWith(rawURL, nil) }
+
+// NewClientWith is NewClient sending its requests through hc (credentials,
+// TLS: see internal/esconn); nil hc means a plain client.
+func NewClientWith(rawURL string, hc *http.Client) (*elastic.Client, error) {
+	if hc == nil {
+		tr := http.DefaultTransport.(*http.Transport).Clone()
+		tr.MaxIdleConnsPerHost = 64
+		hc = &http.Client{Transport: tr}
+	}
 	c, err := elastic.NewSimpleClient(
 		elastic.SetURL(rawURL),
 		elastic.SetSniff(false),
 		elastic.SetHealthcheck(false),
-		elastic.SetHttpClient(&http.Client{Transport: tr}),
+		elastic.SetHttpClient(hc),
 	)
 	if err != nil {
 		return nil, fmt.Errorf("search engine client for ELASTICSEARCH_URL: %w", err)

@@ -64,7 +64,7 @@ func New(cfg Config) (*Indexer, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, &ConfigError{Err: err}
 	}
-	client, err := NewClient(cfg.URL)
+	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return nil, &ConfigError{Err: err}
 	}
@@ -128,7 +128,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 		Brokers:           ix.cfg.Brokers,
 		GroupID:           ix.cfg.Group,
 		Topic:             ix.cfg.Topic,
-		Dialer:            &kafka.Dialer{ClientID: ix.clientID(), Timeout: 10 * time.Second, DualStack: true},
+		Dialer:            ix.cfg.kafkaDialer(ix.clientID()),
 		MinBytes:          1,
 		MaxBytes:          16 << 20,
 		MaxWait:           250 * time.Millisecond,
@@ -197,7 +197,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
-	guard := &staleCommitGuard{reader: reader, client: &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout},
+	guard := &staleCommitGuard{reader: reader, client: &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout, Transport: ix.cfg.kafkaTransport()},
 		group: ix.cfg.Group, topic: ix.cfg.Topic}
 	go func() {
 		defer close(committerDone)

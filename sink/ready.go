@@ -33,7 +33,7 @@ func (ix *Indexer) EngineReady(ctx context.Context) error {
 func (ix *Indexer) GroupReady(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
-	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: pingTimeout}
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: pingTimeout, Transport: ix.cfg.kafkaTransport()}
 	resp, err := c.DescribeGroups(ctx, &kafka.DescribeGroupsRequest{GroupIDs: []string{ix.cfg.Group}})
 	if err != nil {
 		return fmt.Errorf("describe group %s: %w", ix.cfg.Group, err)

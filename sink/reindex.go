@@ -63,7 +63,7 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 	if opts.Into == cfg.Alias || opts.Into == cfg.WriteAlias {
 		return res, &ConfigError{Err: fmt.Errorf("--into=%q: must not be an alias name", opts.Into)}
 	}
-	client, err := NewClient(cfg.URL)
+	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, err
 	}

@@ -22,7 +22,11 @@ import (
 // document at its newest version and tombstones still hidden.
 func TestReindexZeroDowntime(t *testing.T) {
 	t.Parallel()
-	es := stack.ElasticsearchURL(t)
+	stack.EachEngine(t, testReindexZeroDowntime)
+}
+
+func testReindexZeroDowntime(t *testing.T, es string) {
+	t.Parallel()
 	f := newFixture(t, es, es, 3)
 	var recs []rec
 	for i := range 500 {

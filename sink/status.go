@@ -41,7 +41,7 @@ func (s *Status) TotalLag() int64 {
 // the aliases. The engine part is skipped when cfg.URL is empty.
 func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 	cfg = cfg.withDefaults()
-	c := &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 15 * time.Second}
+	c := &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 15 * time.Second, Transport: cfg.kafkaTransport()}
 	st := &Status{Topic: cfg.Topic, Group: cfg.Group, DeadLetterTopic: cfg.DeadLetterTopic, ReadAlias: cfg.Alias, WriteAlias: cfg.WriteAlias}
 	var err error
 	if st.Partitions, err = topicOffsets(ctx, c, cfg.Topic, cfg.Group); err != nil {
@@ -51,7 +51,7 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 		return nil, err
 	}
 	if cfg.URL != "" {
-		client, err := NewClient(cfg.URL)
+		client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 		if err != nil {
 			return nil, err
 		}

@@ -18,7 +18,12 @@ import (
 // given topic configs when it does not exist. An existing topic is left as
 // it is.
 func ensureTopic(ctx context.Context, brokers []string, topic string, partitions int, configs ...kafka.ConfigEntry) error {
-	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
+	return ensureTopicVia(ctx, kafka.DefaultTransport, brokers, topic, partitions, configs...)
+}
+
+// ensureTopicVia is ensureTopic through rt (TLS, SASL).
+func ensureTopicVia(ctx context.Context, rt kafka.RoundTripper, brokers []string, topic string, partitions int, configs ...kafka.ConfigEntry) error {
+	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second, Transport: rt}
 	res, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
 		Topic: topic, NumPartitions: partitions, ReplicationFactor: -1, ConfigEntries: configs,
 	}}})

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/esconn"
+	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
 	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
@@ -23,6 +25,8 @@ type settings struct {
 	brokers     string
 	mappingFile string
 	metrics     cli.Metrics
+	kafkaSec    kafkaconn.Settings
+	engineSec   esconn.Settings
 	// record settings, parsed into cfg by load
 	routes, aggregateTypes, skipEventTypes string
 	cfg                                    sink.Config
@@ -30,6 +34,7 @@ type settings struct {
 
 func (s *settings) registerKafka(fs *cli.FlagSet) {
 	fs.String(&s.brokers, "kafka-brokers", "KAFKA_BROKERS", "", "Kafka bootstrap brokers, comma-separated host:port (required)")
+	s.kafkaSec.Register(fs)
 	fs.String(&s.cfg.Topic, "topic", "TOPIC", sink.DefaultTopic, "topic to consume")
 	fs.String(&s.cfg.Group, "group", "GROUP", sink.DefaultGroup, "consumer group id")
 	fs.String(&s.cfg.DeadLetterTopic, "dead-letter-topic", "DEAD_LETTER_TOPIC", "", `dead-letter topic ("" = <topic>.dlq)`)
@@ -37,6 +42,7 @@ func (s *settings) registerKafka(fs *cli.FlagSet) {
 
 func (s *settings) registerEngine(fs *cli.FlagSet) {
 	fs.Secret(&s.cfg.URL, "elasticsearch-url", "ELASTICSEARCH_URL", "", "search engine URL, e.g. http://127.0.0.1:9200 (required)")
+	s.engineSec.Register(fs)
 	fs.String(&s.cfg.Alias, "alias", "ALIAS", sink.DefaultAlias, "read alias users search (filters out delete tombstones)")
 	fs.String(&s.cfg.WriteAlias, "write-alias", "WRITE_ALIAS", "", `alias the indexer writes through ("" = <alias>-write)`)
 	fs.String(&s.mappingFile, "mapping-file", "MAPPING_FILE", "", `create-index body (settings, mappings) used when the index is created ("" = built-in mapping.json)`)
@@ -74,8 +80,9 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	s.metrics.RegisterMetrics(fs, "127.0.0.1:9103")
 }
 
-// load turns the parsed settings into a config and a logger.
-func (s *settings) load(needEngine bool) (*slog.Logger, error) {
+// load turns the parsed settings into a config and a logger, and probes
+// the brokers once so a wrong credential or CA fails here, in one line.
+func (s *settings) load(ctx context.Context, needEngine bool) (*slog.Logger, error) {
 	logger, err := s.common.Logger()
 	if err != nil {
 		return nil, err
@@ -92,8 +99,28 @@ func (s *settings) load(needEngine bool) (*slog.Logger, error) {
 	if len(s.cfg.Brokers) == 0 {
 		return nil, cli.UsageError("KAFKA_BROKERS is required (comma-separated host:port list)")
 	}
+	sec, err := s.kafkaSec.Build(logger)
+	if err != nil {
+		return nil, err
+	}
+	s.cfg.TLS, s.cfg.SASL = sec.TLS, sec.SASL
+	if err := sec.Probe(ctx, s.cfg.Brokers); err != nil {
+		return nil, err
+	}
 	if needEngine && s.cfg.URL == "" {
 		return nil, cli.UsageError("ELASTICSEARCH_URL is required (e.g. http://127.0.0.1:9200)")
+	}
+	if s.cfg.URL != "" {
+		conn, err := s.engineSec.Build(s.cfg.URL)
+		if err != nil {
+			return nil, err
+		}
+		if needEngine {
+			if err := conn.Probe(ctx, logger); err != nil {
+				return nil, err
+			}
+		}
+		s.cfg.URL, s.cfg.HTTPClient = conn.URL, conn.HTTP
 	}
 	if s.mappingFile != "" {
 		b, err := os.ReadFile(s.mappingFile)
@@ -128,7 +155,7 @@ func runCommand() cli.Command {
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			logger, err := s.load(true)
+			logger, err := s.load(ctx, true)
 			if err != nil {
 				return err
 			}
@@ -171,7 +198,7 @@ func statusCommand(stdout io.Writer) cli.Command {
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			logger, err := s.load(false)
+			logger, err := s.load(ctx, false)
 			if err != nil {
 				return err
 			}
@@ -209,7 +236,7 @@ func replayCommand(stdout io.Writer) cli.Command {
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			if _, err := s.load(false); err != nil {
+			if _, err := s.load(ctx, false); err != nil {
 				return err
 			}
 			res, err := sink.ReplayDeadLetters(ctx, s.cfg)
@@ -241,7 +268,7 @@ func reindexCommand(stdout io.Writer) cli.Command {
 				return err
 			}
 			s.brokers = "unused:0" // reindex does not talk to Kafka
-			if _, err := s.load(true); err != nil {
+			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
 			res, err := sink.Reindex(ctx, s.cfg, opts)

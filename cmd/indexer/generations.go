@@ -46,7 +46,7 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 				return cli.UsageError("--job is required")
 			}
 			s.brokers = "unused:0" // cutover does not talk to Kafka
-			if _, err := s.load(true); err != nil {
+			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
 			pool, err := pgconn.Open(ctx, s.common.DatabaseURL, 4)
@@ -83,7 +83,7 @@ func rollbackCommand(stdout io.Writer) cli.Command {
 				return err
 			}
 			s.brokers = "unused:0"
-			if _, err := s.load(true); err != nil {
+			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
 			from, into, err := sink.Rollback(ctx, s.cfg)
@@ -115,7 +115,7 @@ func dropCommand(stdout io.Writer) cli.Command {
 				return cli.UsageError("--index is required")
 			}
 			s.brokers = "unused:0"
-			if _, err := s.load(true); err != nil {
+			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
 			if err := sink.DropGeneration(ctx, s.cfg, index); err != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/olivere/elastic/v7"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/esconn"
 	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -32,11 +33,13 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				full        bool
 				asJSON      bool
 				limit, show int
+				es          esconn.Settings
 			)
 			fs := cli.NewFlagSet("indexer reconcile", "Summarises both sides per id bucket (count and a hash of id, version, deleted, processor version), reads id by id\nonly the buckets that differ, and reports missing, stale and extra documents. Run it when the\npipeline is drained: events in flight show up as drift. Exit code 4 when drift is found and not\nrepaired.")
 			common.RegisterDatabase(fs)
 			common.RegisterLogging(fs)
 			fs.Secret(&url, "elasticsearch-url", "ELASTICSEARCH_URL", "", "search engine URL, e.g. http://127.0.0.1:9200 (required)")
+			es.Register(fs)
 			fs.String(&alias, "alias", "ALIAS", sink.DefaultAlias, "read alias of the index")
 			fs.String(&writeAlias, "write-alias", "WRITE_ALIAS", "", `unfiltered alias compared (tombstones included) ("" = <alias>-write)`)
 			fs.String(&job, "job", "JOB", "", "scan job to compare: its source, processor version and that version's index generation come from its stored spec")
@@ -64,7 +67,14 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				return err
 			}
 			defer pool.Close()
-			client, err := sink.NewClient(url)
+			conn, err := es.Build(url)
+			if err != nil {
+				return err
+			}
+			if err := conn.Probe(ctx, nil); err != nil {
+				return err
+			}
+			client, err := sink.NewClientWith(conn.URL, conn.HTTP)
 			if err != nil {
 				return cli.UsageError("ELASTICSEARCH_URL: %v", err)
 			}

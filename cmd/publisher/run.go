@@ -7,6 +7,7 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
 	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
@@ -25,11 +26,13 @@ func runCommand() cli.Command {
 				m        cli.Metrics
 				maxConns int
 				grace    time.Duration
+				ks       kafkaconn.Settings
 			)
 			fs := cli.NewFlagSet("publisher run", "Leases outbox shards, sends their events to Kafka (acks=all, key = aggregate id),\nthen deletes them, fenced by the lease epoch. Several publishers share the 64 shards.")
 			c.RegisterDatabase(fs)
 			c.RegisterLogging(fs)
 			fs.String(&brokers, "kafka-brokers", "KAFKA_BROKERS", "", "Kafka bootstrap brokers, comma-separated host:port (required)")
+			ks.Register(fs)
 			m.RegisterMetrics(fs, "127.0.0.1:9102")
 			fs.String(&cfg.ID, "publisher-id", "PUBLISHER_ID", "", "name of this publisher in the lease table (default hostname-pid-random; must be unique)")
 			fs.Duration(&cfg.LeaseTTL, "lease-ttl", "LEASE_TTL", outbox.DefaultLeaseTTL, "shard lease lifetime; heartbeats every third of it; a dead publisher's shards move after this")
@@ -58,6 +61,17 @@ func runCommand() cli.Command {
 			for _, b := range strings.Split(brokers, ",") {
 				if b = strings.TrimSpace(b); b != "" {
 					cfg.Brokers = append(cfg.Brokers, b)
+				}
+			}
+			sec, err := ks.Build(logger)
+			if err != nil {
+				return err
+			}
+			cfg.TLS, cfg.SASL = sec.TLS, sec.SASL
+			if len(cfg.Brokers) > 0 {
+				// Fail at start, in one line, on a wrong password or CA.
+				if err := sec.Probe(ctx, cfg.Brokers); err != nil {
+					return err
 				}
 			}
 			soft, hard, stop := shutdown.Contexts(ctx, grace, logger)

@@ -35,9 +35,10 @@ func Main(m *testing.M) {
 
 // Server is one server started from a script with its own STACK_DIR.
 type Server struct {
-	Kind string // postgres, kafka or opensearch
-	Dir  string // STACK_DIR
-	Env  string // the value printed by the script, e.g. 127.0.0.1:9092
+	Kind string   // postgres, kafka or opensearch
+	Dir  string   // STACK_DIR
+	Env  string   // the value printed by the script, e.g. 127.0.0.1:9092
+	Vars []string // extra environment of the script ("K=V")
 }
 
 var (
@@ -56,6 +57,8 @@ var envNames = map[string]string{
 	"postgres":   "DATABASE_URL",
 	"kafka":      "KAFKA_BROKERS",
 	"opensearch": "ELASTICSEARCH_URL",
+	// The second engine: Elasticsearch 7.17 (scripts/stack/elasticsearch.sh).
+	"elasticsearch": "ELASTICSEARCH7_URL",
 }
 
 // RepoRoot returns the module root (the directory holding go.mod).
@@ -156,7 +159,7 @@ func (s *Server) runOut(verb string) (string, error) {
 	defer cancel()
 	script := filepath.Join(RepoRoot(), "scripts", "stack", s.Kind+".sh")
 	cmd := exec.CommandContext(ctx, "bash", script, verb)
-	cmd.Env = append(os.Environ(), "STACK_DIR="+s.Dir)
+	cmd.Env = append(append(os.Environ(), s.Vars...), "STACK_DIR="+s.Dir)
 	if os.Getenv("CACHE_DIR") == "" {
 		cmd.Env = append(cmd.Env, "CACHE_DIR="+filepath.Join(RepoRoot(), ".cache"))
 	}
@@ -215,6 +218,13 @@ func KafkaBrokers(tb testing.TB) []string {
 func ElasticsearchURL(tb testing.TB) string {
 	tb.Helper()
 	return sharedEnv(tb, "opensearch")
+}
+
+// Elasticsearch7URL returns the URL of the shared Elasticsearch 7.17 node,
+// the second engine the engine-facing suites run against.
+func Elasticsearch7URL(tb testing.TB) string {
+	tb.Helper()
+	return sharedEnv(tb, "elasticsearch")
 }
 
 // UniqueName returns prefix plus a random suffix, for topics, indices and

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole local stack: PostgreSQL, Kafka (KRaft) and OpenSearch, no Docker.
+# The whole local stack: PostgreSQL, Kafka (KRaft), OpenSearch and Elasticsearch 7.17
+# (the second engine the conformance suite runs against), no Docker.
 #
 #   stack.sh up      start what is not running; prints the settings as
 #                    export lines (eval "$(scripts/stack/stack.sh up)")
@@ -13,7 +14,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 export STACK_DIR="${STACK_DIR:-$REPO/.stack}"
 export CACHE_DIR="${CACHE_DIR:-$REPO/.cache}"
-SERVICES=(postgres kafka opensearch)
+SERVICES=(postgres kafka opensearch elasticsearch)
 
 time_start() {
   local svc=$1 t0 line
@@ -30,16 +31,17 @@ case "${1:-}" in
     # on the shared Maven repository.
     "$HERE/kafka.sh" fetch >&2
     "$HERE/opensearch.sh" fetch >&2
+    "$HERE/elasticsearch.sh" fetch >&2
     out="$(mktemp)"
     for svc in "${SERVICES[@]}"; do time_start "$svc" >>"$out" || { rm -f "$out"; exit 1; }; done
     cat "$out" | tee "$STACK_DIR/env"
     rm -f "$out"
     ;;
   down)
-    for svc in opensearch kafka postgres; do "$HERE/$svc.sh" stop || true; done
+    for svc in elasticsearch opensearch kafka postgres; do "$HERE/$svc.sh" stop || true; done
     ;;
   purge)
-    for svc in opensearch kafka postgres; do "$HERE/$svc.sh" purge || true; done
+    for svc in elasticsearch opensearch kafka postgres; do "$HERE/$svc.sh" purge || true; done
     ;;
   env)
     for svc in "${SERVICES[@]}"; do echo "export $("$HERE/$svc.sh" status)"; done

@@ -128,7 +128,7 @@ func probeKafka(ctx context.Context, addr string) error {
 
 	topic := "_stackwait-" + randHex(6)
 	ct, err := client.CreateTopics(ctx, &kafka.CreateTopicsRequest{
-		Topics: []kafka.TopicConfig{{Topic: topic, NumPartitions: 1, ReplicationFactor: 1}},
+		Topics: []kafka.TopicConfig{{Topic: topic, NumPartitions: 1, ReplicationFactor: -1}}, // the broker default: a cluster is ready when acks=all works at its replication
 	})
 	if err != nil {
 		return fmt.Errorf("create topic: %w", err)
