@@ -1,10 +1,13 @@
 package batch
 
 import (
+	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"time"
 
@@ -348,4 +351,65 @@ func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatu
 		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
 		return s, err
 	})
+}
+
+// otherJobsSQL: the last specs of the other jobs, for checkSharedSourceName.
+const otherJobsSQL = `SELECT job, spec FROM batch_jobs WHERE job <> $1 ORDER BY job`
+
+// rowScope is what decides which rows of normalized_records a job's sweep
+// treats as its own: the table, the id column, the filter and an explicit
+// partition list.
+func rowScope(s Spec) string {
+	sc := s.Scope()
+	p := slices.Clone(s.Source.Partitions)
+	slices.Sort(p)
+	b, _ := json.Marshal(struct {
+		Schema, Table, ID string
+		Filter            []Condition
+		Partitions        []string
+	}{sc.Schema, sc.Table, sc.ID, sc.Filter, p})
+	return string(b)
+}
+
+// checkSharedSourceName refuses a job that shares its source name with
+// another job (as batch_jobs last saw it) over a different scope when
+// either of the two sweeps (vanished: delete): the sweep treats every live
+// row of the source name as its job's, so it would delete the other job's
+// rows. It runs under the job lock, before the spec is saved.
+func checkSharedSourceName(ctx context.Context, tx pgx.Tx, s Spec) error {
+	rows, err := tx.Query(ctx, otherJobsSQL, s.Job)
+	if err != nil {
+		return fmt.Errorf("read the other jobs' specs: %w", err)
+	}
+	others, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Spec, error) {
+		var job string
+		var raw []byte
+		if err := row.Scan(&job, &raw); err != nil {
+			return Spec{}, err
+		}
+		var o Spec
+		if err := json.Unmarshal(raw, &o); err != nil {
+			return Spec{}, fmt.Errorf("stored spec of job %s: %w", job, err)
+		}
+		o.Job = job
+		return o, nil
+	})
+	if err != nil {
+		return fmt.Errorf("read the other jobs' specs: %w", err)
+	}
+	mine := rowScope(s)
+	for _, o := range others {
+		name := cmp.Or(o.SourceName, o.Source.Table)
+		if name != s.SourceName || rowScope(o) == mine {
+			continue
+		}
+		if s.Vanished != VanishedDelete && o.Vanished != VanishedDelete {
+			continue
+		}
+		return fmt.Errorf("%w: spec %s: source_name %q is also written by job %s over another scope (table, filter or partitions), "+
+			"and the sweep of a full run (vanished: delete) deletes every live row of its source name that is not in its own scope: "+
+			"give one of the jobs its own source_name, or set vanished: keep on both (a retired job: DELETE FROM batch_jobs WHERE job = '%s')",
+			ErrSpec, s.Job, s.SourceName, o.Job, o.Job)
+	}
+	return nil
 }
