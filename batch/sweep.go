@@ -86,7 +86,12 @@ func sweepOnResumeSQL(s Spec) string {
 // sweepSQL is one sweep chunk: the next live rows of the source name after
 // the cursor, those whose source row is not in scope any more, their
 // tombstones (version + 1, guarded by the version the chunk read, so a
-// concurrent newer upsert wins) and one delete event each. It returns the
+// concurrent newer upsert wins) and one delete event each. Tombstones of
+// another processor version (a row that vanished before a rebuild) whose
+// row is still gone are candidates too: they move to the run's version at
+// the same source version, with a delete event of that version, so the new
+// index generation holds the tombstone and the cutover check (every row at
+// the new version) can pass. It returns the
 // candidates read, the last candidate's id and the tombstones written.
 func (c *compiled) sweepSQL(partitions bool) stmt {
 	b := newBuilder()
@@ -101,21 +106,24 @@ func (c *compiled) sweepSQL(partitions bool) stmt {
 	id := c.spec.Source.ID
 	sql := `
 WITH cand AS MATERIALIZED (
-  SELECT n.source_id, n.source_version FROM normalized_records n
-  WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.deleted
+  SELECT n.source_id, n.source_version, n.deleted FROM normalized_records n
+  WHERE n.source = ` + b.p("source", "text") + `
+    AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
     AND (` + b.p("cursor", "text") + ` IS NULL OR n.source_id > ` + b.p("cursor", "text") + `)
   ORDER BY n.source_id
   LIMIT ` + b.p("limit", "int") + `
 ), gone AS (
-  SELECT cand.source_id, cand.source_version FROM cand
+  SELECT cand.source_id, cand.source_version, cand.deleted FROM cand
   WHERE NOT EXISTS (SELECT 1 FROM ` + c.table + ` s WHERE s.` + q(id) + ` = cand.source_id::` + c.types[id] + ` AND ` + scope + `)
 ), up AS (
   UPDATE normalized_records n
-  SET document = NULL, deleted = true, source_version = gone.source_version + 1,
+  SET document = NULL, deleted = true,
+      source_version = CASE WHEN gone.deleted THEN gone.source_version ELSE gone.source_version + 1 END,
       processor_version = ` + b.p("pv", "text") + `, updated_at = now()
   FROM gone
   WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = gone.source_id
-    AND n.source_version = gone.source_version AND NOT n.deleted
+    AND n.source_version = gone.source_version AND n.deleted = gone.deleted
+    AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
   RETURNING n.source_id, n.source_version, n.document, n.deleted
 ),
 ` + c.outboxCTE(b) + `
