@@ -78,6 +78,26 @@ VALUES ('elsewhere', 'r1', 'a', 'running', 'v1', 'h', '{}', now() - interval '5 
 	require.InDelta(t, 90, age, 30, "the oldest running partition's checkpoint")
 }
 
+// A running sweep is a running phase of the job too: a sweep that committed
+// no chunk for 15 minutes (every partition is over) shows that age, so the
+// stale-checkpoint alert covers a stuck sweep.
+func TestCheckpointAgeCoversARunningSweep(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	_, err := pool.Exec(ctx, `
+INSERT INTO batch_runs (job, logical_run_id, partition_key, state, processor_version, scope_hash, scope, started_at, checkpoint_at)
+VALUES ('sweeping', 'r1', '', 'succeeded', 'v1', 'h', '{}', now() - interval '20 minutes', now() - interval '16 minutes');
+INSERT INTO batch_sweeps (job, logical_run_id, state, started_at, checkpoint_at)
+VALUES ('sweeping', 'r1', 'running', now() - interval '16 minutes', now() - interval '15 minutes')`)
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	batch.NewMetrics(reg, pool)
+	age, _, found := gathered(t, reg, "batch_checkpoint_age_seconds", "sweeping")
+	require.True(t, found, "the age of a job whose sweep is running")
+	require.InDelta(t, 900, age, 60)
+}
+
 // batch_items_inflight is the number of rows a chunk has read and not yet
 // committed: while the processor holds a chunk of 500, it reads 500; after
 // the run, 0.
