@@ -42,9 +42,20 @@ func TestSharedSourceNameWithAnotherScopeIsRefused(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM normalized_records WHERE source = 'articles' AND NOT deleted`).Scan(&live))
 	require.Equal(t, 100, live)
 
-	// The same scope (filter terms in another order, another job) shares.
+	// The same scope (another job, an "in" list in another order) shares.
 	same := only("kr-again", "t0")
 	_, err = run(t, pool, same, batch.Config{Workers: 1})
+	require.NoError(t, err)
+	in := func(job string, tenants ...string) batch.Spec {
+		return spec(func(s *batch.Spec) {
+			s.Job = job
+			s.SourceName = "asia"
+			s.Source.Filter = []batch.Condition{{Column: "tenant_id", Op: "in", Values: tenants}}
+		})
+	}
+	_, err = run(t, pool, in("asia-1", "t1", "t2"), batch.Config{Workers: 1})
+	require.NoError(t, err)
+	_, err = run(t, pool, in("asia-2", "t2", "t1"), batch.Config{Workers: 1})
 	require.NoError(t, err)
 	require.Empty(t, deleteEvents(t, url))
 }

@@ -369,6 +369,9 @@ const otherJobsSQL = `SELECT job, spec FROM batch_jobs WHERE job <> $1 ORDER BY 
 // partition list.
 func rowScope(s Spec) string {
 	sc := s.Scope()
+	for i := range sc.Filter { // "in" is a set
+		sc.Filter[i].Values = slices.Sorted(slices.Values(sc.Filter[i].Values))
+	}
 	p := slices.Clone(s.Source.Partitions)
 	slices.Sort(p)
 	b, _ := json.Marshal(struct {
