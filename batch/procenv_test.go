@@ -183,3 +183,42 @@ func TestProcessorRateLimitRetryAfterAndIdempotencyKey(t *testing.T) {
 	require.Equal(t, int64(1), infos[1].Retry)
 	require.Contains(t, keys[0], sum.RunID)
 }
+
+// The idempotency key names one call's rows: three chunks of one attempt
+// (and the calls of a chunk's concurrent groups) get three different keys,
+// or a service that deduplicates by key would answer the second chunk with
+// the first chunk's cached response; a retry of a call is the same key.
+func TestIdempotencyKeyDiffersPerChunk(t *testing.T) {
+	t.Parallel()
+	_, pool := newDB(t)
+	seed(t, pool, 1, 30, 1, 1)
+	var (
+		mu    sync.Mutex
+		keys  = map[string][]string{} // key -> first row id of each call
+		calls int
+	)
+	proc := batch.ProcessorFunc(func(ctx context.Context, rows []batch.SourceRow) ([]batch.Result, error) {
+		info, ok := batch.ChunkInfoFrom(ctx)
+		require.True(t, ok)
+		mu.Lock()
+		defer mu.Unlock()
+		calls++
+		keys[info.IdempotencyKey()] = append(keys[info.IdempotencyKey()], rows[0].ID)
+		if calls == 2 {
+			return nil, &batch.RetryAfterError{After: time.Millisecond, Err: errors.New("HTTP 429 Too Many Requests")}
+		}
+		return docs(rows), nil
+	})
+	s := spec(func(s *batch.Spec) { s.Chunk = batch.ChunkSettings{Size: 10, Min: 10, Max: 10, Pipeline: 1} })
+	sum, err := run(t, pool, s, batch.Config{Processor: proc})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	require.Equal(t, 4, calls, "three chunks, the second one twice")
+	require.Len(t, keys, 3, "one key per chunk: %v", keys)
+	for k, firsts := range keys {
+		require.Contains(t, k, sum.RunID)
+		for _, f := range firsts {
+			require.Equal(t, firsts[0], f, "one key, one set of rows: %v", keys)
+		}
+	}
+}
