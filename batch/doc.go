@@ -52,8 +52,8 @@
 // is the last normalized version + 1 (see [VanishedDelete]).
 //
 // A custom [Processor] reads from its context which chunk it works on
-// ([ChunkInfoFrom]; [ChunkInfo.IdempotencyKey] is the run id and attempt,
-// for its external calls), calls [Wait] before each external call (the
+// ([ChunkInfoFrom]; [ChunkInfo.IdempotencyKey] is the run id, attempt and
+// a hash of the call's rows, for its external calls), calls [Wait] before each external call (the
 // job's token bucket, [Config].RateLimit, metered by
 // batch_rate_limit_wait_seconds), and returns a [*RetryAfterError] when a
 // service answers 429 with Retry-After: the chunk is retried no sooner and

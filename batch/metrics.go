@@ -48,7 +48,7 @@ func NewMetrics(reg prometheus.Registerer, db querier) *Metrics {
 	}
 	if db != nil {
 		m.age = &checkpointAge{db: db, desc: prometheus.NewDesc("batch_checkpoint_age_seconds",
-			"Seconds since the last checkpoint of the job's oldest running partition, read from batch_runs (any process's).", []string{"job"}, nil)}
+			"Seconds since the last checkpoint of the job's oldest running partition or sweep, read from batch_runs and batch_sweeps (any process's).", []string{"job"}, nil)}
 	}
 	if reg != nil {
 		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Inflight, m.Retries, m.RateLimitWait, m.LockWait)
@@ -67,10 +67,14 @@ func (m *Metrics) inflight(job string, n int) {
 }
 
 // checkpointAgeSQL: per job, the age of the oldest last checkpoint among
-// its running partitions (a partition without one counts from its start).
+// its running partitions and running sweeps (one without a checkpoint
+// counts from its start).
 const checkpointAgeSQL = `
-SELECT job, extract(epoch FROM max(now() - coalesce(checkpoint_at, started_at, created_at)))::float8
-FROM batch_runs WHERE state = 'running' GROUP BY job`
+SELECT job, extract(epoch FROM max(now() - at))::float8
+FROM (SELECT job, coalesce(checkpoint_at, started_at, created_at) AS at FROM batch_runs WHERE state = 'running'
+      UNION ALL
+      SELECT job, coalesce(checkpoint_at, started_at, created_at) FROM batch_sweeps WHERE state = 'running') r
+GROUP BY job`
 
 // checkpointAgeTimeout bounds the scrape's query.
 const checkpointAgeTimeout = 2 * time.Second

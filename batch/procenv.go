@@ -2,6 +2,8 @@ package batch
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"sync"
@@ -24,15 +26,35 @@ type ChunkInfo struct {
 	Attempt int
 	// Retry is the chunk's retry within the attempt (0 = first try).
 	Retry int64
+	// Rows identifies the rows of this Processor call: a hash of their ids
+	// and versions, in order.
+	Rows string
 }
 
-// IdempotencyKey is the run id and attempt (with job and partition): the
-// same for every retry of a chunk within one attempt, so an external
-// service that deduplicates by it sees a retried call as the same call.
-// A later attempt redoes uncommitted chunks under a new key; to dedupe
-// across attempts, key by RunID and each row's id and version instead.
+// IdempotencyKey is the run id and attempt (with job and partition) and
+// the call's rows: the same for every retry of a call within one attempt,
+// so an external service that deduplicates by it sees a retried call as
+// the same call, and different for every other call (each chunk, each
+// concurrent group of a chunk). A later attempt redoes uncommitted chunks
+// under a new key; to dedupe across attempts, key by RunID and each row's
+// id and version instead.
 func (c ChunkInfo) IdempotencyKey() string {
-	return fmt.Sprintf("%s/%s/%s/%d", c.Job, c.RunID, c.Partition, c.Attempt)
+	return fmt.Sprintf("%s/%s/%s/%d/%s", c.Job, c.RunID, c.Partition, c.Attempt, c.Rows)
+}
+
+// forCall returns ctx with the ChunkInfo of one Processor call over rows.
+func forCall(ctx context.Context, rows []SourceRow) context.Context {
+	e, ok := ctx.Value(procEnvKey{}).(*procEnv)
+	if !ok {
+		return ctx
+	}
+	h := sha256.New()
+	for _, r := range rows {
+		fmt.Fprintf(h, "%d:%s:%d;", len(r.ID), r.ID, r.Version)
+	}
+	c := *e
+	c.info.Rows = hex.EncodeToString(h.Sum(nil)[:12])
+	return withProcEnv(ctx, &c)
 }
 
 // ChunkInfoFrom returns the chunk a Processor's ctx belongs to.

@@ -78,6 +78,26 @@ VALUES ('elsewhere', 'r1', 'a', 'running', 'v1', 'h', '{}', now() - interval '5 
 	require.InDelta(t, 90, age, 30, "the oldest running partition's checkpoint")
 }
 
+// A running sweep is a running phase of the job too: a sweep that committed
+// no chunk for 15 minutes (every partition is over) shows that age, so the
+// stale-checkpoint alert covers a stuck sweep.
+func TestCheckpointAgeCoversARunningSweep(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	_, err := pool.Exec(ctx, `
+INSERT INTO batch_runs (job, logical_run_id, partition_key, state, processor_version, scope_hash, scope, started_at, checkpoint_at)
+VALUES ('sweeping', 'r1', '', 'succeeded', 'v1', 'h', '{}', now() - interval '20 minutes', now() - interval '16 minutes');
+INSERT INTO batch_sweeps (job, logical_run_id, state, started_at, checkpoint_at)
+VALUES ('sweeping', 'r1', 'running', now() - interval '16 minutes', now() - interval '15 minutes')`)
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	batch.NewMetrics(reg, pool)
+	age, _, found := gathered(t, reg, "batch_checkpoint_age_seconds", "sweeping")
+	require.True(t, found, "the age of a job whose sweep is running")
+	require.InDelta(t, 900, age, 60)
+}
+
 // batch_items_inflight is the number of rows a chunk has read and not yet
 // committed: while the processor holds a chunk of 500, it reads 500; after
 // the run, 0.
@@ -162,4 +182,43 @@ func TestProcessorRateLimitRetryAfterAndIdempotencyKey(t *testing.T) {
 	require.Equal(t, int64(0), infos[0].Retry)
 	require.Equal(t, int64(1), infos[1].Retry)
 	require.Contains(t, keys[0], sum.RunID)
+}
+
+// The idempotency key names one call's rows: three chunks of one attempt
+// (and the calls of a chunk's concurrent groups) get three different keys,
+// or a service that deduplicates by key would answer the second chunk with
+// the first chunk's cached response; a retry of a call is the same key.
+func TestIdempotencyKeyDiffersPerChunk(t *testing.T) {
+	t.Parallel()
+	_, pool := newDB(t)
+	seed(t, pool, 1, 30, 1, 1)
+	var (
+		mu    sync.Mutex
+		keys  = map[string][]string{} // key -> first row id of each call
+		calls int
+	)
+	proc := batch.ProcessorFunc(func(ctx context.Context, rows []batch.SourceRow) ([]batch.Result, error) {
+		info, ok := batch.ChunkInfoFrom(ctx)
+		require.True(t, ok)
+		mu.Lock()
+		defer mu.Unlock()
+		calls++
+		keys[info.IdempotencyKey()] = append(keys[info.IdempotencyKey()], rows[0].ID)
+		if calls == 2 {
+			return nil, &batch.RetryAfterError{After: time.Millisecond, Err: errors.New("HTTP 429 Too Many Requests")}
+		}
+		return docs(rows), nil
+	})
+	s := spec(func(s *batch.Spec) { s.Chunk = batch.ChunkSettings{Size: 10, Min: 10, Max: 10, Pipeline: 1} })
+	sum, err := run(t, pool, s, batch.Config{Processor: proc})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	require.Equal(t, 4, calls, "three chunks, the second one twice")
+	require.Len(t, keys, 3, "one key per chunk: %v", keys)
+	for k, firsts := range keys {
+		require.Contains(t, k, sum.RunID)
+		for _, f := range firsts {
+			require.Equal(t, firsts[0], f, "one key, one set of rows: %v", keys)
+		}
+	}
 }

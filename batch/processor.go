@@ -56,7 +56,7 @@ func (f ProcessorFunc) Process(ctx context.Context, rows []SourceRow) ([]Result,
 // the results back in row order.
 func processConcurrently(ctx context.Context, p Processor, rows []SourceRow, n int) ([]Result, error) {
 	if n <= 1 || len(rows) < 2 {
-		return checkResults(p.Process(ctx, rows))(len(rows))
+		return checkResults(p.Process(forCall(ctx, rows), rows))(len(rows))
 	}
 	groups := make([][]int, n)
 	for i, r := range rows {
@@ -84,7 +84,7 @@ func processConcurrently(ctx context.Context, p Processor, rows []SourceRow, n i
 			for i, j := range idx {
 				sub[i] = rows[j]
 			}
-			res, err := checkResults(p.Process(ctx, sub))(len(sub))
+			res, err := checkResults(p.Process(forCall(ctx, sub), sub))(len(sub))
 			if err != nil {
 				mu.Lock()
 				if firstErr == nil {

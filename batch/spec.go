@@ -92,7 +92,9 @@ const (
 	// past it: the version column must keep growing across a delete, as
 	// external versioning requires anyway. The sweep treats every live row
 	// of the job's SourceName as the job's: two jobs that write one source
-	// name with different filters need distinct source names (or "keep").
+	// name with different scopes (table, filter, partition list) need
+	// distinct source names (or "keep" on both); a run refuses to start
+	// (ErrSpec, naming the other job) when batch_jobs shows such a job.
 	VanishedDelete = "delete"
 	// VanishedKeep leaves vanished rows as they are.
 	VanishedKeep = "keep"

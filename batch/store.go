@@ -57,6 +57,9 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	if err := checkDocumentUnchanged(ctx, tx, s, opts); err != nil {
 		return "", err
 	}
+	if err := checkSharedSourceName(ctx, tx, s); err != nil {
+		return "", err
+	}
 	specJSON, _ := json.Marshal(s)
 	if _, err := tx.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ($1, $2) ON CONFLICT (job) DO UPDATE SET spec = EXCLUDED.spec, updated_at = now()`, s.Job, specJSON); err != nil {
 		return "", fmt.Errorf("save spec of job %s: %w", s.Job, err)

@@ -1,10 +1,13 @@
 package batch
 
 import (
+	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"time"
 
@@ -84,7 +87,12 @@ func sweepOnResumeSQL(s Spec) string {
 // sweepSQL is one sweep chunk: the next live rows of the source name after
 // the cursor, those whose source row is not in scope any more, their
 // tombstones (version + 1, guarded by the version the chunk read, so a
-// concurrent newer upsert wins) and one delete event each. It returns the
+// concurrent newer upsert wins) and one delete event each. Tombstones of
+// another processor version (a row that vanished before a rebuild) whose
+// row is still gone are candidates too: they move to the run's version at
+// the same source version, with a delete event of that version, so the new
+// index generation holds the tombstone and the cutover check (every row at
+// the new version) can pass. It returns the
 // candidates read, the last candidate's id and the tombstones written.
 func (c *compiled) sweepSQL(partitions bool) stmt {
 	b := newBuilder()
@@ -99,21 +107,24 @@ func (c *compiled) sweepSQL(partitions bool) stmt {
 	id := c.spec.Source.ID
 	sql := `
 WITH cand AS MATERIALIZED (
-  SELECT n.source_id, n.source_version FROM normalized_records n
-  WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.deleted
+  SELECT n.source_id, n.source_version, n.deleted FROM normalized_records n
+  WHERE n.source = ` + b.p("source", "text") + `
+    AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
     AND (` + b.p("cursor", "text") + ` IS NULL OR n.source_id > ` + b.p("cursor", "text") + `)
   ORDER BY n.source_id
   LIMIT ` + b.p("limit", "int") + `
 ), gone AS (
-  SELECT cand.source_id, cand.source_version FROM cand
+  SELECT cand.source_id, cand.source_version, cand.deleted FROM cand
   WHERE NOT EXISTS (SELECT 1 FROM ` + c.table + ` s WHERE s.` + q(id) + ` = cand.source_id::` + c.types[id] + ` AND ` + scope + `)
 ), up AS (
   UPDATE normalized_records n
-  SET document = NULL, deleted = true, source_version = gone.source_version + 1,
+  SET document = NULL, deleted = true,
+      source_version = CASE WHEN gone.deleted THEN gone.source_version ELSE gone.source_version + 1 END,
       processor_version = ` + b.p("pv", "text") + `, updated_at = now()
   FROM gone
   WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = gone.source_id
-    AND n.source_version = gone.source_version AND NOT n.deleted
+    AND n.source_version = gone.source_version AND n.deleted = gone.deleted
+    AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
   RETURNING n.source_id, n.source_version, n.document, n.deleted
 ),
 ` + c.outboxCTE(b) + `
@@ -349,4 +360,68 @@ func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatu
 		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
 		return s, err
 	})
+}
+
+// otherJobsSQL: the last specs of the other jobs, for checkSharedSourceName.
+const otherJobsSQL = `SELECT job, spec FROM batch_jobs WHERE job <> $1 ORDER BY job`
+
+// rowScope is what decides which rows of normalized_records a job's sweep
+// treats as its own: the table, the id column, the filter and an explicit
+// partition list.
+func rowScope(s Spec) string {
+	sc := s.Scope()
+	for i := range sc.Filter { // "in" is a set
+		sc.Filter[i].Values = slices.Sorted(slices.Values(sc.Filter[i].Values))
+	}
+	p := slices.Clone(s.Source.Partitions)
+	slices.Sort(p)
+	b, _ := json.Marshal(struct {
+		Schema, Table, ID string
+		Filter            []Condition
+		Partitions        []string
+	}{sc.Schema, sc.Table, sc.ID, sc.Filter, p})
+	return string(b)
+}
+
+// checkSharedSourceName refuses a job that shares its source name with
+// another job (as batch_jobs last saw it) over a different scope when
+// either of the two sweeps (vanished: delete): the sweep treats every live
+// row of the source name as its job's, so it would delete the other job's
+// rows. It runs under the job lock, before the spec is saved.
+func checkSharedSourceName(ctx context.Context, tx pgx.Tx, s Spec) error {
+	rows, err := tx.Query(ctx, otherJobsSQL, s.Job)
+	if err != nil {
+		return fmt.Errorf("read the other jobs' specs: %w", err)
+	}
+	others, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Spec, error) {
+		var job string
+		var raw []byte
+		if err := row.Scan(&job, &raw); err != nil {
+			return Spec{}, err
+		}
+		var o Spec
+		if err := json.Unmarshal(raw, &o); err != nil {
+			return Spec{}, fmt.Errorf("stored spec of job %s: %w", job, err)
+		}
+		o.Job = job
+		return o, nil
+	})
+	if err != nil {
+		return fmt.Errorf("read the other jobs' specs: %w", err)
+	}
+	mine := rowScope(s)
+	for _, o := range others {
+		name := cmp.Or(o.SourceName, o.Source.Table)
+		if name != s.SourceName || rowScope(o) == mine {
+			continue
+		}
+		if s.Vanished != VanishedDelete && o.Vanished != VanishedDelete {
+			continue
+		}
+		return fmt.Errorf("%w: spec %s: source_name %q is also written by job %s over another scope (table, filter or partitions), "+
+			"and the sweep of a full run (vanished: delete) deletes every live row of its source name that is not in its own scope: "+
+			"give one of the jobs its own source_name, or set vanished: keep on both (a retired job: DELETE FROM batch_jobs WHERE job = '%s')",
+			ErrSpec, s.Job, s.SourceName, o.Job, o.Job)
+	}
+	return nil
 }

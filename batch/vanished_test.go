@@ -202,3 +202,42 @@ func TestVanishedSweepCrashAndResume(t *testing.T) {
 		})
 	}
 }
+
+// A rebuild under a new processor version (a new index generation) leaves
+// every row of the scope at that version, tombstones of rows that vanished
+// before the rebuild included: each gets a delete event of the new version
+// (so the new generation holds the tombstone) and the new version in
+// normalized_records, as the cutover check (no row at another processor
+// version) requires. Its source version stays: a later change still wins.
+func TestRebuildMovesEarlierTombstonesToTheNewVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, pool := newDB(t)
+	seed(t, pool, 1, 300, 1, 3)
+	s := vanishedSpec()
+	_, err := run(t, pool, s, batch.Config{Workers: 1})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id <= 20 * 7`) // 20 rows
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{Workers: 1})
+	require.NoError(t, err)
+
+	s.ProcessorVersion = "v2"
+	sum, err := run(t, pool, s, batch.Config{Workers: 1})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+
+	var other, v2deletes, v2versions int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM normalized_records WHERE source = 'source_records' AND processor_version IS DISTINCT FROM 'v2'`).Scan(&other))
+	require.Zero(t, other, "rows of normalized_records not at v2 after the rebuild (the cutover check refuses)")
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE n.source_version = e.aggregate_version)
+FROM outbox_events e JOIN normalized_records n ON n.source = 'source_records' AND n.source_id = e.aggregate_id
+WHERE e.event_type = 'delete' AND e.headers->>'ce_processorversion' = 'v2'`).Scan(&v2deletes, &v2versions))
+	require.Equal(t, 20, v2deletes)
+	require.Equal(t, 20, v2versions)
+
+	// Nothing more on a further run.
+	_, err = run(t, pool, s, batch.Config{Workers: 1})
+	require.NoError(t, err)
+	require.Len(t, deleteEvents(t, url), 40)
+}
