@@ -364,18 +364,54 @@ func (r *router) create(ctx context.Context, alias, writeAlias, pv string) error
 	if err != nil {
 		return err
 	}
-	// An application event (no processor version) written into the
-	// bootstrap index between the count and this call would stay behind:
-	// the window is one request long, on the first start only.
 	err = updateAliases(ctx, r.client, aliasMove(alias, writeAlias, live, writes, index))
 	if err != nil {
-		// Another indexer may have made the same move first.
+		// Another indexer may have made the same move first (and copies).
 		if now, err2 := AliasTargets(ctx, r.client, alias); err2 == nil && slices.Equal(now, []string{index}) {
 			return nil
 		}
 		return err
 	}
 	r.log.Info("first generation is live", slog.String("alias", alias), slog.String("index", index), slog.String("bootstrap_index", live[0]))
+	// An application event (no processor version) written through the
+	// write alias between the count and the move landed in the bootstrap
+	// index, which no alias reaches any more: copy it over, at its
+	// external version, so a newer one already in index wins.
+	return copyStragglers(ctx, r.client, live[0], index)
+}
+
+// copyStragglers copies every document of from into index at its external
+// version (older ones than index holds are skipped).
+func copyStragglers(ctx context.Context, client *elastic.Client, from, index string) error {
+	if err := refresh(ctx, client, from); err != nil {
+		return err
+	}
+	n, err := countDocs(ctx, client, from, nil)
+	if err != nil || n == 0 {
+		return err
+	}
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodPost,
+		Path:   "/_reindex",
+		Params: url.Values{"refresh": {"true"}},
+		Body: map[string]any{
+			"conflicts": "proceed",
+			"source":    map[string]any{"index": from},
+			"dest":      map[string]any{"index": index, "version_type": "external"},
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("copy the documents written into %s during the takeover to %s: %w", from, index, err)
+	}
+	var out struct {
+		Failures []json.RawMessage `json:"failures"`
+	}
+	if err := json.Unmarshal(res.Body, &out); err != nil {
+		return fmt.Errorf("copy %s to %s: decode answer: %w", from, index, err)
+	}
+	if len(out.Failures) > 0 {
+		return fmt.Errorf("copy %s to %s: %d failure(s), first: %s", from, index, len(out.Failures), out.Failures[0])
+	}
 	return nil
 }
 
