@@ -40,8 +40,12 @@ type GenerationMeta struct {
 	CreatedAt        string `json:"created_at,omitempty"`
 	// Previous is the generation the aliases left when they last moved to
 	// this one ([Rollback] goes back there); CutoverAt is when.
-	Previous  string `json:"previous,omitempty"`
-	CutoverAt string `json:"cutover_at,omitempty"`
+	// PreviousUUID is that index's uuid then: an index of the same name
+	// created again since (dropped, then re-created by an indexer that got
+	// a replayed event of its version) has another one.
+	Previous     string `json:"previous,omitempty"`
+	PreviousUUID string `json:"previous_uuid,omitempty"`
+	CutoverAt    string `json:"cutover_at,omitempty"`
 }
 
 // maxIndexName leaves room under the engines' 255-byte limit for the
@@ -456,4 +460,27 @@ func generationTarget(ctx context.Context, client *elastic.Client, alias, pv str
 // GenerationTarget is generationTarget for commands (reconcile --job).
 func GenerationTarget(ctx context.Context, client *elastic.Client, alias, pv string) (string, error) {
 	return generationTarget(ctx, client, alias, pv)
+}
+
+// indexUUID returns index's index.uuid, which a new index of the same name
+// does not share.
+func indexUUID(ctx context.Context, client *elastic.Client, index string) (string, error) {
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodGet,
+		Path:   "/" + url.PathEscape(index) + "/_settings/index.uuid",
+	})
+	if err != nil {
+		return "", fmt.Errorf("read uuid of index %s: %w", index, err)
+	}
+	var body map[string]struct {
+		Settings struct {
+			Index struct {
+				UUID string `json:"uuid"`
+			} `json:"index"`
+		} `json:"settings"`
+	}
+	if err := json.Unmarshal(res.Body, &body); err != nil {
+		return "", fmt.Errorf("decode uuid of index %s: %w", index, err)
+	}
+	return body[index].Settings.Index.UUID, nil
 }
