@@ -87,6 +87,7 @@ func CheckGeneration(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 		return r, err
 	}
 	r.Job, r.ProcessorVersion = j.Name, j.ProcessorVersion
+	cfg = cfg.ForAggregateType(j.AggregateType)
 	err = db.QueryRow(ctx, `
 SELECT logical_run_id, count(*), count(*) FILTER (WHERE state = 'succeeded'),
        coalesce(string_agg(CASE WHEN partition_key = '' THEN '(all)' ELSE partition_key END || ' ' || state, ', ' ORDER BY partition_key) FILTER (WHERE state <> 'succeeded'), '')
@@ -166,6 +167,11 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 	if opts.DB == nil || opts.Job == "" {
 		return res, &sink.ConfigError{Err: errors.New("cutover needs DATABASE_URL and --job")}
 	}
+	j, err := LoadJob(ctx, opts.DB, opts.Job)
+	if err != nil {
+		return res, err
+	}
+	cfg = cfg.ForAggregateType(j.AggregateType)
 	deadline := time.Now().Add(opts.Wait)
 	for {
 		r, err := CheckGeneration(ctx, cfg, opts.DB, opts.Job)

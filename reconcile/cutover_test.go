@@ -75,3 +75,41 @@ SELECT 'src', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', false 
 	require.NoError(t, err)
 	require.Equal(t, []string{next}, read)
 }
+
+// A job whose aggregate type ROUTES sends to another alias than ALIAS has
+// its generations under that alias: the cutover checks and moves those.
+func TestCutoverOfARoutedJobMovesItsOwnAlias(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := stack.Pool(t, stack.Database(t))
+	client, err := sink.NewClient(stack.ElasticsearchURL(t))
+	require.NoError(t, err)
+	orders := stack.UniqueName("cut-orders")
+	cfg := sink.Config{URL: stack.ElasticsearchURL(t), Alias: stack.UniqueName("cut-main"), Routes: map[string]string{"orders": orders}}.WithDefaults()
+	live, err := sink.EnsureIndex(ctx, client, orders, orders+"-write", cfg.Mapping)
+	require.NoError(t, err)
+	next := sink.GenerationIndex(orders, "v2")
+	require.NoError(t, sink.CreateIndex(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
+	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('o', '{"job":"o","processor_version":"v2","source_name":"orders","aggregate_type":"orders"}')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('o', 'r2', 'succeeded', 'v2', 'h', '{}')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted)
+SELECT 'orders', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', false FROM generate_series(1, 20) g`)
+	require.NoError(t, err)
+	b := client.Bulk().Index(next)
+	for g := 1; g <= 20; g++ {
+		b.Add(indexDocPV(strconv.Itoa(g), 1, false, "v2"))
+	}
+	res, err := b.Refresh("true").Do(ctx)
+	require.NoError(t, err)
+	require.False(t, res.Errors)
+
+	out, err := reconcile.Cutover(ctx, cfg, reconcile.CutoverOptions{DB: pool, Job: "o"})
+	require.NoError(t, err)
+	require.Equal(t, next, out.Index)
+	require.Equal(t, []string{live}, out.From)
+	read, err := sink.AliasTargets(ctx, client, orders)
+	require.NoError(t, err)
+	require.Equal(t, []string{next}, read, "the routed alias reads the new generation")
+}

@@ -41,6 +41,7 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 			s.common.RegisterLogging(fs)
 			fs.String(&job, "job", "JOB", "", "scan job whose generation goes live (required)")
 			fs.Duration(&wait, "wait", "", 0, "wait up to this long for the generation to be ready, printing progress (0 = check once)")
+			fs.String(&s.routes, "routes", "ROUTES", "", `as for indexer run: the job's aggregate type picks the alias that moves`)
 			fs.Bool(&allowUnversioned, "allow-unversioned", "", false, "cut over even though the live generation's documents without a processor version (application events) are not in the new one: searches stop finding them")
 			if _, err := fs.Parse(args); err != nil {
 				return err
