@@ -54,3 +54,48 @@ func TestDocumentChangeNeedsVersionBump(t *testing.T) {
 	require.Equal(t, 1000, v2)
 	require.Equal(t, 1000, upperTitles)
 }
+
+// Going back to an earlier processor version (after a rollback, say) with
+// another document section is the same silent no-op: that version's index
+// generation already holds every row at its source version, so the new
+// documents would all be refused as duplicates. The check compares with
+// the document that version last ran with, not only with the last spec.
+func TestDocumentChangeUnderAnEarlierVersionIsRefused(t *testing.T) {
+	t.Parallel()
+	bin := testproc.Build(t, "batcher")
+	url, pool := newDB(t)
+	seed(t, pool, 0, 300, 3, 1)
+	cmd := func(args ...string) *testproc.Proc {
+		t.Helper()
+		return testproc.Run(t, time.Minute, bin, env(url), args...)
+	}
+	transforms := func(pv string, tr ...string) string {
+		return writeSpec(t, spec(func(s *batch.Spec) {
+			s.ProcessorVersion = pv
+			for i := range s.Document.Fields {
+				if s.Document.Fields[i].Name == "title" {
+					s.Document.Fields[i].Transforms = tr
+				}
+			}
+		}))
+	}
+	p := cmd("run", "--spec", transforms("v1", "trim"))
+	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+	p = cmd("run", "--spec", transforms("v2", "trim", "upper"))
+	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+
+	p = cmd("run", "--spec", transforms("v1", "trim", "lower"))
+	require.Equal(t, 3, p.ExitCode(), "v1 ran with [trim]: %s", p.Stderr())
+	require.Contains(t, p.Stderr(), "processor_version is still v1")
+	require.Contains(t, p.Stderr(), "document.fields[title].transforms [trim] -> [trim lower]")
+
+	// v1's own document again is fine (a rollback's catch-up run).
+	p = cmd("run", "--spec", transforms("v1", "trim"))
+	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+	// And the job reruns from its stored spec.
+	p = cmd("run", "--job", "records")
+	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+	var v1 int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM normalized_records WHERE processor_version = 'v1'`).Scan(&v1))
+	require.Equal(t, 300, v1)
+}

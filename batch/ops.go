@@ -128,7 +128,7 @@ WHERE job = $1 AND logical_run_id = $2 AND ($3 = '' OR partition_key = $3) AND s
 // LoadJobSpec returns the spec the job last ran with.
 func LoadJobSpec(ctx context.Context, db querier, job string) (Spec, error) {
 	var raw []byte
-	if err := db.QueryRow(ctx, `SELECT spec FROM batch_jobs WHERE job = $1`, job).Scan(&raw); err != nil {
+	if err := db.QueryRow(ctx, `SELECT spec - '`+documentsByPVKey+`' FROM batch_jobs WHERE job = $1`, job).Scan(&raw); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
 			return Spec{}, fmt.Errorf("%w: job %s has never run (pass --spec)", ErrNotFound, job)
 		}

@@ -35,6 +35,21 @@ type StartOptions struct {
 
 const lockJobSQL = `SELECT pg_advisory_xact_lock(hashtextextended('outboxrelay.batch:' || $1, 0))`
 
+// documentsByPVKey is the key of batch_jobs.spec that holds, per processor
+// version, the document section the job last ran with (not part of Spec:
+// LoadJobSpec leaves it out).
+const documentsByPVKey = "documents_by_processor_version"
+
+// saveJobSQL stores the spec ($2) and records its document ($4) as the one
+// processor version $3 ran with, keeping the other versions' documents.
+const saveJobSQL = `
+INSERT INTO batch_jobs (job, spec)
+VALUES ($1, $2::jsonb || jsonb_build_object('` + documentsByPVKey + `', jsonb_build_object($3::text, $4::jsonb)))
+ON CONFLICT (job) DO UPDATE SET
+  spec = EXCLUDED.spec || jsonb_build_object('` + documentsByPVKey + `',
+           coalesce(batch_jobs.spec->'` + documentsByPVKey + `', '{}'::jsonb) || (EXCLUDED.spec->'` + documentsByPVKey + `')),
+  updated_at = now()`
+
 type storedPartition struct {
 	key, state, pv, scopeHash string
 	scope                     json.RawMessage
@@ -61,7 +76,8 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 		return "", err
 	}
 	specJSON, _ := json.Marshal(s)
-	if _, err := tx.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ($1, $2) ON CONFLICT (job) DO UPDATE SET spec = EXCLUDED.spec, updated_at = now()`, s.Job, specJSON); err != nil {
+	docJSON, _ := json.Marshal(s.Document)
+	if _, err := tx.Exec(ctx, saveJobSQL, s.Job, specJSON, s.ProcessorVersion, docJSON); err != nil {
 		return "", fmt.Errorf("save spec of job %s: %w", s.Job, err)
 	}
 	runID := opts.RunID
@@ -232,19 +248,29 @@ VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 's
 // same source and processor version for every row and write nothing, so
 // the change would silently never reach the index. --resume declares the
 // change compatible (existing documents stay as they are), and is audited.
+//
+// The document each processor version last ran with is kept beside the
+// spec (batch_jobs.spec, key documentsByPVKey), so going back to an
+// earlier version (after a rollback) with another document is refused
+// too: that version's generation already holds every row at its source
+// version.
 func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions) error {
 	var stored Spec
-	err := tx.QueryRow(ctx, `SELECT spec FROM batch_jobs WHERE job = $1`, s.Job).Scan(&stored)
+	var ranWith *Document
+	err := tx.QueryRow(ctx, `SELECT spec, spec->'`+documentsByPVKey+`'->$2 FROM batch_jobs WHERE job = $1`, s.Job, s.ProcessorVersion).Scan(&stored, &ranWith)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil
 	}
 	if err != nil {
 		return fmt.Errorf("load stored spec of job %s: %w", s.Job, err)
 	}
-	if stored.ProcessorVersion != s.ProcessorVersion || stored.Document.Hash() == s.Document.Hash() {
+	if ranWith == nil && stored.ProcessorVersion == s.ProcessorVersion {
+		ranWith = &stored.Document // stored before documents were kept per version
+	}
+	if ranWith == nil || ranWith.Hash() == s.Document.Hash() {
 		return nil
 	}
-	changes := DocumentChanges(stored.Document, s.Document)
+	changes := DocumentChanges(*ranWith, s.Document)
 	if !opts.Resume {
 		return fmt.Errorf("%w: the document section of job %s changed but processor_version is still %s (%s); "+
 			"rows already normalized would not be rebuilt: bump processor_version to rebuild every document into a new index generation, "+

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/olivere/elastic/v7"
 
 	"github.com/outboxrelay/outboxrelay/sink"
 )
@@ -28,6 +29,10 @@ type CutoverOptions struct {
 	Poll time.Duration
 	// Progress, if set, gets one line per check while waiting.
 	Progress io.Writer
+	// AllowUnversioned lets the cutover hide the live generation's
+	// documents that carry no processor version and that the new
+	// generation lacks (see Readiness.Unversioned).
+	AllowUnversioned bool
 }
 
 // Readiness is where a generation stands against what its job produced.
@@ -45,6 +50,13 @@ type Readiness struct {
 	// Drift counts the ids that differ.
 	SourceRows, IndexDocs int64
 	Drift                 int
+	// Live is the generation the read alias points at now. Unversioned
+	// counts its documents (tombstones aside) that carry no processor
+	// version and whose id the generation at Index lacks: events enqueued
+	// by applications (outbox.Enqueue) go through the write alias, into the
+	// live generation only, so a cutover would hide them from searches.
+	Live        string
+	Unversioned int64
 	// Missing says what stands between the generation and a safe cutover;
 	// empty means ready.
 	Missing []string
@@ -75,6 +87,7 @@ func CheckGeneration(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 		return r, err
 	}
 	r.Job, r.ProcessorVersion = j.Name, j.ProcessorVersion
+	cfg = cfg.ForAggregateType(j.AggregateType)
 	err = db.QueryRow(ctx, `
 SELECT logical_run_id, count(*), count(*) FILTER (WHERE state = 'succeeded'),
        coalesce(string_agg(CASE WHEN partition_key = '' THEN '(all)' ELSE partition_key END || ' ' || state, ', ' ORDER BY partition_key) FILTER (WHERE state <> 'succeeded'), '')
@@ -122,6 +135,9 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 				r.Index, r.Drift, rep.MissingCount, rep.StaleCount, rep.ExtraCount, job))
 		}
 	}
+	if r.Unversioned, r.Live, err = unversionedOnlyInLive(ctx, client, cfg.Alias, r.Index); err != nil {
+		return r, err
+	}
 	if r.RowsOtherPV > 0 {
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
 			"(a run at %s has not reached them, or quarantined them: batcher quarantine list --job %s)", r.RowsOtherPV, j.SourceName, j.ProcessorVersion, j.ProcessorVersion, job))
@@ -151,6 +167,11 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 	if opts.DB == nil || opts.Job == "" {
 		return res, &sink.ConfigError{Err: errors.New("cutover needs DATABASE_URL and --job")}
 	}
+	j, err := LoadJob(ctx, opts.DB, opts.Job)
+	if err != nil {
+		return res, err
+	}
+	cfg = cfg.ForAggregateType(j.AggregateType)
 	deadline := time.Now().Add(opts.Wait)
 	for {
 		r, err := CheckGeneration(ctx, cfg, opts.DB, opts.Job)
@@ -178,7 +199,49 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 		case <-time.After(opts.Poll):
 		}
 	}
+	if res.Unversioned > 0 && !opts.AllowUnversioned {
+		return res, fmt.Errorf("%w: cutover of alias %s to %s: the live generation %s holds %d document(s) without a processor version "+
+			"(events enqueued by an application, not by a batcher job) that %s lacks; after the cutover searches would no longer find them. "+
+			"Enqueue them again so they reach %s, or accept losing them from searches with --allow-unversioned",
+			sink.ErrUnsafeMove, cfg.Alias, res.Index, res.Live, res.Unversioned, res.Index, res.Index)
+	}
 	from, err := sink.MoveAliases(ctx, cfg, res.Index)
 	res.From, res.Already = from, from == nil && err == nil
 	return res, err
+}
+
+// unversionedOnlyInLive counts the documents of alias's live generation
+// (tombstones aside) that carry no processor version and whose id index
+// lacks. Nothing when index is live already.
+func unversionedOnlyInLive(ctx context.Context, client *elastic.Client, alias, index string) (int64, string, error) {
+	live, err := sink.AliasTargets(ctx, client, alias)
+	if err != nil || len(live) != 1 || live[0] == index {
+		return 0, "", err
+	}
+	q := elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(sink.FieldPV), elastic.NewTermQuery(sink.FieldDeleted, true))
+	scroll := client.Scroll(live[0]).Query(q).Size(1000).FetchSource(false)
+	defer func() { _ = scroll.Clear(context.WithoutCancel(ctx)) }()
+	var hidden int64
+	for {
+		page, err := scroll.Do(ctx)
+		if errors.Is(err, io.EOF) {
+			return hidden, live[0], nil
+		}
+		if err != nil {
+			return 0, live[0], fmt.Errorf("list documents without a processor version in %s: %w", live[0], err)
+		}
+		ids := make([]string, 0, len(page.Hits.Hits))
+		for _, h := range page.Hits.Hits {
+			ids = append(ids, h.Id)
+		}
+		if len(ids) == 0 {
+			return hidden, live[0], nil
+		}
+		found, err := client.Count(index).Query(elastic.NewBoolQuery().Filter(elastic.NewIdsQuery().Ids(ids...)).
+			MustNot(elastic.NewTermQuery(sink.FieldDeleted, true))).Do(ctx)
+		if err != nil {
+			return 0, live[0], fmt.Errorf("count documents of %s: %w", index, err)
+		}
+		hidden += int64(len(ids)) - found
+	}
 }

@@ -62,6 +62,9 @@ func moveAliases(ctx context.Context, client *elastic.Client, cfg Config, index 
 	}
 	meta := gens[0].Meta
 	if len(read) == 1 && read[0] != index {
+		if meta.PreviousUUID, err = indexUUID(ctx, client, read[0]); err != nil {
+			return nil, err
+		}
 		meta.Previous = read[0]
 	}
 	meta.CutoverAt = time.Now().UTC().Format(time.RFC3339)
@@ -109,6 +112,18 @@ func Rollback(ctx context.Context, cfg Config) (from, into string, err error) {
 	}
 	if len(prev) != 1 {
 		return from, into, fmt.Errorf("%w: previous generation %s of alias %s no longer exists (dropped)", ErrUnsafeMove, into, cfg.Alias)
+	}
+	if want := gens[0].Meta.PreviousUUID; want != "" {
+		uuid, err := indexUUID(ctx, client, into)
+		if err != nil {
+			return from, into, err
+		}
+		if uuid != want {
+			return from, into, fmt.Errorf("%w: previous generation %s of alias %s was dropped and created again since the cutover "+
+				"(by an indexer that received an event of processor version %s): it holds only what arrived since (%d documents); "+
+				"rebuild it (batcher run at that version, then indexer cutover --job) instead",
+				ErrUnsafeMove, into, cfg.Alias, prev[0].Meta.ProcessorVersion, mustCount(ctx, client, into))
+		}
 	}
 	if _, err := moveAliases(ctx, client, cfg, into); err != nil {
 		return from, into, err
@@ -159,4 +174,13 @@ func NormalizedRowsByPV(ctx context.Context, db *pgxpool.Pool) (map[string]int64
 		out[pv] = n
 	}
 	return out, rows.Err()
+}
+
+// mustCount counts index's documents for a message; -1 when it cannot.
+func mustCount(ctx context.Context, client *elastic.Client, index string) int64 {
+	n, err := countDocs(ctx, client, index, nil)
+	if err != nil {
+		return -1
+	}
+	return n
 }

@@ -40,8 +40,12 @@ type GenerationMeta struct {
 	CreatedAt        string `json:"created_at,omitempty"`
 	// Previous is the generation the aliases left when they last moved to
 	// this one ([Rollback] goes back there); CutoverAt is when.
-	Previous  string `json:"previous,omitempty"`
-	CutoverAt string `json:"cutover_at,omitempty"`
+	// PreviousUUID is that index's uuid then: an index of the same name
+	// created again since (dropped, then re-created by an indexer that got
+	// a replayed event of its version) has another one.
+	Previous     string `json:"previous,omitempty"`
+	PreviousUUID string `json:"previous_uuid,omitempty"`
+	CutoverAt    string `json:"cutover_at,omitempty"`
 }
 
 // maxIndexName leaves room under the engines' 255-byte limit for the
@@ -364,18 +368,54 @@ func (r *router) create(ctx context.Context, alias, writeAlias, pv string) error
 	if err != nil {
 		return err
 	}
-	// An application event (no processor version) written into the
-	// bootstrap index between the count and this call would stay behind:
-	// the window is one request long, on the first start only.
 	err = updateAliases(ctx, r.client, aliasMove(alias, writeAlias, live, writes, index))
 	if err != nil {
-		// Another indexer may have made the same move first.
+		// Another indexer may have made the same move first (and copies).
 		if now, err2 := AliasTargets(ctx, r.client, alias); err2 == nil && slices.Equal(now, []string{index}) {
 			return nil
 		}
 		return err
 	}
 	r.log.Info("first generation is live", slog.String("alias", alias), slog.String("index", index), slog.String("bootstrap_index", live[0]))
+	// An application event (no processor version) written through the
+	// write alias between the count and the move landed in the bootstrap
+	// index, which no alias reaches any more: copy it over, at its
+	// external version, so a newer one already in index wins.
+	return copyStragglers(ctx, r.client, live[0], index)
+}
+
+// copyStragglers copies every document of from into index at its external
+// version (older ones than index holds are skipped).
+func copyStragglers(ctx context.Context, client *elastic.Client, from, index string) error {
+	if err := refresh(ctx, client, from); err != nil {
+		return err
+	}
+	n, err := countDocs(ctx, client, from, nil)
+	if err != nil || n == 0 {
+		return err
+	}
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodPost,
+		Path:   "/_reindex",
+		Params: url.Values{"refresh": {"true"}},
+		Body: map[string]any{
+			"conflicts": "proceed",
+			"source":    map[string]any{"index": from},
+			"dest":      map[string]any{"index": index, "version_type": "external"},
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("copy the documents written into %s during the takeover to %s: %w", from, index, err)
+	}
+	var out struct {
+		Failures []json.RawMessage `json:"failures"`
+	}
+	if err := json.Unmarshal(res.Body, &out); err != nil {
+		return fmt.Errorf("copy %s to %s: decode answer: %w", from, index, err)
+	}
+	if len(out.Failures) > 0 {
+		return fmt.Errorf("copy %s to %s: %d failure(s), first: %s", from, index, len(out.Failures), out.Failures[0])
+	}
 	return nil
 }
 
@@ -420,4 +460,27 @@ func generationTarget(ctx context.Context, client *elastic.Client, alias, pv str
 // GenerationTarget is generationTarget for commands (reconcile --job).
 func GenerationTarget(ctx context.Context, client *elastic.Client, alias, pv string) (string, error) {
 	return generationTarget(ctx, client, alias, pv)
+}
+
+// indexUUID returns index's index.uuid, which a new index of the same name
+// does not share.
+func indexUUID(ctx context.Context, client *elastic.Client, index string) (string, error) {
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodGet,
+		Path:   "/" + url.PathEscape(index) + "/_settings/index.uuid",
+	})
+	if err != nil {
+		return "", fmt.Errorf("read uuid of index %s: %w", index, err)
+	}
+	var body map[string]struct {
+		Settings struct {
+			Index struct {
+				UUID string `json:"uuid"`
+			} `json:"index"`
+		} `json:"settings"`
+	}
+	if err := json.Unmarshal(res.Body, &body); err != nil {
+		return "", fmt.Errorf("decode uuid of index %s: %w", index, err)
+	}
+	return body[index].Settings.Index.UUID, nil
 }

@@ -239,3 +239,14 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 	}
 	return nil
 }
+
+// ForAggregateType returns c with Alias and WriteAlias those records of
+// aggregate type typ go to (ROUTES), for commands that work on one job's
+// alias (cutover, reconcile --job).
+func (c Config) ForAggregateType(typ string) Config {
+	c = c.withDefaults()
+	if a, ok := c.Routes[typ]; ok && a != c.Alias {
+		c.Alias, c.WriteAlias = a, a+"-write"
+	}
+	return c
+}

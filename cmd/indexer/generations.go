@@ -29,16 +29,20 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 			var s settings
 			var job string
 			var wait time.Duration
+			var allowUnversioned bool
 			fs := cli.NewFlagSet("indexer cutover", "Checks that the job's latest run at its current processor version succeeded in every partition,\n"+
 				"that every normalized row of its source carries that version, and that the version's index\n"+
 				"generation matches normalized_records exactly (reconcile, processor version included); then moves\n"+
 				"the read alias and the write alias to that generation in one _aliases call. The old generation is\n"+
-				"kept for indexer rollback. Refused with exit 3, naming what is missing.")
+				"kept for indexer rollback. Refused with exit 3, naming what is missing, and when the live generation\n"+
+				"holds documents without a processor version (application events) that the new one lacks.")
 			s.common.RegisterDatabase(fs)
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
 			fs.String(&job, "job", "JOB", "", "scan job whose generation goes live (required)")
 			fs.Duration(&wait, "wait", "", 0, "wait up to this long for the generation to be ready, printing progress (0 = check once)")
+			fs.String(&s.routes, "routes", "ROUTES", "", `as for indexer run: the job's aggregate type picks the alias that moves`)
+			fs.Bool(&allowUnversioned, "allow-unversioned", "", false, "cut over even though the live generation's documents without a processor version (application events) are not in the new one: searches stop finding them")
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
@@ -54,7 +58,7 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 				return err
 			}
 			defer pool.Close()
-			res, err := reconcile.Cutover(ctx, s.cfg, reconcile.CutoverOptions{DB: pool, Job: job, Wait: wait, Progress: stdout})
+			res, err := reconcile.Cutover(ctx, s.cfg, reconcile.CutoverOptions{DB: pool, Job: job, Wait: wait, Progress: stdout, AllowUnversioned: allowUnversioned})
 			if err != nil {
 				return conflictIfUnsafe(err)
 			}

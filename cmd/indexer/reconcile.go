@@ -29,6 +29,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				source, job string
 				idFormat    string
 				topic       string
+				routesFlag  string
 				repair      bool
 				full        bool
 				asJSON      bool
@@ -42,6 +43,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			es.Register(fs)
 			fs.String(&alias, "alias", "ALIAS", sink.DefaultAlias, "read alias of the index")
 			fs.String(&writeAlias, "write-alias", "WRITE_ALIAS", "", `unfiltered alias compared (tombstones included) ("" = <alias>-write)`)
+			fs.String(&routesFlag, "routes", "ROUTES", "", `as for indexer run: with --job, the job's aggregate type picks its alias`)
 			fs.String(&job, "job", "JOB", "", "scan job to compare: its source, processor version and that version's index generation come from its stored spec")
 			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare against the write alias (without --job)")
 			fs.String(&topic, "topic", "TOPIC", sink.DefaultTopic, "topic of the repair events")
@@ -89,7 +91,12 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				}
 				cfg.Source, cfg.ProcessorVersion, cfg.AggregateType = j.SourceName, j.ProcessorVersion, j.AggregateType
 				cfg.Topic = cmp.Or(j.Topic, topic)
-				if cfg.Index, err = sink.GenerationTarget(ctx, client, alias, j.ProcessorVersion); err != nil {
+				routes, err := sink.ParseRoutes(routesFlag)
+				if err != nil {
+					return cli.UsageError("%v", err)
+				}
+				routed := sink.Config{Alias: alias, Routes: routes}.ForAggregateType(j.AggregateType)
+				if cfg.Index, err = sink.GenerationTarget(ctx, client, routed.Alias, j.ProcessorVersion); err != nil {
 					return err
 				}
 				if ok, err := indexExists(ctx, client, cfg.Index); err != nil {

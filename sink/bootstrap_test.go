@@ -1,0 +1,67 @@
+package sink
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"sync"
+	"testing"
+
+	"github.com/olivere/elastic/v7"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/internal/stack"
+)
+
+// The first generation takes the aliases over from the empty index the
+// indexer created at its start. An application event (no processor
+// version) written through the write alias after the router counted that
+// index empty but before the aliases moved landed in the bootstrap index,
+// which nobody searches any more: it must end up in the live generation.
+func TestFirstGenerationKeepsAnEventWrittenDuringTheTakeover(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	es := stack.ElasticsearchURL(t)
+	direct, err := NewClient(es)
+	require.NoError(t, err)
+	cfg := Config{URL: es, Alias: stack.UniqueName("boot")}.withDefaults()
+	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
+	bootstrap, err := EnsureIndex(ctx, direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	require.NoError(t, err)
+
+	// In front of the engine: just before the router's _aliases call, the
+	// application's document is written through the write alias.
+	target, err := url.Parse(es)
+	require.NoError(t, err)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var once sync.Once
+	var injectErr error
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost && r.URL.Path == "/_aliases" {
+			once.Do(func() {
+				_, injectErr = direct.Index().Index(cfg.WriteAlias).Id("app-1").Version(4).VersionType("external").
+					BodyString(`{"title":"written during the takeover"}`).Do(r.Context())
+			})
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	client, err := NewClient(srv.URL)
+	require.NoError(t, err)
+
+	rt := newRouter(client, cfg, newRecordRules(cfg))
+	require.NoError(t, rt.route(ctx, []*doc{{id: "g-1", alias: cfg.Alias, pv: "v7"}}))
+	require.NoError(t, injectErr)
+	live := GenerationIndex(cfg.Alias, "v7")
+	targets, err := AliasTargets(ctx, direct, cfg.Alias)
+	require.NoError(t, err)
+	require.Equal(t, []string{live}, targets, "the first generation is live")
+	_, err = direct.Refresh(cfg.Alias, bootstrap).Do(ctx)
+	require.NoError(t, err)
+	res, err := direct.Search(cfg.Alias).Query(elastic.NewIdsQuery().Ids("app-1")).Version(true).Do(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, res.TotalHits(), "the application's document is searchable after the takeover")
+	require.EqualValues(t, 4, *res.Hits.Hits[0].Version, "with its external version")
+}
