@@ -41,6 +41,13 @@
 // idle for a good part of the time (issue 6). The backlog holds up to
 // Lanes × 4 batches; beyond that the fetch loop waits.
 //
+// The topic must exist before the group is joined: kafka-go's group,
+// joined on a missing topic, may stay idle once the topic appears
+// (kafka-go issue 1414), which is what happens when the indexer starts
+// before the first event is published. So [Indexer.Run] creates the topic
+// with Config.TopicPartitions when it is missing, or waits for it (logging
+// that it waits) when it may not create it, and joins only then.
+//
 // # Resolving a batch
 //
 // Per item of the bulk answer: 2xx → indexed; 409 version conflict → the

@@ -109,6 +109,12 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if err := ix.awaitTopic(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped while waiting
+		}
+		return err
+	}
 	ix.log.Info("indexer starting",
 		slog.String("topic", ix.cfg.Topic), slog.String("group", ix.cfg.Group),
 		slog.String("write_alias", ix.cfg.WriteAlias), slog.String("index", index),
@@ -350,6 +356,43 @@ func (g *staleCommitGuard) filter(ctx context.Context, msgs []kafka.Message) []k
 		}
 	}
 	return kept
+}
+
+// awaitTopic makes sure the topic exists and its partitions have leaders
+// before the group is joined: kafka-go's group, joined on a topic that does
+// not exist yet, may never consume it once it does (kafka-go issue 1414; it
+// happens whenever the indexer starts before the first event is published,
+// as in docker compose up). The indexer creates the topic with
+// TopicPartitions; when it may not (no permission), it waits for whoever
+// may, and says so.
+func (ix *Indexer) awaitTopic(ctx context.Context) error {
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout}
+	created := false
+	bo := backoff.WithContext(backoff.NewExponentialBackOff(
+		backoff.WithInitialInterval(100*time.Millisecond), backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0)), ctx)
+	return backoff.RetryNotify(func() error {
+		if !created {
+			err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.Topic, ix.cfg.TopicPartitions)
+			if err == nil {
+				created = true
+			} else if ctx.Err() == nil {
+				ix.log.Warn("cannot create the topic; waiting for it to be created",
+					slog.String("topic", ix.cfg.Topic), slog.String("error", err.Error()))
+			}
+		}
+		// Leaders are elected a moment after creation; until then the
+		// group would see a topic without partitions.
+		if _, err := topicOffsets(ctx, c, ix.cfg.Topic, ix.cfg.Group); err != nil {
+			if ctx.Err() != nil {
+				return backoff.Permanent(ctx.Err())
+			}
+			return err
+		}
+		return nil
+	}, bo, func(err error, next time.Duration) {
+		ix.log.Info("waiting for the topic before joining the group",
+			slog.String("topic", ix.cfg.Topic), slog.String("error", err.Error()), slog.Duration("next", next))
+	})
 }
 
 func (ix *Indexer) newBackOff(ctx context.Context) backoff.BackOff {
