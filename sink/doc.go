@@ -98,9 +98,12 @@
 //
 // Writes go through Config.WriteAlias ("records-write"), with
 // require_alias=true so a missing alias never auto-creates an index. When
-// the write alias is missing, [EnsureIndex] creates "<alias>_v1" from
+// neither alias exists, [EnsureIndex] creates "<alias>_v1" from
 // Config.Mapping (default: the embedded mapping.json) with both aliases in
-// the same call. [Reindex] rebuilds into a new index without downtime:
+// the same call. A read alias without its write alias is refused
+// ([ErrWriteAliasMissing], naming both and the _aliases call that fixes
+// it): after a reindex the write alias belongs on the new generation, and
+// the indexer cannot tell which that is. [Reindex] rebuilds into a new index without downtime:
 // move the write alias, copy the old index on the server with
 // version_type=external (live writes and copies resolve by version, in
 // any order), then swap the read alias in one atomic _aliases call.

@@ -96,7 +96,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	err := backoff.RetryNotify(func() error {
 		var err error
 		if index, err = EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping); err != nil {
-			if !IsRetryable(err) {
+			if !IsRetryable(err) || errors.Is(err, ErrWriteAliasMissing) {
 				return backoff.Permanent(err)
 			}
 			return err
