@@ -309,6 +309,7 @@ func userDoc(src map[string]any) map[string]any {
 	out := maps.Clone(src)
 	delete(out, reconcile.FieldBucket)
 	delete(out, reconcile.FieldIDV)
+	delete(out, reconcile.FieldAggregateType)
 	return out
 }
 

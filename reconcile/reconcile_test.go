@@ -18,9 +18,9 @@ func TestMain(m *testing.M) { stack.Main(m) }
 // indexDoc writes what the indexer writes: the document plus the reconcile
 // fields, at the source version (external).
 func indexDoc(id string, version int64, deleted bool) *elastic.BulkIndexRequest {
-	doc := map[string]any{"title": "doc " + id, reconcile.FieldBucket: reconcile.Bucket(id), reconcile.FieldIDV: reconcile.IDV(id, version, deleted)}
+	doc := map[string]any{"title": "doc " + id, reconcile.FieldBucket: reconcile.Bucket(id), reconcile.FieldIDV: reconcile.IDV(id, version, deleted), reconcile.FieldAggregateType: "src"}
 	if deleted {
-		doc = map[string]any{reconcile.FieldDeleted: true, reconcile.FieldBucket: reconcile.Bucket(id), reconcile.FieldIDV: reconcile.IDV(id, version, deleted)}
+		doc = map[string]any{reconcile.FieldDeleted: true, reconcile.FieldBucket: reconcile.Bucket(id), reconcile.FieldIDV: reconcile.IDV(id, version, deleted), reconcile.FieldAggregateType: "src"}
 	}
 	return elastic.NewBulkIndexRequest().Id(id).Version(version).VersionType("external").Doc(doc)
 }
@@ -65,7 +65,7 @@ FROM generate_series(1, $1) g`, n)
 	require.NoError(t, err)
 	_, err = client.Index().Index(index).Id("20").BodyJson(map[string]any{"title": "edited by hand"}).Do(ctx) // internal version + 1: index ahead
 	require.NoError(t, err)
-	_, err = client.Index().Index(index).Id("x1").BodyJson(map[string]any{"title": "stray"}).Refresh("true").Do(ctx) // extra, no reconcile fields
+	_, err = client.Index().Index(index).Id("x1").BodyJson(map[string]any{"title": "stray", reconcile.FieldAggregateType: "src"}).Refresh("true").Do(ctx) // extra, no reconcile fields
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `UPDATE normalized_records SET source_version = source_version + 1 WHERE source = 'src' AND source_id = '40'`) // index behind
 	require.NoError(t, err)

@@ -226,6 +226,7 @@ func stripReconcileFields(t testing.TB, id string, version int64, src json.RawMe
 	require.Equal(t, strconv.FormatInt(reconcile.IDV(id, version, deleted), 10), string(m[reconcile.FieldIDV]), "%s of %s", reconcile.FieldIDV, id)
 	delete(m, reconcile.FieldBucket)
 	delete(m, reconcile.FieldIDV)
+	delete(m, reconcile.FieldAggregateType)
 	out, err := json.Marshal(m)
 	require.NoError(t, err)
 	return out

@@ -50,6 +50,7 @@ type doc struct {
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
 	bucket  int
 	idv     int64
+	aggType []byte    // header ce_aggregatetype, written as reconcile.FieldAggregateType
 	fetched time.Time // when it entered the backlog
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.
@@ -131,6 +132,7 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 	default:
 		return poison(CodeUnknownType, "header %s=%q: want %supsert or %sdelete", outbox.HeaderType, typ, outbox.TypePrefix, outbox.TypePrefix)
 	}
+	d.aggType, _ = headerBytes(m, outbox.HeaderAggregateType)
 	d.bucket = reconcile.Bucket(d.id)
 	d.idv = reconcile.IDV(d.id, d.version, d.op == opDelete)
 	return d
@@ -143,7 +145,27 @@ func parse(m kafka.Message, maxDocBytes int) *doc {
 // documents. They are added while the bulk body is written, which saves
 // copying every document once more.
 func appendDocument(dst []byte, d *doc) []byte {
-	return appendReconcileFields(dst, d.body, d.bucket, d.idv)
+	dst = appendReconcileFields(dst, d.body, d.bucket, d.idv)
+	if len(d.aggType) == 0 {
+		return dst
+	}
+	// The aggregate type says whose document it is when several producers
+	// write into one index: reconcile compares (and repairs) only its own.
+	dst = append(dst[:len(dst)-1], `,"`+reconcile.FieldAggregateType+`":`...)
+	dst = appendJSONBytes(dst, d.aggType)
+	return append(dst, '}')
+}
+
+func appendJSONBytes(dst, s []byte) []byte {
+	for _, c := range s {
+		if c < 0x20 || c >= 0x7f || c == '"' || c == '\\' {
+			b, _ := json.Marshal(string(s)) // a Go string always marshals
+			return append(dst, b...)
+		}
+	}
+	dst = append(dst, '"')
+	dst = append(dst, s...)
+	return append(dst, '"')
 }
 
 // appendReconcileFields appends obj, a JSON object, with the reconcile
