@@ -13,8 +13,11 @@
 //
 // # Consuming and committing
 //
-// One kafka-go group [github.com/segmentio/kafka-go.Reader] fetches (never
-// ReadMessage: no auto-commit) into a backlog kept per partition, and
+// The indexer joins the group with kafka-go's
+// [github.com/segmentio/kafka-go.ConsumerGroup] and, for every generation,
+// runs one partition reader per assigned partition (fetching from the
+// committed offset, never auto-committing) and one commit loop, all bound
+// to the generation. The readers feed a backlog kept per partition, and
 // Config.Lanes lanes take batches from it, bounded by count, bytes and
 // time, so at most Lanes bulk requests are in flight. A partition is in at
 // most one batch at a time: its next batch is taken only once the previous
@@ -24,22 +27,31 @@
 // commits the offsets of resolved batches in the order they were resolved
 // while the lane's next bulk is already in the engine. A committed offset
 // therefore always means "everything before it is indexed or
-// dead-lettered"; that stays true across rebalances, so a commit that
-// reaches the group after its partition moved elsewhere loses nothing
-// either. It could move the partition's offset back, though (kafka-go
-// commits with the current generation and the broker does not check
-// ownership), leaving the lag up until new messages arrive; for a minute
-// after a rebalance the committer reads the group's committed offsets first
-// and skips partitions already at or past the batch. A group the reader
-// fails to rejoin is retried within RetryMaxElapsed.
+// dead-lettered".
+//
+// Commits are fenced by the generation. Each message remembers the
+// generation that fetched it and its offset is committed with that
+// generation's id, through a loop that belongs to the generation; kafka-go
+// joins the next generation only after that loop (and the readers) have
+// returned, and the coordinator refuses an older generation's commit once
+// a newer one exists. So a batch fetched before a rebalance can never move
+// a partition's committed offset back behind what its new owner committed
+// (with kafka-go's Reader it could: it commits with the generation current
+// at commit time, and the broker does not check ownership, which left the
+// lag up until new messages arrived). When a generation ends, its messages
+// still in the backlog are dropped and batches already taken finish
+// uncommitted; the next generation's owners read them again from the
+// committed offsets, a harmless replay. A partition whose old batch is
+// still in flight stays busy in the backlog, so its order holds across the
+// generations too. A group this member fails to join is retried within
+// RetryMaxElapsed.
 // Lanes bound the number of concurrent bulk requests independently of the
-// partition count and keep kafka-go's rebalance handling (rather than a
-// goroutine per assigned partition with kafka.ConsumerGroup). They are not
-// tied to partitions: when partition p always went to lane p mod Lanes, a
-// bulk the engine held up stopped its lane's partitions, the one fetch loop
-// stopped behind them and the other lanes ran dry, which left the engine
-// idle for a good part of the time (issue 6). The backlog holds up to
-// Lanes × 4 batches; beyond that the fetch loop waits.
+// partition count. They are not tied to partitions: when partition p
+// always went to lane p mod Lanes, a bulk the engine held up stopped its
+// lane's partitions, the fetching stopped behind them and the other lanes
+// ran dry, which left the engine idle for a good part of the time (issue
+// 6). The backlog holds up to Lanes × 4 batches; beyond that the readers
+// wait.
 //
 // The topic must exist before the group is joined: kafka-go's group,
 // joined on a missing topic, may stay idle once the topic appears

@@ -49,3 +49,121 @@ func TestIndexerStartedBeforeItsTopicExists(t *testing.T) {
 		})
 	}
 }
+
+// member is one in-process indexer of a group that a test can stop.
+type member struct {
+	stop func()
+	done chan error
+}
+
+func (f *fixture) join(cfg Config) *member {
+	f.t.Helper()
+	ix, err := New(cfg)
+	require.NoError(f.t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	m := &member{stop: cancel, done: make(chan error, 1)}
+	go func() { m.done <- ix.Run(ctx) }()
+	f.t.Cleanup(func() { cancel(); <-m.done })
+	return m
+}
+
+func (m *member) leave(t *testing.T) {
+	t.Helper()
+	m.stop()
+	select {
+	case err := <-m.done:
+		require.NoError(t, err)
+		m.done <- nil // for the cleanup
+	case <-time.After(time.Minute):
+		t.Fatal("indexer did not stop")
+	}
+}
+
+// Members join and leave the group while messages keep arriving. Offsets
+// are committed under the generation that fetched them, so a batch
+// fetched before a rebalance never moves a partition's committed offset
+// back behind what its new owner committed; nothing is lost and the lag
+// returns to 0.
+func TestMembersJoinAndLeaveUnderLoad(t *testing.T) {
+	t.Parallel()
+	es := stack.ElasticsearchURL(t)
+	f := newFixture(t, es, es, 6)
+	cfg := f.cfg
+	cfg.BatchSize = 50
+	cfg.MaxRate = 1500 // per member: the stream outlasts the membership changes
+
+	// Watch the committed offsets: none may ever move back.
+	var backwards []string
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		last := map[int]int64{}
+		tick := time.NewTicker(20 * time.Millisecond)
+		defer tick.Stop()
+		for ; watchCtx.Err() == nil; <-tick.C {
+			ctx, cancel := context.WithTimeout(watchCtx, 5*time.Second)
+			po, err := topicOffsets(ctx, f.kclient, cfg.Topic, cfg.Group)
+			cancel()
+			if err != nil {
+				continue
+			}
+			for _, p := range po {
+				if p.Committed >= 0 && p.Committed < last[p.Partition] {
+					backwards = append(backwards, fmt.Sprintf("partition %d: %d after %d", p.Partition, p.Committed, last[p.Partition]))
+					last[p.Partition] = p.Committed // report each move back once
+				}
+				last[p.Partition] = max(last[p.Partition], p.Committed)
+			}
+		}
+	}()
+
+	const ids, versions = 500, 12
+	produced := make(chan struct{})
+	go func() { // the load: every id updated again and again
+		defer close(produced)
+		for v := int64(1); v <= versions; v++ {
+			recs := make([]rec, ids)
+			for i := range recs {
+				recs[i] = upsert(fmt.Sprintf("m-%03d", i), v, docN(i*100+int(v)))
+			}
+			f.produce(recs...)
+		}
+	}()
+	progress := func(n int64) {
+		t.Helper()
+		eventually(t, 2*time.Minute, func() error {
+			if c := committedSum(f.offsets(cfg.Group)); c < n {
+				return fmt.Errorf("%d committed, want %d", c, n)
+			}
+			return nil
+		})
+	}
+	a := f.join(cfg)
+	progress(500)
+	b := f.join(cfg)
+	progress(1500)
+	c := f.join(cfg)
+	progress(2500)
+	a.leave(t)
+	progress(3500)
+	d := f.join(cfg)
+	progress(4500)
+	b.leave(t)
+	progress(5000)
+	require.Less(t, committedSum(f.offsets(cfg.Group)), int64(ids*versions), "the changes must happen under load")
+	<-produced
+	f.waitCaughtUp(cfg.Group, 3*time.Minute)
+	stopWatch()
+	<-watched
+	require.Empty(t, backwards, "committed offsets moved back")
+
+	seen := f.search(cfg.Alias)
+	require.Len(t, seen, ids)
+	for i := range ids {
+		id := fmt.Sprintf("m-%03d", i)
+		require.Equal(t, fmt.Sprintf("v%d %s", versions, docN(i*100+versions)), seen[id], id)
+	}
+	c.leave(t)
+	d.leave(t)
+}

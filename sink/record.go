@@ -50,8 +50,9 @@ type doc struct {
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
 	bucket  int
 	idv     int64
-	aggType []byte    // header ce_aggregatetype, written as reconcile.FieldAggregateType
-	fetched time.Time // when it entered the backlog
+	aggType []byte      // header ce_aggregatetype, written as reconcile.FieldAggregateType
+	fetched time.Time   // when it entered the backlog
+	gen     *generation // the group generation that fetched it: its offset is committed under it
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.
 	poison *itemError
