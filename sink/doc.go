@@ -15,11 +15,15 @@
 //
 // The indexer joins the group with kafka-go's
 // [github.com/segmentio/kafka-go.ConsumerGroup] and, for every generation,
-// runs one partition reader per assigned partition (fetching from the
-// committed offset, never auto-committing) and one commit loop, all bound
-// to the generation. The readers feed a backlog kept per partition, and
-// Config.Lanes lanes take batches from it, bounded by count, bytes and
-// time, so at most Lanes bulk requests are in flight. A partition is in at
+// runs a fetcher for the assigned partitions (from the committed offsets,
+// never auto-committing) and one commit loop, both bound to the
+// generation. The fetcher is a franz-go client
+// ([github.com/twmb/franz-go/pkg/kgo]) reading read_committed: other
+// producers may write into the topic in transactions, and kafka-go, asked
+// for read_committed, still hands over their aborted records and the
+// transaction markers as messages. The fetcher feeds a backlog kept per
+// partition, and Config.Lanes lanes take batches from it, bounded by
+// count, bytes and time, so at most Lanes bulk requests are in flight. A partition is in at
 // most one batch at a time: its next batch is taken only once the previous
 // one is resolved, so its messages are applied in offset order, while a
 // free lane serves any other partition (the longest-waiting first). A lane
@@ -32,7 +36,7 @@
 // Commits are fenced by the generation. Each message remembers the
 // generation that fetched it and its offset is committed with that
 // generation's id, through a loop that belongs to the generation; kafka-go
-// joins the next generation only after that loop (and the readers) have
+// joins the next generation only after that loop (and the fetcher) have
 // returned, and the coordinator refuses an older generation's commit once
 // a newer one exists. So a batch fetched before a rebalance can never move
 // a partition's committed offset back behind what its new owner committed
@@ -45,13 +49,14 @@
 // still in flight stays busy in the backlog, so its order holds across the
 // generations too. A group this member fails to join is retried within
 // RetryMaxElapsed.
+//
 // Lanes bound the number of concurrent bulk requests independently of the
 // partition count. They are not tied to partitions: when partition p
 // always went to lane p mod Lanes, a bulk the engine held up stopped its
 // lane's partitions, the fetching stopped behind them and the other lanes
 // ran dry, which left the engine idle for a good part of the time (issue
-// 6). The backlog holds up to Lanes × 4 batches; beyond that the readers
-// wait.
+// 6). The backlog holds up to Lanes × 4 batches; beyond that the fetcher
+// waits.
 //
 // The topic must exist before the group is joined: kafka-go's group,
 // joined on a missing topic, may stay idle once the topic appears

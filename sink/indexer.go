@@ -7,12 +7,12 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/olivere/elastic/v7"
 	"github.com/segmentio/kafka-go"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
@@ -211,7 +211,7 @@ func (ix *Indexer) consume(ctx context.Context, group *kafka.ConsumerGroup, bl *
 }
 
 // generation is one consumer group generation as the committer sees it:
-// offsets are committed under the generation whose readers fetched them,
+// offsets are committed under the generation that fetched them,
 // so the coordinator refuses them once the group has moved on.
 type generation struct {
 	id      int32
@@ -246,8 +246,8 @@ func (g *generation) commit(ctx context.Context, topic string, offsets map[int]i
 	}
 }
 
-// consumeGeneration runs one partition reader per assigned partition and a
-// commit loop, all bound to gen: kafka-go joins the next generation only
+// consumeGeneration runs a fetcher for the assigned partitions and a
+// commit loop, both bound to gen: kafka-go joins the next generation only
 // after they have returned, so no commit of this generation can reach the
 // coordinator once a newer one exists. When the generation ends, its
 // messages still in the backlog are dropped (batches already taken finish
@@ -268,66 +268,105 @@ func (ix *Indexer) consumeGeneration(ctx context.Context, gen *kafka.Generation,
 	})
 	assigned := gen.Assignments[ix.cfg.Topic]
 	parts := make([]int, len(assigned))
-	var readers sync.WaitGroup
 	for i, pa := range assigned {
 		parts[i] = pa.ID
-		readers.Add(1)
-		gen.Start(func(gctx context.Context) {
-			defer readers.Done()
-			ix.readPartition(gctx, g, pa, bl)
-		})
 	}
+	fetched := make(chan struct{})
+	gen.Start(func(gctx context.Context) {
+		defer close(fetched)
+		ix.fetch(gctx, g, assigned, bl)
+	})
 	ix.log.Info("group generation joined", slog.Int("generation", int(gen.ID)), slog.String("member", gen.MemberID), slog.Any("partitions", parts))
 	select {
 	case <-g.ended:
 	case <-ctx.Done():
 		return // the group is closed after the final commits
 	}
-	readers.Wait()
+	<-fetched
 	if n := bl.drop(g); n > 0 {
 		ix.log.Info("group generation ended; buffered messages dropped (read again by their partitions' owners)",
 			slog.Int("generation", int(gen.ID)), slog.Int("messages", n))
 	}
 }
 
-// readPartition fetches one partition from the generation's starting
-// offset into the backlog until the generation ends. It never returns
-// before: a function of the generation that returns ends it.
-func (ix *Indexer) readPartition(ctx context.Context, g *generation, pa kafka.PartitionAssignment, bl *backlog) {
-	r := kafka.NewReader(kafka.ReaderConfig{
-		Brokers:         ix.cfg.Brokers,
-		Topic:           ix.cfg.Topic,
-		Partition:       pa.ID,
-		MinBytes:        1,
-		MaxBytes:        16 << 20,
-		MaxWait:         250 * time.Millisecond,
-		QueueCapacity:   ix.cfg.BatchSize,
-		ReadLagInterval: -1,
-		ErrorLogger:     ix.kafkaLogger("kafka partition reader"),
-	})
-	defer r.Close()
-	if err := r.SetOffset(pa.Offset); err != nil {
-		ix.log.Error("cannot start the partition reader", slog.Int("partition", pa.ID), slog.String("error", err.Error()))
+// fetch reads the generation's partitions from their starting offsets
+// into the backlog until the generation ends. It never returns before: a
+// function of the generation that returns ends it.
+//
+// It reads with franz-go rather than kafka-go: kafka-go asks for
+// read_committed but then hands over aborted records and the transaction
+// markers themselves as messages, while other producers may write into the
+// topic in transactions; franz-go drops both.
+func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.PartitionAssignment, bl *backlog) {
+	if len(assigned) == 0 {
+		<-ctx.Done() // more members than partitions
+		return
+	}
+	offsets := make(map[int32]kgo.Offset, len(assigned))
+	for _, pa := range assigned {
+		switch pa.Offset {
+		case kafka.FirstOffset:
+			offsets[int32(pa.ID)] = kgo.NewOffset().AtStart()
+		case kafka.LastOffset:
+			offsets[int32(pa.ID)] = kgo.NewOffset().AtEnd()
+		default:
+			offsets[int32(pa.ID)] = kgo.NewOffset().At(pa.Offset)
+		}
+	}
+	client, err := kgo.NewClient(
+		kgo.SeedBrokers(ix.cfg.Brokers...),
+		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{ix.cfg.Topic: offsets}),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), // a committed offset the retention removed
+		kgo.FetchMaxWait(250*time.Millisecond),
+		kgo.FetchMaxPartitionBytes(16<<20),
+		kgo.WithLogger(kgoLogger{ix.log}),
+	)
+	if err != nil {
+		ix.log.Error("cannot start the partition readers", slog.String("error", err.Error()))
 		<-ctx.Done()
 		return
 	}
+	defer client.Close()
 	for {
-		m, err := r.FetchMessage(ctx)
-		if err != nil {
-			if ctx.Err() != nil {
-				return
-			}
-			// The reader retries on its own (with backoff); it reports
-			// what it retries.
-			ix.log.Warn("fetch failed; the reader retries", slog.Int("partition", pa.ID), slog.String("error", err.Error()))
-			continue
+		fetches := client.PollRecords(ctx, ix.cfg.BatchSize)
+		if ctx.Err() != nil {
+			return
 		}
-		d := parse(m, ix.cfg.MaxDocumentBytes)
-		d.gen = g
-		if bl.put(ctx, d) != nil {
+		fetches.EachError(func(topic string, p int32, err error) {
+			// The client retries on its own.
+			ix.log.Warn("fetch failed; retrying", slog.String("topic", topic), slog.Int("partition", int(p)), slog.String("error", err.Error()))
+		})
+		var stopped bool
+		fetches.EachPartition(func(fp kgo.FetchTopicPartition) {
+			for _, r := range fp.Records {
+				if stopped {
+					return
+				}
+				d := parse(kafkaMessage(r, fp.HighWatermark), ix.cfg.MaxDocumentBytes)
+				d.gen = g
+				stopped = bl.put(ctx, d) != nil
+			}
+		})
+		if stopped {
 			return
 		}
 	}
+}
+
+// kafkaMessage is r as the rest of the indexer reads messages.
+func kafkaMessage(r *kgo.Record, highWatermark int64) kafka.Message {
+	m := kafka.Message{
+		Topic: r.Topic, Partition: int(r.Partition), Offset: r.Offset, HighWaterMark: highWatermark,
+		Key: r.Key, Value: r.Value, Time: r.Timestamp,
+	}
+	if len(r.Headers) > 0 {
+		m.Headers = make([]kafka.Header, len(r.Headers))
+		for i, h := range r.Headers {
+			m.Headers[i] = kafka.Header{Key: h.Key, Value: h.Value}
+		}
+	}
+	return m
 }
 
 // resolvedBatch is a batch whose every document is final, on its way to the
