@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/stack"
@@ -79,7 +80,8 @@ func (m *member) leave(t *testing.T) {
 	}
 }
 
-// Members join and leave the group while messages keep arriving. Offsets
+// Members join and leave the group while messages keep arriving (10,000
+// updates of 500 ids). Offsets
 // are committed under the generation that fetched them, so a batch
 // fetched before a rebalance never moves a partition's committed offset
 // back behind what its new owner committed; nothing is lost and the lag
@@ -90,7 +92,7 @@ func TestMembersJoinAndLeaveUnderLoad(t *testing.T) {
 	f := newFixture(t, es, es, 6)
 	cfg := f.cfg
 	cfg.BatchSize = 50
-	cfg.MaxRate = 1500 // per member: the stream outlasts the membership changes
+	cfg.MaxRate = 800 // per member: the stream outlasts the membership changes
 
 	// Watch the committed offsets: none may ever move back.
 	var backwards []string
@@ -118,17 +120,34 @@ func TestMembersJoinAndLeaveUnderLoad(t *testing.T) {
 		}
 	}()
 
-	const ids, versions = 500, 12
-	produced := make(chan struct{})
-	go func() { // the load: every id updated again and again
-		defer close(produced)
-		for v := int64(1); v <= versions; v++ {
-			recs := make([]rec, ids)
-			for i := range recs {
-				recs[i] = upsert(fmt.Sprintf("m-%03d", i), v, docN(i*100+int(v)))
+	const ids, versions = 500, 20
+	produced := make(chan error, 1)
+	go func() { // the load: every id updated again and again, a little ahead of the indexers
+		produced <- func() error {
+			tick := time.NewTicker(20 * time.Millisecond)
+			defer tick.Stop()
+			deadline := time.Now().Add(3 * time.Minute)
+			for v := int64(1); v <= versions; v++ {
+				for v > 3 && time.Now().Before(deadline) {
+					po, err := topicOffsets(context.Background(), f.kclient, cfg.Topic, cfg.Group)
+					if err == nil && committedSum(po) >= (v-3)*ids {
+						break
+					}
+					<-tick.C
+				}
+				msgs := make([]kafka.Message, ids)
+				for i := range msgs {
+					msgs[i] = upsert(fmt.Sprintf("m-%03d", i), v, docN(i*100+int(v))).message()
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				err := f.writer.WriteMessages(ctx, msgs...)
+				cancel()
+				if err != nil {
+					return fmt.Errorf("produce version %d: %w", v, err)
+				}
 			}
-			f.produce(recs...)
-		}
+			return nil
+		}()
 	}()
 	progress := func(n int64) {
 		t.Helper()
@@ -142,17 +161,17 @@ func TestMembersJoinAndLeaveUnderLoad(t *testing.T) {
 	a := f.join(cfg)
 	progress(500)
 	b := f.join(cfg)
-	progress(1500)
+	progress(2000)
 	c := f.join(cfg)
-	progress(2500)
-	a.leave(t)
 	progress(3500)
-	d := f.join(cfg)
-	progress(4500)
-	b.leave(t)
+	a.leave(t)
 	progress(5000)
+	d := f.join(cfg)
+	progress(6500)
+	b.leave(t)
+	progress(8000)
 	require.Less(t, committedSum(f.offsets(cfg.Group)), int64(ids*versions), "the changes must happen under load")
-	<-produced
+	require.NoError(t, <-produced)
 	f.waitCaughtUp(cfg.Group, 3*time.Minute)
 	stopWatch()
 	<-watched
