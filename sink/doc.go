@@ -109,7 +109,9 @@
 // Every document also carries _bucket and _idv (reserved field names),
 // the id's bucket and a hash of id, version and deleted-ness, which
 // package reconcile aggregates to compare the index with
-// normalized_records without reading documents.
+// normalized_records without reading documents, and _aggregate_type (the
+// ce_aggregatetype header), so that reconcile compares and repairs only
+// its own source's documents when several producers share an index.
 //
 // # Index management and reindex
 //
