@@ -485,12 +485,10 @@ func (ix *Indexer) commit(ctx context.Context, batches []resolvedBatch) {
 // happens whenever the indexer starts before the first event is published,
 // as in docker compose up). The indexer creates the topic with
 // TopicPartitions; when it may not (no permission), it waits for whoever
-// may, and says so.
+// may, and says so, within RetryMaxElapsed.
 func (ix *Indexer) awaitTopic(ctx context.Context) error {
 	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout}
 	created := false
-	bo := backoff.WithContext(backoff.NewExponentialBackOff(
-		backoff.WithInitialInterval(100*time.Millisecond), backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0)), ctx)
 	return backoff.RetryNotify(func() error {
 		if !created {
 			err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.Topic, ix.cfg.TopicPartitions)
@@ -510,7 +508,7 @@ func (ix *Indexer) awaitTopic(ctx context.Context) error {
 			return err
 		}
 		return nil
-	}, bo, func(err error, next time.Duration) {
+	}, ix.newBackOff(ctx), func(err error, next time.Duration) {
 		ix.log.Info("waiting for the topic before joining the group",
 			slog.String("topic", ix.cfg.Topic), slog.String("error", err.Error()), slog.Duration("next", next))
 	})
