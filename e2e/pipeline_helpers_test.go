@@ -310,6 +310,7 @@ func userDoc(src map[string]any) map[string]any {
 	delete(out, sink.FieldBucket)
 	delete(out, sink.FieldIDV)
 	delete(out, sink.FieldPV)
+	delete(out, sink.FieldAggregateType)
 	return out
 }
 

@@ -24,7 +24,13 @@
 // [Repair] re-enqueues an outbox event for every missing or stale id, built
 // from normalized_records at its current version, so the ordinary pipeline
 // (publisher, indexer with external versions) fixes the index; extras are
-// deleted from the index directly. Reconcile when the pipeline is drained
+// deleted from the index directly, with care: an index may hold other
+// producers' documents (only those of Config.AggregateType, or without an
+// aggregate type, are compared, and only the former deleted), a document
+// may be written between the comparison and the delete (deletes carry the
+// scroll's if_seq_no/if_primary_term, and extras are re-checked in
+// normalized_records), and a tombstone is never deleted (a late replay of an
+// older upsert would bring the row back). Reconcile when the pipeline is drained
 // (publisher backlog and consumer lag at zero): events still in flight
 // show up as drift.
 //
@@ -40,6 +46,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"net/url"
 	"slices"
 	"strconv"
@@ -70,11 +77,19 @@ type Config struct {
 	// Index is an index or an unfiltered alias (tombstones included), e.g.
 	// the write alias "records-write". Required.
 	Index string
-	// Source is normalized_records.source to compare. Required.
+	// Source is normalized_records.source to compare. "" means the one
+	// source normalized_records holds, or, when it holds several, the one
+	// whose aggregate type the index holds; [Run] refuses to guess beyond
+	// that, and refuses a Source without rows (every document would look
+	// extra).
 	Source string
 	// Topic receives repair events. Default "outboxrelay.records".
 	Topic string
-	// AggregateType of repair events. Default: Source.
+	// AggregateType of repair events, and of the documents compared: only
+	// documents whose sink.FieldAggregateType is AggregateType, or that have
+	// none (written before the indexer recorded it, or by hand), are
+	// compared; other producers' documents in the same index are not.
+	// Default: Source.
 	AggregateType string
 	// Limit caps the drifted ids listed per kind (counts stay exact).
 	// Default 10,000.
@@ -96,7 +111,30 @@ type Config struct {
 	// _idv field the indexer stored, so a partial update made by hand
 	// (which bumps _version but keeps _idv) only shows up in a full pass.
 	Full bool
+	// Force lets [Repair] delete more than MaxRemoveShare of the compared
+	// documents (and more than MaxRemoveFloor). Without it such a repair
+	// is refused with [ErrRepairTooLarge]: it usually means the wrong
+	// source or index, not drift.
+	Force bool
 }
+
+// Limits of a repair without Config.Force: it may always remove up to
+// MaxRemoveFloor documents, and beyond that at most MaxRemoveShare of the
+// documents compared.
+const (
+	MaxRemoveFloor = 10
+	MaxRemoveShare = 0.05
+)
+
+// Sentinel errors.
+var (
+	// ErrRepairTooLarge: the repair would delete a large share of the
+	// index; see Config.Force.
+	ErrRepairTooLarge = errors.New("reconcile: repair would delete a large share of the index")
+	// ErrSource: Config.Source is empty and cannot be derived, or names a
+	// source without rows.
+	ErrSource = errors.New("reconcile: source")
+)
 
 func (c *Config) validate() error {
 	switch {
@@ -106,8 +144,6 @@ func (c *Config) validate() error {
 		return errors.New("reconcile: Search is nil")
 	case c.Index == "":
 		return errors.New("reconcile: Index is empty")
-	case c.Source == "":
-		return errors.New("reconcile: Source is empty")
 	}
 	c.Topic = cmp.Or(c.Topic, "outboxrelay.records")
 	c.AggregateType = cmp.Or(c.AggregateType, c.Source)
@@ -124,6 +160,13 @@ type Drift struct {
 	IndexDeleted  bool   `json:"index_deleted,omitempty"`
 	SourcePV      string `json:"source_processor_version,omitempty"`
 	IndexPV       string `json:"index_processor_version,omitempty"`
+	// Where the index holds it and in which state (from the scroll): a
+	// repair deletes exactly this state (if_seq_no, if_primary_term) or
+	// nothing. IndexAggregateType is "" when the document has none.
+	IndexName          string `json:"index_name,omitempty"`
+	IndexSeqNo         int64  `json:"index_seq_no,omitempty"`
+	IndexPrimaryTerm   int64  `json:"index_primary_term,omitempty"`
+	IndexAggregateType string `json:"index_aggregate_type,omitempty"`
 }
 
 // IndexAhead reports a document whose version in the index is newer than
@@ -143,7 +186,11 @@ func (d Drift) OtherPV() bool {
 
 // Report is the outcome of [Run].
 type Report struct {
-	SourceRows int64 `json:"source_rows"`
+	// Source and AggregateType are what was compared (Config.Source may
+	// have been derived).
+	Source        string `json:"source"`
+	AggregateType string `json:"aggregate_type"`
+	SourceRows    int64  `json:"source_rows"`
 	// SourceRowsOtherPV counts the rows of normalized_records built by
 	// another processor version than Config.ProcessorVersion: the
 	// batcher has not rebuilt them yet. 0 when none is expected.
@@ -178,6 +225,14 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	}
 	start := time.Now()
 	var rep Report
+	if err := resolveSource(ctx, &cfg); err != nil {
+		return rep, err
+	}
+	rep.Source, rep.AggregateType = cfg.Source, cfg.AggregateType
+	own, err := ownDocuments(ctx, cfg)
+	if err != nil {
+		return rep, err
+	}
 	dbSide, err := sourceSummaries(ctx, cfg)
 	if err != nil {
 		return rep, err
@@ -188,7 +243,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 			return rep, fmt.Errorf("count rows of another processor version: %w", err)
 		}
 	}
-	ixSide, err := indexSummaries(ctx, cfg)
+	ixSide, err := indexSummaries(ctx, cfg, own)
 	if err != nil {
 		return rep, err
 	}
@@ -200,7 +255,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 		}
 	}
 	if len(rep.DifferingBuckets) > 0 {
-		if err := drillDown(ctx, cfg, &rep); err != nil {
+		if err := drillDown(ctx, cfg, own, &rep); err != nil {
 			return rep, err
 		}
 	}
@@ -227,11 +282,11 @@ FROM normalized_records WHERE source = $1 GROUP BY 1`, cfg.Source)
 	return out, rows.Err()
 }
 
-func indexSummaries(ctx context.Context, cfg Config) ([sink.Buckets]summary, error) {
+func indexSummaries(ctx context.Context, cfg Config, own elastic.Query) ([sink.Buckets]summary, error) {
 	var out [sink.Buckets]summary
 	agg := elastic.NewTermsAggregation().Field(sink.FieldBucket).Size(sink.Buckets).
 		SubAggregation("idv", elastic.NewSumAggregation().Field(sink.FieldIDV))
-	res, err := cfg.Search.Search(cfg.Index).Size(0).TrackTotalHits(true).
+	res, err := cfg.Search.Search(cfg.Index).Query(own).Size(0).TrackTotalHits(true).
 		Aggregation("buckets", agg).Do(ctx)
 	if err != nil {
 		return out, fmt.Errorf("summarise index %s: %w", cfg.Index, err)
@@ -283,7 +338,15 @@ type state struct {
 	pv      string
 }
 
-func drillDown(ctx context.Context, cfg Config, rep *Report) error {
+// indexState is a document as the scroll saw it.
+type indexState struct {
+	state
+	index              string
+	seqNo, primaryTerm int64
+	aggregateType      string
+}
+
+func drillDown(ctx context.Context, cfg Config, own elastic.Query, rep *Report) error {
 	buckets := rep.DifferingBuckets
 	src := map[string]state{}
 	rows, err := cfg.DB.Query(ctx, `SELECT source_id, source_version, deleted, coalesce(processor_version, '') FROM normalized_records
@@ -305,15 +368,16 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		return err
 	}
 
-	idx := map[string]state{}
+	idx := map[string]indexState{}
 	q := elastic.NewTermsQuery(sink.FieldBucket, toAny(buckets)...)
 	var query elastic.Query = q
 	if slices.Contains(buckets, 0) {
 		// Bucket 0 also stands for documents without a bucket field.
 		query = elastic.NewBoolQuery().Should(q, elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(sink.FieldBucket)))
 	}
-	scroll := cfg.Search.Scroll(cfg.Index).Query(query).Size(2000).Version(true).
-		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(sink.FieldDeleted, sink.FieldPV)).KeepAlive("2m")
+	ss := elastic.NewSearchSource().Query(elastic.NewBoolQuery().Filter(own, query)).Version(true).SeqNoAndPrimaryTerm(true).
+		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(sink.FieldDeleted, sink.FieldPV, sink.FieldAggregateType))
+	scroll := cfg.Search.Scroll(cfg.Index).SearchSource(ss).Size(2000).KeepAlive("2m")
 	defer scroll.Clear(context.WithoutCancel(ctx))
 	for {
 		res, err := scroll.Do(ctx)
@@ -325,17 +389,21 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		}
 		for _, hit := range res.Hits.Hits {
 			var doc struct {
-				Deleted bool   `json:"_deleted"`
-				PV      string `json:"_pv"`
+				Deleted       bool   `json:"_deleted"`
+				PV            string `json:"_pv"`
+				AggregateType string `json:"_aggregate_type"`
 			}
 			if len(hit.Source) > 0 {
 				_ = json.Unmarshal(hit.Source, &doc)
 			}
-			var v int64
+			st := indexState{state: state{deleted: doc.Deleted}, index: hit.Index, aggregateType: doc.AggregateType}
 			if hit.Version != nil {
-				v = *hit.Version
+				st.version = *hit.Version
 			}
-			idx[hit.Id] = state{version: v, deleted: doc.Deleted, pv: doc.PV}
+			if hit.SeqNo != nil && hit.PrimaryTerm != nil {
+				st.seqNo, st.primaryTerm = *hit.SeqNo, *hit.PrimaryTerm
+			}
+			idx[hit.Id] = st
 			rep.DocsRead++
 		}
 	}
@@ -348,11 +416,10 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 			if len(rep.Missing) < cfg.Limit {
 				rep.Missing = append(rep.Missing, Drift{ID: id, SourceVersion: s.version, SourceDeleted: s.deleted, SourcePV: s.pv})
 			}
-		case i != s:
+		case i.state != s:
 			rep.StaleCount++
 			if len(rep.Stale) < cfg.Limit {
-				rep.Stale = append(rep.Stale, Drift{ID: id, SourceVersion: s.version, SourceDeleted: s.deleted, SourcePV: s.pv,
-					IndexVersion: i.version, IndexDeleted: i.deleted, IndexPV: i.pv})
+				rep.Stale = append(rep.Stale, i.drift(Drift{ID: id, SourceVersion: s.version, SourceDeleted: s.deleted, SourcePV: s.pv}))
 			}
 		}
 	}
@@ -360,7 +427,7 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		if _, ok := src[id]; !ok {
 			rep.ExtraCount++
 			if len(rep.Extra) < cfg.Limit {
-				rep.Extra = append(rep.Extra, Drift{ID: id, IndexVersion: i.version, IndexDeleted: i.deleted, IndexPV: i.pv})
+				rep.Extra = append(rep.Extra, i.drift(Drift{ID: id}))
 			}
 		}
 	}
@@ -368,6 +435,12 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		slices.SortFunc(l, func(a, b Drift) int { return cmp.Compare(a.ID, b.ID) })
 	}
 	return nil
+}
+
+func (i indexState) drift(d Drift) Drift {
+	d.IndexVersion, d.IndexDeleted, d.IndexPV = i.version, i.deleted, i.pv
+	d.IndexName, d.IndexSeqNo, d.IndexPrimaryTerm, d.IndexAggregateType = i.index, i.seqNo, i.primaryTerm, i.aggregateType
+	return d
 }
 
 func toAny(ints []int) []any {
@@ -378,10 +451,22 @@ func toAny(ints []int) []any {
 	return out
 }
 
-// RepairResult says what [Repair] did.
+// RepairResult says what [Repair] did, and what it left alone.
 type RepairResult struct {
 	Enqueued int64 `json:"enqueued"`
 	Removed  int   `json:"removed"`
+	// KeptTombstones: extra or index-ahead tombstones. A tombstone is never
+	// deleted: a later replay of an older upsert would bring the row back.
+	KeptTombstones int `json:"kept_tombstones,omitempty"`
+	// KeptUnowned: extras without an aggregate type (or of another one),
+	// which may be another producer's.
+	KeptUnowned int `json:"kept_unowned,omitempty"`
+	// KeptChanged: documents written again since the comparison
+	// (if_seq_no/if_primary_term refused the delete).
+	KeptChanged int `json:"kept_changed,omitempty"`
+	// KeptReappeared: extras whose row is in normalized_records now (its
+	// event is on its way).
+	KeptReappeared int `json:"kept_reappeared,omitempty"`
 }
 
 // Repair re-enqueues outbox events for the missing and stale ids of rep and
@@ -399,30 +484,98 @@ type RepairResult struct {
 // (see package sink), so a short gc_deletes is safe and makes this fast.
 // Lists are capped by Config.Limit: when a count exceeds its list, run
 // again after.
+//
+// Deletes are guarded: only documents of Config.AggregateType, never a
+// tombstone, never an id whose row reached normalized_records since the
+// comparison, and only in the state the comparison saw
+// (if_seq_no/if_primary_term), so a document written since is kept. An id
+// whose row arrives while its document is being deleted is re-enqueued. A
+// repair that would delete more than MaxRemoveShare of the documents
+// compared (and more than MaxRemoveFloor) is refused unless Config.Force.
 func Repair(ctx context.Context, cfg Config, rep Report) (RepairResult, error) {
 	if err := cfg.validate(); err != nil {
 		return RepairResult{}, err
 	}
+	cfg.Source = cmp.Or(cfg.Source, rep.Source)
+	cfg.AggregateType = cmp.Or(cfg.AggregateType, rep.AggregateType, cfg.Source)
+	if cfg.Source == "" {
+		return RepairResult{}, fmt.Errorf("%w: Source is empty and the report does not name one", ErrSource)
+	}
 	var res RepairResult
-	remove := slices.Clone(rep.Extra)
-	for _, d := range rep.Stale {
-		if d.IndexAhead() || (d.OtherPV() && cfg.ProcessorVersion != "" && d.SourcePV == cfg.ProcessorVersion) {
+	var remove []Drift
+	for _, d := range rep.Extra {
+		switch {
+		case d.IndexDeleted:
+			res.KeptTombstones++
+		case d.IndexAggregateType != cfg.AggregateType || d.IndexPrimaryTerm == 0:
+			res.KeptUnowned++
+		default:
 			remove = append(remove, d)
 		}
 	}
 	if len(remove) > 0 {
+		back, err := presentIDs(ctx, cfg, remove)
+		if err != nil {
+			return res, err
+		}
+		remove = slices.DeleteFunc(remove, func(d Drift) bool { return back[d.ID] })
+		res.KeptReappeared = len(back)
+	}
+	for _, d := range rep.Stale {
+		// Ahead of the source, or built by another processor version at the
+		// version the source expects: the engine would refuse the repair
+		// event (same or lower version), so the document goes first.
+		if !d.IndexAhead() && !(d.OtherPV() && cfg.ProcessorVersion != "" && d.SourcePV == cfg.ProcessorVersion) {
+			continue
+		}
+		if d.IndexDeleted || d.IndexPrimaryTerm == 0 {
+			res.KeptTombstones++ // the re-enqueued event will be refused: needs an operator
+			continue
+		}
+		remove = append(remove, d)
+	}
+	// Extras the report could not list are deleted by later passes: count
+	// them against the limit now.
+	planned := len(remove) + max(rep.ExtraCount-len(rep.Extra), 0)
+	if !cfg.Force && planned > MaxRemoveFloor && float64(planned) > MaxRemoveShare*float64(rep.IndexDocs) {
+		return res, fmt.Errorf("%w: %d of %d documents of source %q in %s; check Source and Index, or set Force",
+			ErrRepairTooLarge, planned, rep.IndexDocs, cfg.Source, cfg.Index)
+	}
+	var removedExtras []Drift
+	if len(remove) > 0 {
 		bulk := cfg.Search.Bulk().Refresh("true")
 		for _, d := range remove {
-			bulk.Add(elastic.NewBulkDeleteRequest().Index(cfg.Index).Id(d.ID))
+			bulk.Add(elastic.NewBulkDeleteRequest().Index(cmp.Or(d.IndexName, cfg.Index)).Id(d.ID).
+				IfSeqNo(d.IndexSeqNo).IfPrimaryTerm(d.IndexPrimaryTerm))
 		}
 		br, err := bulk.Do(ctx)
 		if err != nil {
 			return res, fmt.Errorf("remove %d documents: %w", len(remove), err)
 		}
-		for _, item := range br.Deleted() {
-			if item.Status < 300 || item.Status == 404 {
+		for i, item := range br.Items {
+			r := item["delete"]
+			switch {
+			case r == nil:
+			case r.Status < 300:
 				res.Removed++
+				if remove[i].SourceVersion == 0 {
+					removedExtras = append(removedExtras, remove[i])
+				}
+			case r.Status == http.StatusConflict:
+				res.KeptChanged++
+			case r.Status != http.StatusNotFound:
+				return res, fmt.Errorf("remove document %s: status %d", remove[i].ID, r.Status)
 			}
+		}
+	}
+	// A row that arrived between the check above and its document's
+	// delete: its event may have been refused by the delete's tombstone,
+	// so it is sent again (after the engine forgets the delete).
+	var arrived map[string]bool
+	if len(removedExtras) > 0 {
+		var err error
+		if arrived, err = presentIDs(ctx, cfg, removedExtras); err != nil {
+			return res, err
 		}
 	}
 	if len(remove) > 0 || len(rep.Missing) > 0 {
@@ -436,6 +589,9 @@ func Repair(ctx context.Context, cfg Config, rep Report) (RepairResult, error) {
 	}
 	for _, d := range rep.Stale {
 		ids = append(ids, d.ID)
+	}
+	for id := range arrived {
+		ids = append(ids, id)
 	}
 	if len(ids) > 0 {
 		// The repair id includes the time, so a repair is never mistaken
@@ -484,6 +640,29 @@ WHERE source = $1 AND source_id = ANY($2)`, cfg.Source, ids)
 		}
 	}
 	return res, nil
+}
+
+// presentIDs returns which of the ids are in normalized_records (for
+// cfg.Source) now.
+func presentIDs(ctx context.Context, cfg Config, ds []Drift) (map[string]bool, error) {
+	ids := make([]string, len(ds))
+	for i, d := range ds {
+		ids[i] = d.ID
+	}
+	rows, err := cfg.DB.Query(ctx, `SELECT source_id FROM normalized_records WHERE source = $1 AND source_id = ANY($2)`, cfg.Source, ids)
+	if err != nil {
+		return nil, fmt.Errorf("re-read %d extra ids from normalized_records: %w", len(ids), err)
+	}
+	defer rows.Close()
+	out := map[string]bool{}
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		out[id] = true
+	}
+	return out, rows.Err()
 }
 
 // waitForgetDeletes waits until the engine has forgotten the deletes made

@@ -22,9 +22,9 @@ func indexDoc(id string, version int64, deleted bool) *elastic.BulkIndexRequest 
 }
 
 func indexDocPV(id string, version int64, deleted bool, pv string) *elastic.BulkIndexRequest {
-	doc := map[string]any{"title": "doc " + id}
+	doc := map[string]any{"title": "doc " + id, sink.FieldAggregateType: "src"}
 	if deleted {
-		doc = map[string]any{sink.FieldDeleted: true}
+		doc = map[string]any{sink.FieldDeleted: true, sink.FieldAggregateType: "src"}
 	}
 	doc[sink.FieldBucket] = sink.Bucket(id)
 	doc[sink.FieldIDV] = sink.IDV(id, version, deleted, pv)
@@ -77,7 +77,7 @@ FROM generate_series(1, $1) g`, n)
 	require.NoError(t, err)
 	_, err = client.Index().Index(index).Id("20").BodyJson(map[string]any{"title": "edited by hand"}).Do(ctx) // internal version + 1: index ahead
 	require.NoError(t, err)
-	_, err = client.Index().Index(index).Id("x1").BodyJson(map[string]any{"title": "stray"}).Refresh("true").Do(ctx) // extra, no reconcile fields
+	_, err = client.Index().Index(index).Id("x1").BodyJson(map[string]any{"title": "stray", sink.FieldAggregateType: "src"}).Refresh("true").Do(ctx) // extra, no reconcile fields
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `UPDATE normalized_records SET source_version = source_version + 1 WHERE source = 'src' AND source_id = '40'`) // index behind
 	require.NoError(t, err)

@@ -236,6 +236,41 @@ func (b *backlog) release(bt *batch) {
 	}
 }
 
+// drop removes the buffered messages fetched in generation g, which has
+// ended, and returns how many it removed. Batches already taken are not
+// touched: their partitions stay busy until released, so a partition's
+// messages of the next generation are still resolved after them.
+func (b *backlog) drop(g *generation) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	dropped := 0
+	for _, p := range b.parts {
+		kept := p.docs[:0]
+		for _, d := range p.docs {
+			if d.gen != g {
+				kept = append(kept, d)
+				continue
+			}
+			n := docSize(d)
+			p.bytes -= n
+			b.docs--
+			b.bytes -= n
+			if !p.busy {
+				b.freeDocs--
+				b.freeBytes -= n
+			}
+			dropped++
+		}
+		clear(p.docs[len(kept):])
+		p.docs = kept
+		if len(p.docs) == 0 {
+			p.docs = nil
+		}
+	}
+	signal(b.space)
+	return dropped
+}
+
 // stats returns the buffered documents and bytes (tests).
 func (b *backlog) stats() (docs, bytes int) {
 	b.mu.Lock()

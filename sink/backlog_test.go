@@ -183,3 +183,38 @@ func TestBacklogConcurrentLanesKeepPartitionOrder(t *testing.T) {
 		require.Equal(t, int64(perPartition), next[p])
 	}
 }
+
+// When a group generation ends, its buffered messages go; a partition
+// whose batch is in flight stays busy, so the next generation's messages of
+// that partition are taken only after the batch is released.
+func TestBacklogDropsAnEndedGeneration(t *testing.T) {
+	t.Parallel()
+	b, clock := newTestBacklog(2, 2, time.Second)
+	ctx := context.Background()
+	old, next := &generation{id: 1}, &generation{id: 2}
+	put := func(g *generation, p int, o int64) {
+		d := msgDoc(p, o)
+		d.gen = g
+		require.NoError(t, b.put(ctx, d))
+	}
+	for o := range int64(3) {
+		put(old, 0, o)
+		put(old, 1, o)
+	}
+	inFlight, _ := b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{0: {0, 1}}, offsets(inFlight))
+	require.Equal(t, 4, b.drop(old))
+	docs, bytes := b.stats()
+	require.Zero(t, docs)
+	require.Zero(t, bytes)
+
+	put(next, 0, 0) // read again from the committed offset
+	put(next, 1, 0)
+	bt, _ := b.takeLocked(clock.advance(time.Hour))
+	require.Equal(t, map[int][]int64{1: {0}}, offsets(bt), "partition 0 is still busy")
+	b.release(inFlight)
+	bt, _ = b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{0: {0}}, offsets(bt))
+	require.Zero(t, b.freeDocs)
+	require.Zero(t, b.freeBytes)
+}

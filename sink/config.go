@@ -30,6 +30,7 @@ const (
 	DefaultSessionTimeout   = 30 * time.Second
 	DefaultHeartbeat        = 3 * time.Second
 	DefaultRequestTimeout   = 60 * time.Second
+	DefaultTopicPartitions  = 3
 )
 
 // Config configures an [Indexer]. The zero value of every optional field
@@ -46,6 +47,12 @@ type Config struct {
 	// Group is the consumer group id. Default "outboxrelay-indexer". A group
 	// that has never committed starts at the earliest offset.
 	Group string
+	// TopicPartitions is the partition count the indexer creates Topic with
+	// when it does not exist yet at start (an indexer started before the
+	// first event is published). An existing topic is left as it is.
+	// Default 3, what the test stack and docker-compose.yml use; keep it
+	// equal to the publisher's.
+	TopicPartitions int
 	// DeadLetterTopic receives poison messages and permanently rejected
 	// documents. Default "<Topic>.dlq".
 	DeadLetterTopic string
@@ -160,6 +167,7 @@ func (c Config) withDefaults() Config {
 	c.Topic = cmp.Or(c.Topic, DefaultTopic)
 	c.Group = cmp.Or(c.Group, DefaultGroup)
 	c.DeadLetterTopic = cmp.Or(c.DeadLetterTopic, c.Topic+".dlq")
+	c.TopicPartitions = cmp.Or(c.TopicPartitions, DefaultTopicPartitions)
 	c.Alias = cmp.Or(c.Alias, DefaultAlias)
 	c.NullValues = cmp.Or(c.NullValues, NullValuesFail)
 	c.IDFormat = cmp.Or(c.IDFormat, IDFormatID)
@@ -231,6 +239,9 @@ func (c Config) validate() error {
 		if t == typeUpsert || t == typeDelete {
 			bad("SKIP_EVENT_TYPES: %q is the pipeline's own event type and is always indexed", t)
 		}
+	}
+	if c.TopicPartitions < 1 {
+		bad("TOPIC_PARTITIONS=%d: must be at least 1", c.TopicPartitions)
 	}
 	if c.BatchSize < 1 {
 		bad("BATCH_SIZE=%d: must be at least 1", c.BatchSize)

@@ -13,10 +13,17 @@
 //
 // # Consuming and committing
 //
-// One kafka-go group [github.com/segmentio/kafka-go.Reader] fetches (never
-// ReadMessage: no auto-commit) into a backlog kept per partition, and
-// Config.Lanes lanes take batches from it, bounded by count, bytes and
-// time, so at most Lanes bulk requests are in flight. A partition is in at
+// The indexer joins the group with kafka-go's
+// [github.com/segmentio/kafka-go.ConsumerGroup] and, for every generation,
+// runs a fetcher for the assigned partitions (from the committed offsets,
+// never auto-committing) and one commit loop, both bound to the
+// generation. The fetcher is a franz-go client
+// ([github.com/twmb/franz-go/pkg/kgo]) reading read_committed: other
+// producers may write into the topic in transactions, and kafka-go, asked
+// for read_committed, still hands over their aborted records and the
+// transaction markers as messages. The fetcher feeds a backlog kept per
+// partition, and Config.Lanes lanes take batches from it, bounded by
+// count, bytes and time, so at most Lanes bulk requests are in flight. A partition is in at
 // most one batch at a time: its next batch is taken only once the previous
 // one is resolved, so its messages are applied in offset order, while a
 // free lane serves any other partition (the longest-waiting first). A lane
@@ -24,22 +31,39 @@
 // commits the offsets of resolved batches in the order they were resolved
 // while the lane's next bulk is already in the engine. A committed offset
 // therefore always means "everything before it is indexed or
-// dead-lettered"; that stays true across rebalances, so a commit that
-// reaches the group after its partition moved elsewhere loses nothing
-// either. It could move the partition's offset back, though (kafka-go
-// commits with the current generation and the broker does not check
-// ownership), leaving the lag up until new messages arrive; for a minute
-// after a rebalance the committer reads the group's committed offsets first
-// and skips partitions already at or past the batch. A group the reader
-// fails to rejoin is retried within RetryMaxElapsed.
+// dead-lettered".
+//
+// Commits are fenced by the generation. Each message remembers the
+// generation that fetched it and its offset is committed with that
+// generation's id, through a loop that belongs to the generation; kafka-go
+// joins the next generation only after that loop (and the fetcher) have
+// returned, and the coordinator refuses an older generation's commit once
+// a newer one exists. So a batch fetched before a rebalance can never move
+// a partition's committed offset back behind what its new owner committed
+// (with kafka-go's Reader it could: it commits with the generation current
+// at commit time, and the broker does not check ownership, which left the
+// lag up until new messages arrived). When a generation ends, its messages
+// still in the backlog are dropped and batches already taken finish
+// uncommitted; the next generation's owners read them again from the
+// committed offsets, a harmless replay. A partition whose old batch is
+// still in flight stays busy in the backlog, so its order holds across the
+// generations too. A group this member fails to join is retried within
+// RetryMaxElapsed.
+//
 // Lanes bound the number of concurrent bulk requests independently of the
-// partition count and keep kafka-go's rebalance handling (rather than a
-// goroutine per assigned partition with kafka.ConsumerGroup). They are not
-// tied to partitions: when partition p always went to lane p mod Lanes, a
-// bulk the engine held up stopped its lane's partitions, the one fetch loop
-// stopped behind them and the other lanes ran dry, which left the engine
-// idle for a good part of the time (issue 6). The backlog holds up to
-// Lanes × 4 batches; beyond that the fetch loop waits.
+// partition count. They are not tied to partitions: when partition p
+// always went to lane p mod Lanes, a bulk the engine held up stopped its
+// lane's partitions, the fetching stopped behind them and the other lanes
+// ran dry, which left the engine idle for a good part of the time (issue
+// 6). The backlog holds up to Lanes × 4 batches; beyond that the fetcher
+// waits.
+//
+// The topic must exist before the group is joined: kafka-go's group,
+// joined on a missing topic, may stay idle once the topic appears
+// (kafka-go issue 1414), which is what happens when the indexer starts
+// before the first event is published. So [Indexer.Run] creates the topic
+// with Config.TopicPartitions when it is missing, or waits for it (logging
+// that it waits) when it may not create it, and joins only then.
 //
 // # Resolving a batch
 //
@@ -128,15 +152,20 @@
 // the id's bucket and a hash of id, version, deleted-ness and processor
 // version, which package reconcile aggregates to compare the index with
 // normalized_records without reading documents, and _pv, the processor
-// version that built it (when the event says).
+// version that built it (when the event says); and _aggregate_type (the
+// ce_aggregatetype header), so that reconcile compares and repairs only
+// its own source's documents when several producers share an index.
 //
 // # Index management and reindex
 //
 // Writes go through Config.WriteAlias ("records-write"), with
 // require_alias=true so a missing alias never auto-creates an index. When
-// the write alias is missing, [EnsureIndex] creates "<alias>_v1" from
+// neither alias exists, [EnsureIndex] creates "<alias>_v1" from
 // Config.Mapping (default: the embedded mapping.json) with both aliases in
-// the same call. [Reindex] rebuilds into a new index without downtime:
+// the same call. A read alias without its write alias is refused
+// ([ErrWriteAliasMissing], naming both and the _aliases call that fixes
+// it): after a reindex the write alias belongs on the new generation, and
+// the indexer cannot tell which that is. [Reindex] rebuilds into a new index without downtime:
 // move the write alias, copy the old index on the server with
 // version_type=external (live writes and copies resolve by version, in
 // any order), then swap the read alias in one atomic _aliases call.

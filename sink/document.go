@@ -21,6 +21,10 @@ const (
 	// FieldPV holds the processor version that built the document (absent
 	// for events that carry none).
 	FieldPV = "_pv"
+	// FieldAggregateType holds the event's ce_aggregatetype: whose document
+	// it is when several producers write into one index, so reconcile
+	// compares (and repairs) only its own source's documents.
+	FieldAggregateType = "_aggregate_type"
 	// FieldPosition holds [partition, offset] of the Kafka record a
 	// document was written from, with NullValues "delete" only: a null
 	// value without a version replayed after a later record of its key was
@@ -67,6 +71,11 @@ func IDV(id string, version int64, deleted bool, pv string) int64 {
 // body is written, which saves copying every document once more.
 func appendDocument(dst []byte, d *doc) []byte {
 	dst = appendReconcileFields(dst, d.body, d.bucket, d.idv, d.pv)
+	if len(d.aggType) > 0 {
+		dst = append(dst[:len(dst)-1], `,"`+FieldAggregateType+`":`...)
+		dst = appendJSONBytes(dst, d.aggType)
+		dst = append(dst, '}')
+	}
 	if !d.withPosition {
 		return dst
 	}
@@ -95,4 +104,16 @@ func appendReconcileFields(dst, obj []byte, bucket int, idv int64, pv string) []
 		dst = append(dst, b...)
 	}
 	return append(dst, '}')
+}
+
+func appendJSONBytes(dst, s []byte) []byte {
+	for _, c := range s {
+		if c < 0x20 || c >= 0x7f || c == '"' || c == '\\' {
+			b, _ := json.Marshal(string(s)) // a Go string always marshals
+			return append(dst, b...)
+		}
+	}
+	dst = append(dst, '"')
+	dst = append(dst, s...)
+	return append(dst, '"')
 }

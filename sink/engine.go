@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"time"
 
@@ -238,10 +239,18 @@ func AliasTargets(ctx context.Context, client *elastic.Client, alias string) ([]
 	return out, nil
 }
 
-// EnsureIndex makes sure the write alias exists. When it does not, it
-// creates "<alias>_v1" from mapping with both aliases in the same call, so
-// no reader ever sees one alias without the other. Several indexers may
-// race here; the loser finds the index created.
+// ErrWriteAliasMissing: the read alias exists and the write alias does not.
+// [EnsureIndex] refuses to guess which index the writes belong to.
+var ErrWriteAliasMissing = errors.New("write alias missing")
+
+// EnsureIndex makes sure the write alias exists. When neither alias does,
+// it creates "<alias>_v1" from mapping with both aliases in the same call,
+// so no reader ever sees one alias without the other. Several indexers may
+// race here; the loser finds the index created. When the read alias exists
+// without the write alias (deleted by hand, or lost during a reindex), it
+// refuses with [ErrWriteAliasMissing]: after a reindex to "<alias>_v2",
+// pointing the write alias at "<alias>_v1" again would send the writes to
+// the old generation and make the read alias span two.
 func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias string, mapping []byte) (string, error) {
 	targets, err := AliasTargets(ctx, client, writeAlias)
 	if err != nil {
@@ -253,6 +262,13 @@ func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias 
 	if len(targets) > 1 {
 		return "", fmt.Errorf("write alias %s points at %d indices %v; want one", writeAlias, len(targets), targets)
 	}
+	read, err := AliasTargets(ctx, client, alias)
+	if err != nil {
+		return "", err
+	}
+	if len(read) > 0 {
+		return "", writeAliasMissing(alias, writeAlias, read)
+	}
 	index := alias + "_v1"
 	if err := CreateIndex(ctx, client, index, mapping, map[string]any{
 		alias:      map[string]any{"filter": notDeletedFilter},
@@ -261,6 +277,18 @@ func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias 
 		return "", err
 	}
 	return index, nil
+}
+
+func writeAliasMissing(alias, writeAlias string, read []string) error {
+	slices.Sort(read)
+	fix := fmt.Sprintf("pick the index the writes belong to (the read alias's, unless a reindex was under way) and run: "+
+		`POST /_aliases {"actions":[{"add":{"index":"<index>","alias":%q,"is_write_index":true}}]}`, writeAlias)
+	if len(read) == 1 {
+		fix = fmt.Sprintf("if %s is the index the writes belong to, run: "+
+			`POST /_aliases {"actions":[{"add":{"index":%q,"alias":%q,"is_write_index":true}}]}`, read[0], read[0], writeAlias)
+	}
+	return fmt.Errorf("%w: read alias %s points at %v but write alias %s does not exist; refusing to create or guess it (%s)",
+		ErrWriteAliasMissing, alias, read, writeAlias, fix)
 }
 
 // CreateIndex creates index from a create-index body (settings, mappings)

@@ -13,6 +13,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/olivere/elastic/v7"
 	"github.com/segmentio/kafka-go"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
@@ -106,7 +107,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	err := backoff.RetryNotify(func() error {
 		var err error
 		if index, err = ix.ensureIndexes(ctx); err != nil {
-			if !IsRetryable(err) {
+			if !IsRetryable(err) || errors.Is(err, ErrWriteAliasMissing) {
 				return backoff.Permanent(err)
 			}
 			return err
@@ -119,76 +120,45 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if err := ix.awaitTopic(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped while waiting
+		}
+		return err
+	}
 	ix.log.Info("indexer starting",
 		slog.String("topic", ix.cfg.Topic), slog.String("group", ix.cfg.Group),
 		slog.String("write_alias", ix.cfg.WriteAlias), slog.String("index", index),
 		slog.Int("lanes", ix.cfg.Lanes), slog.Int("batch_size", ix.cfg.BatchSize))
 
-	reader := kafka.NewReader(kafka.ReaderConfig{
+	group, err := kafka.NewConsumerGroup(kafka.ConsumerGroupConfig{
+		ID:                ix.cfg.Group,
 		Brokers:           ix.cfg.Brokers,
-		GroupID:           ix.cfg.Group,
-		Topic:             ix.cfg.Topic,
+		Topics:            []string{ix.cfg.Topic},
 		Dialer:            ix.cfg.kafkaDialer(ix.clientID()),
-		MinBytes:          1,
-		MaxBytes:          16 << 20,
-		MaxWait:           250 * time.Millisecond,
-		QueueCapacity:     ix.cfg.BatchSize,
-		CommitInterval:    0, // synchronous: CommitMessages returns once the broker has the offsets
 		StartOffset:       kafka.FirstOffset,
 		SessionTimeout:    ix.cfg.SessionTimeout,
 		HeartbeatInterval: ix.cfg.HeartbeatInterval,
 		RebalanceTimeout:  ix.cfg.SessionTimeout,
 		JoinGroupBackoff:  time.Second,
-		ReadLagInterval:   -1,
-		// A topic created after the group joined (the publisher creates it
-		// with its first event), or given more partitions later, triggers a
-		// rebalance instead of leaving the indexer idle.
+		// Partitions added later trigger a rebalance instead of staying
+		// unread.
 		WatchPartitionChanges:  true,
 		PartitionWatchInterval: 2 * time.Second,
-		ErrorLogger: kafka.LoggerFunc(func(msg string, args ...any) {
-			ix.log.Warn("kafka reader", slog.String("error", fmt.Sprintf(msg, args...)))
-		}),
+		ErrorLogger:            ix.kafkaLogger("kafka consumer group"),
 	})
-	defer reader.Close()
+	if err != nil {
+		return &ConfigError{Err: fmt.Errorf("consumer group %s: %w", ix.cfg.Group, err)}
+	}
+	// Closed last: the committer commits what the lanes resolved under the
+	// generation that is still current, then the member leaves the group.
+	defer group.Close()
 	defer ix.dlq.Close()
 
 	bl := newBacklog(ix.cfg)
 	resolved := make(chan resolvedBatch, ix.cfg.Lanes)
 	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		var fetchRetry backoff.BackOff // set while fetches fail
-		for {
-			m, err := reader.FetchMessage(gctx)
-			if err != nil {
-				if gctx.Err() != nil {
-					return nil
-				}
-				// The reader reports a group it could not rejoin (a
-				// rebalance in progress, a member id the coordinator
-				// dropped while this process was stalled) and keeps
-				// trying on its own: wait and fetch again, within the
-				// retry budget.
-				if fetchRetry == nil {
-					fetchRetry = ix.newBackOff(gctx)
-				}
-				next := fetchRetry.NextBackOff()
-				if next == backoff.Stop {
-					return fmt.Errorf("fetch from %s: %w", ix.cfg.Topic, err)
-				}
-				ix.log.Warn("fetch failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
-				select {
-				case <-time.After(next):
-				case <-gctx.Done():
-					return nil
-				}
-				continue
-			}
-			fetchRetry = nil
-			if bl.put(gctx, ix.rules.parse(m)) != nil {
-				return nil
-			}
-		}
-	})
+	g.Go(func() error { return ix.consume(gctx, group, bl) })
 	for lane := range ix.cfg.Lanes {
 		g.Go(func() error { return ix.runLane(gctx, bl, lane, resolved) })
 	}
@@ -197,11 +167,9 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
-	guard := &staleCommitGuard{reader: reader, client: &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout, Transport: ix.cfg.kafkaTransport()},
-		group: ix.cfg.Group, topic: ix.cfg.Topic}
 	go func() {
 		defer close(committerDone)
-		ix.runCommitter(gctx, reader, guard, resolved)
+		ix.runCommitter(gctx, resolved)
 	}()
 	err = g.Wait()
 	close(resolved)
@@ -210,6 +178,208 @@ func (ix *Indexer) Run(ctx context.Context) error {
 		ix.log.Info("indexer stopped")
 	}
 	return err
+}
+
+func (ix *Indexer) kafkaLogger(what string) kafka.Logger {
+	return kafka.LoggerFunc(func(msg string, args ...any) {
+		ix.log.Warn(what, slog.String("error", fmt.Sprintf(msg, args...)))
+	})
+}
+
+// consume joins one group generation after the other and reads its
+// partitions into the backlog, until ctx ends.
+func (ix *Indexer) consume(ctx context.Context, group *kafka.ConsumerGroup, bl *backlog) error {
+	var retry backoff.BackOff // set while joins fail
+	for {
+		gen, err := group.Next(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			// The group reports a generation it could not join (a
+			// rebalance in progress, a member id the coordinator dropped
+			// while this process was stalled) and keeps trying on its own:
+			// wait and ask again, within the retry budget.
+			if retry == nil {
+				retry = ix.newBackOff(ctx)
+			}
+			next := retry.NextBackOff()
+			if next == backoff.Stop {
+				return fmt.Errorf("join group %s on %s: %w", ix.cfg.Group, ix.cfg.Topic, err)
+			}
+			ix.log.Warn("joining the group failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
+			select {
+			case <-time.After(next):
+			case <-ctx.Done():
+				return nil
+			}
+			continue
+		}
+		retry = nil
+		ix.consumeGeneration(ctx, gen, bl)
+		if ctx.Err() != nil {
+			return nil
+		}
+	}
+}
+
+// generation is one consumer group generation as the committer sees it:
+// offsets are committed under the generation that fetched them,
+// so the coordinator refuses them once the group has moved on.
+type generation struct {
+	id      int32
+	commits chan commitRequest
+	ended   chan struct{} // closed when the generation is over
+}
+
+type commitRequest struct {
+	offsets map[string]map[int]int64
+	done    chan error
+}
+
+// errGenerationEnded: the batch was fetched in a generation that is over;
+// its partitions' current owners replay it.
+var errGenerationEnded = errors.New("consumer group generation ended")
+
+// commit commits offsets (next offset to read, per partition) under g.
+func (g *generation) commit(ctx context.Context, topic string, offsets map[int]int64) error {
+	req := commitRequest{offsets: map[string]map[int]int64{topic: offsets}, done: make(chan error, 1)}
+	select {
+	case g.commits <- req:
+	case <-g.ended:
+		return errGenerationEnded
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-req.done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// consumeGeneration runs a fetcher for the assigned partitions and a
+// commit loop, both bound to gen: kafka-go joins the next generation only
+// after they have returned, so no commit of this generation can reach the
+// coordinator once a newer one exists. When the generation ends, its
+// messages still in the backlog are dropped (batches already taken finish
+// and are not committed): the partitions' owners in the next generation
+// read them again from the committed offsets.
+func (ix *Indexer) consumeGeneration(ctx context.Context, gen *kafka.Generation, bl *backlog) {
+	g := &generation{id: gen.ID, commits: make(chan commitRequest), ended: make(chan struct{})}
+	gen.Start(func(gctx context.Context) {
+		defer close(g.ended)
+		for {
+			select {
+			case req := <-g.commits:
+				req.done <- gen.CommitOffsets(req.offsets)
+			case <-gctx.Done():
+				return
+			}
+		}
+	})
+	assigned := gen.Assignments[ix.cfg.Topic]
+	parts := make([]int, len(assigned))
+	for i, pa := range assigned {
+		parts[i] = pa.ID
+	}
+	fetched := make(chan struct{})
+	gen.Start(func(gctx context.Context) {
+		defer close(fetched)
+		ix.fetch(gctx, g, assigned, bl)
+	})
+	ix.log.Info("group generation joined", slog.Int("generation", int(gen.ID)), slog.String("member", gen.MemberID), slog.Any("partitions", parts))
+	select {
+	case <-g.ended:
+	case <-ctx.Done():
+		return // the group is closed after the final commits
+	}
+	<-fetched
+	if n := bl.drop(g); n > 0 {
+		ix.log.Info("group generation ended; buffered messages dropped (read again by their partitions' owners)",
+			slog.Int("generation", int(gen.ID)), slog.Int("messages", n))
+	}
+}
+
+// fetch reads the generation's partitions from their starting offsets
+// into the backlog until the generation ends. It never returns before: a
+// function of the generation that returns ends it.
+//
+// It reads with franz-go rather than kafka-go: kafka-go asks for
+// read_committed but then hands over aborted records and the transaction
+// markers themselves as messages, while other producers may write into the
+// topic in transactions; franz-go drops both.
+func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.PartitionAssignment, bl *backlog) {
+	if len(assigned) == 0 {
+		<-ctx.Done() // more members than partitions
+		return
+	}
+	offsets := make(map[int32]kgo.Offset, len(assigned))
+	for _, pa := range assigned {
+		switch pa.Offset {
+		case kafka.FirstOffset:
+			offsets[int32(pa.ID)] = kgo.NewOffset().AtStart()
+		case kafka.LastOffset:
+			offsets[int32(pa.ID)] = kgo.NewOffset().AtEnd()
+		default:
+			offsets[int32(pa.ID)] = kgo.NewOffset().At(pa.Offset)
+		}
+	}
+	client, err := kgo.NewClient(append([]kgo.Opt{
+		kgo.SeedBrokers(ix.cfg.Brokers...),
+		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{ix.cfg.Topic: offsets}),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), // a committed offset the retention removed
+		kgo.FetchMaxWait(250 * time.Millisecond),
+		kgo.FetchMaxPartitionBytes(16 << 20),
+		kgo.WithLogger(kgoLogger{ix.log}),
+	}, ix.cfg.kgoSecurity()...)...)
+	if err != nil {
+		ix.log.Error("cannot start the partition readers", slog.String("error", err.Error()))
+		<-ctx.Done()
+		return
+	}
+	defer client.Close()
+	for {
+		fetches := client.PollRecords(ctx, ix.cfg.BatchSize)
+		if ctx.Err() != nil {
+			return
+		}
+		fetches.EachError(func(topic string, p int32, err error) {
+			// The client retries on its own.
+			ix.log.Warn("fetch failed; retrying", slog.String("topic", topic), slog.Int("partition", int(p)), slog.String("error", err.Error()))
+		})
+		var stopped bool
+		fetches.EachPartition(func(fp kgo.FetchTopicPartition) {
+			for _, r := range fp.Records {
+				if stopped {
+					return
+				}
+				d := ix.rules.parse(kafkaMessage(r, fp.HighWatermark))
+				d.gen = g
+				stopped = bl.put(ctx, d) != nil
+			}
+		})
+		if stopped {
+			return
+		}
+	}
+}
+
+// kafkaMessage is r as the rest of the indexer reads messages.
+func kafkaMessage(r *kgo.Record, highWatermark int64) kafka.Message {
+	m := kafka.Message{
+		Topic: r.Topic, Partition: int(r.Partition), Offset: r.Offset, HighWaterMark: highWatermark,
+		Key: r.Key, Value: r.Value, Time: r.Timestamp,
+	}
+	if len(r.Headers) > 0 {
+		m.Headers = make([]kafka.Header, len(r.Headers))
+		for i, h := range r.Headers {
+			m.Headers[i] = kafka.Header{Key: h.Key, Value: h.Value}
+		}
+	}
+	return m
 }
 
 // resolvedBatch is a batch whose every document is final, on its way to the
@@ -247,7 +417,7 @@ func (ix *Indexer) runLane(ctx context.Context, bl *backlog, lane int, resolved 
 // runCommitter commits resolved batches in the order the lanes resolved
 // them, until resolved is closed. Batches that queued up while a commit
 // was in flight go into one commit.
-func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, guard *staleCommitGuard, resolved <-chan resolvedBatch) {
+func (ix *Indexer) runCommitter(ctx context.Context, resolved <-chan resolvedBatch) {
 	var pending []resolvedBatch
 	for rb := range resolved {
 		pending = append(pending[:0], rb)
@@ -263,7 +433,7 @@ func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, guard
 				break more
 			}
 		}
-		ix.commit(ctx, reader, guard, pending)
+		ix.commit(ctx, pending)
 		failpoint.Hit(FailpointAfterCommit)
 		if ix.onBatch != nil {
 			for _, rb := range pending {
@@ -273,96 +443,88 @@ func (ix *Indexer) runCommitter(ctx context.Context, reader *kafka.Reader, guard
 	}
 }
 
-// commit commits the offsets of resolved batches. They are fully
-// resolved, so the commit goes through even when ctx has just ended: that
-// is the point where the work is known to be done. A failed commit is not
-// fatal: the messages are replayed and the replay is harmless. After a
-// rebalance, the guard keeps a batch fetched before it from moving a
-// partition's offset back.
-func (ix *Indexer) commit(ctx context.Context, reader *kafka.Reader, guard *staleCommitGuard, batches []resolvedBatch) {
-	var msgs []kafka.Message
-	lag := map[int]int64{}
+// commit commits the offsets of resolved batches, each under the
+// generation that fetched it. They are fully resolved, so the commit goes
+// through even when ctx has just ended: that is the point where the work
+// is known to be done. A failed commit is not fatal: the messages are
+// replayed and the replay is harmless. A batch of a generation that is
+// over is not committed at all: its partitions may have moved, and their
+// new owners' offsets must not move back.
+func (ix *Indexer) commit(ctx context.Context, batches []resolvedBatch) {
+	type genOffsets struct {
+		offsets map[int]int64
+		lag     map[int]int64
+		docs    int
+	}
+	byGen := map[*generation]*genOffsets{}
+	var order []*generation
 	for _, rb := range batches {
 		for _, d := range rb.docs {
-			msgs = append(msgs, d.msg)
-			lag[d.msg.Partition] = d.msg.HighWaterMark - d.msg.Offset - 1
+			o := byGen[d.gen]
+			if o == nil {
+				o = &genOffsets{offsets: map[int]int64{}, lag: map[int]int64{}}
+				byGen[d.gen] = o
+				order = append(order, d.gen)
+			}
+			o.offsets[d.msg.Partition] = max(o.offsets[d.msg.Partition], d.msg.Offset+1)
+			o.lag[d.msg.Partition] = d.msg.HighWaterMark - d.msg.Offset - 1
+			o.docs++
 		}
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ix.cfg.SessionTimeout)
 	defer cancel()
-	if msgs = guard.filter(cctx, msgs); len(msgs) == 0 {
-		return
-	}
-	if err := reader.CommitMessages(cctx, msgs...); err != nil {
-		ix.m.commitErrs.Inc()
-		ix.log.Warn("offset commit failed; the batch will be replayed", slog.Int("docs", len(msgs)), slog.String("error", err.Error()))
-		return
-	}
-	for p, l := range lag {
-		ix.m.setLag(p, max(l, 0))
+	for _, g := range order {
+		o := byGen[g]
+		err := g.commit(cctx, ix.cfg.Topic, o.offsets)
+		if errors.Is(err, errGenerationEnded) {
+			ix.log.Info("batch of an ended group generation not committed; its partitions' owners replay it",
+				slog.Int("generation", int(g.id)), slog.Int("docs", o.docs))
+			continue
+		}
+		if err != nil {
+			ix.m.commitErrs.Inc()
+			ix.log.Warn("offset commit failed; the batch will be replayed", slog.Int("generation", int(g.id)), slog.Int("docs", o.docs), slog.String("error", err.Error()))
+			continue
+		}
+		for p, l := range o.lag {
+			ix.m.setLag(p, max(l, 0))
+		}
 	}
 }
 
-// staleCommitGuard keeps offsets from moving back after a rebalance.
-// kafka-go's Reader commits every offset with the group generation current
-// at commit time, and the broker does not check that the member still owns
-// the partition: a batch fetched before a rebalance and committed after it
-// moves the partition's offset back behind what its new owner committed,
-// and nothing moves it forward again until new messages arrive (the
-// messages are only replayed, harmlessly, but the lag stays up). For
-// guardWindow after a rebalance (this member's first join excepted), the
-// guard reads the group's committed offsets before each commit and drops
-// the partitions already committed at or past the batch.
-type staleCommitGuard struct {
-	reader       *kafka.Reader
-	client       *kafka.Client
-	group, topic string
-
-	rebalances int64     // seen so far (Stats resets the reader's counters: the committer is its only caller)
-	until      time.Time // the guard is on until then
-}
-
-// guardWindow is how long after a rebalance batches fetched before it may
-// still be committed: the backlog and the lanes drain well within it.
-const guardWindow = time.Minute
-
-func (g *staleCommitGuard) filter(ctx context.Context, msgs []kafka.Message) []kafka.Message {
-	if n := g.reader.Stats().Rebalances; n > 0 {
-		if g.rebalances += n; g.rebalances > 1 {
-			g.until = time.Now().Add(guardWindow)
+// awaitTopic makes sure the topic exists and its partitions have leaders
+// before the group is joined: kafka-go's group, joined on a topic that does
+// not exist yet, may never consume it once it does (kafka-go issue 1414; it
+// happens whenever the indexer starts before the first event is published,
+// as in docker compose up). The indexer creates the topic with
+// TopicPartitions; when it may not (no permission), it waits for whoever
+// may, and says so, within RetryMaxElapsed.
+func (ix *Indexer) awaitTopic(ctx context.Context) error {
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout}
+	created := false
+	return backoff.RetryNotify(func() error {
+		if !created {
+			err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.Topic, ix.cfg.TopicPartitions)
+			if err == nil {
+				created = true
+			} else if ctx.Err() == nil {
+				ix.log.Warn("cannot create the topic; waiting for it to be created",
+					slog.String("topic", ix.cfg.Topic), slog.String("error", err.Error()))
+			}
 		}
-	}
-	if time.Now().After(g.until) {
-		return msgs
-	}
-	last := map[int]int64{}
-	for _, m := range msgs {
-		last[m.Partition] = max(last[m.Partition], m.Offset)
-	}
-	parts := make([]int, 0, len(last))
-	for p := range last {
-		parts = append(parts, p)
-	}
-	resp, err := g.client.OffsetFetch(ctx, &kafka.OffsetFetchRequest{GroupID: g.group, Topics: map[string][]int{g.topic: parts}})
-	if err != nil || resp.Error != nil {
-		return msgs // commit as before; a rollback only replays
-	}
-	ahead := map[int]bool{}
-	for _, p := range resp.Topics[g.topic] {
-		if p.Error == nil && p.CommittedOffset > last[p.Partition] {
-			ahead[p.Partition] = true
+		// Leaders are elected a moment after creation; until then the
+		// group would see a topic without partitions.
+		if _, err := topicOffsets(ctx, c, ix.cfg.Topic, ix.cfg.Group); err != nil {
+			if ctx.Err() != nil {
+				return backoff.Permanent(ctx.Err())
+			}
+			return err
 		}
-	}
-	if len(ahead) == 0 {
-		return msgs
-	}
-	kept := msgs[:0:0]
-	for _, m := range msgs {
-		if !ahead[m.Partition] {
-			kept = append(kept, m)
-		}
-	}
-	return kept
+		return nil
+	}, ix.newBackOff(ctx), func(err error, next time.Duration) {
+		ix.log.Info("waiting for the topic before joining the group",
+			slog.String("topic", ix.cfg.Topic), slog.String("error", err.Error()), slog.Duration("next", next))
+	})
 }
 
 func (ix *Indexer) newBackOff(ctx context.Context) backoff.BackOff {

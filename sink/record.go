@@ -37,7 +37,7 @@ const MaxIDBytes = 512
 // tombstone; _bucket, _idv, _pv or, with NullValues "delete", _pos would be
 // written twice) and the engine's metadata fields, which fail the item.
 var ReservedFields = []string{
-	FieldDeleted, FieldBucket, FieldIDV, FieldPV, FieldPosition,
+	FieldDeleted, FieldBucket, FieldIDV, FieldPV, FieldAggregateType, FieldPosition,
 	"_id", "_index", "_routing", "_source", "_version", "_seq_no", "_primary_term", "_type",
 	"_field_names", "_ignored", "_doc_count", "_data_stream_timestamp", "_nested_path", "_tier",
 }
@@ -117,7 +117,9 @@ type doc struct {
 	// ce_processorversion), "" when the event carries none. It picks the
 	// index generation and is indexed as FieldPV.
 	pv      string
-	fetched time.Time // when it entered the backlog
+	aggType []byte      // header ce_aggregatetype, written as FieldAggregateType
+	fetched time.Time   // when it entered the backlog
+	gen     *generation // the group generation that fetched it: its offset is committed under it
 	// poison is set when the message cannot be indexed at all; code and
 	// reason then go into the dead-letter headers.
 	poison *itemError
@@ -259,6 +261,7 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 	if pv, ok := headerBytes(m, outbox.HeaderProcessorVersion); ok {
 		d.pv = string(pv)
 	}
+	d.aggType = aggType
 	d.bucket = Bucket(d.id)
 	d.idv = IDV(d.id, d.version, d.op == opDelete, d.pv)
 	return d

@@ -67,6 +67,7 @@ func splitList(s string) []string {
 }
 
 func (s *settings) registerRun(fs *cli.FlagSet) {
+	fs.Int(&s.cfg.TopicPartitions, "topic-partitions", "TOPIC_PARTITIONS", sink.DefaultTopicPartitions, "partitions of the topic when it is missing at start and the indexer creates it (keep equal to the publisher's)")
 	fs.Int(&s.cfg.BatchSize, "batch-size", "BATCH_SIZE", sink.DefaultBatchSize, "documents per bulk request at most")
 	fs.Int(&s.cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", sink.DefaultBatchBytes, "document bytes per bulk request at most")
 	fs.Duration(&s.cfg.FlushInterval, "flush-interval", "FLUSH_INTERVAL", sink.DefaultFlushInterval, "how long a partial batch waits for more messages")

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"text/tabwriter"
@@ -31,6 +32,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				topic       string
 				routesFlag  string
 				repair      bool
+				force       bool
 				full        bool
 				asJSON      bool
 				limit, show int
@@ -45,10 +47,11 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			fs.String(&writeAlias, "write-alias", "WRITE_ALIAS", "", `unfiltered alias compared (tombstones included) ("" = <alias>-write)`)
 			fs.String(&routesFlag, "routes", "ROUTES", "", `as for indexer run: with --job, the job's aggregate type picks its alias`)
 			fs.String(&job, "job", "JOB", "", "scan job to compare: its source, processor version and that version's index generation come from its stored spec")
-			fs.String(&source, "source", "RECONCILE_SOURCE", "source_records", "normalized_records.source to compare against the write alias (without --job)")
+			fs.String(&source, "source", "RECONCILE_SOURCE", "", `without --job: normalized_records.source to compare against the write alias ("" = the only source in normalized_records, or the one whose aggregate type the index holds)`)
 			fs.String(&topic, "topic", "TOPIC", sink.DefaultTopic, "topic of the repair events")
 			fs.String(&idFormat, "id-format", "ID_FORMAT", sink.IDFormatID, `the indexer's ID_FORMAT; only "id" can be reconciled`)
-			fs.Bool(&repair, "repair", "", false, "re-enqueue outbox events for missing and stale ids and delete extra documents")
+			fs.Bool(&repair, "repair", "", false, "re-enqueue outbox events for missing and stale ids and delete extra documents (only the source's own, never tombstones, only as compared)")
+			fs.Bool(&force, "force", "", false, fmt.Sprintf("let --repair delete more than %d documents and %g%% of those compared", reconcile.MaxRemoveFloor, reconcile.MaxRemoveShare*100))
 			fs.Bool(&full, "full", "", false, "compare every document's real _version (reads both sides whole; finds partial updates made by hand)")
 			fs.Bool(&asJSON, "json", "", false, "print the report as JSON")
 			fs.Int(&limit, "limit", "", 10_000, "most drifted ids listed (and repaired) per kind in one pass")
@@ -82,7 +85,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			}
 			cfg := reconcile.Config{
 				DB: pool, Search: client, Index: cmp.Or(writeAlias, alias+"-write"),
-				Source: source, Topic: topic, Limit: limit, Full: full,
+				Source: source, Topic: topic, Limit: limit, Full: full, Force: force,
 			}
 			if job != "" {
 				j, err := reconcile.LoadJob(ctx, pool, job)
@@ -113,12 +116,19 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				}
 			}
 			rep, err := reconcile.Run(ctx, cfg)
+			if errors.Is(err, reconcile.ErrSource) {
+				return cli.UsageError("--source: %v", err)
+			}
 			if err != nil {
 				return err
 			}
 			var fixed *reconcile.RepairResult
 			if repair && !rep.Clean() {
 				res, err := reconcile.Repair(ctx, cfg, rep)
+				if errors.Is(err, reconcile.ErrRepairTooLarge) {
+					printReport(stdout, rep, nil, show)
+					return cli.UsageError("%v (--force)", err)
+				}
 				if err != nil {
 					return err
 				}
@@ -146,8 +156,9 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 
 func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResult, show int) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "source\t%s\t(aggregate type %s)\n", rep.Source, rep.AggregateType)
 	fmt.Fprintf(tw, "source rows\t%d\n", rep.SourceRows)
-	fmt.Fprintf(tw, "index documents\t%d\t(tombstones included)\n", rep.IndexDocs)
+	fmt.Fprintf(tw, "index documents\t%d\t(of this aggregate type or none; tombstones included)\n", rep.IndexDocs)
 	fmt.Fprintf(tw, "buckets differing\t%d of %d\n", len(rep.DifferingBuckets), sink.Buckets)
 	fmt.Fprintf(tw, "documents read\t%d\t(only in differing buckets)\n", rep.DocsRead)
 	fmt.Fprintf(tw, "missing\t%d\n", rep.MissingCount)
@@ -180,6 +191,10 @@ func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResul
 	list("extra (in the index, not in normalized_records)", rep.Extra)
 	if fixed != nil {
 		fmt.Fprintf(w, "\nrepair: %d outbox event(s) enqueued, %d document(s) removed; run reconcile again once the pipeline has drained\n", fixed.Enqueued, fixed.Removed)
+		if kept := fixed.KeptTombstones + fixed.KeptUnowned + fixed.KeptChanged + fixed.KeptReappeared; kept > 0 {
+			fmt.Fprintf(w, "kept: %d tombstone(s), %d without this aggregate type, %d written since the comparison, %d whose row arrived since\n",
+				fixed.KeptTombstones, fixed.KeptUnowned, fixed.KeptChanged, fixed.KeptReappeared)
+		}
 	} else if rep.Clean() {
 		fmt.Fprintln(w, "\nno drift")
 	}
