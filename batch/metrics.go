@@ -48,7 +48,7 @@ func NewMetrics(reg prometheus.Registerer, db querier) *Metrics {
 	}
 	if db != nil {
 		m.age = &checkpointAge{db: db, desc: prometheus.NewDesc("batch_checkpoint_age_seconds",
-			"Seconds since the last checkpoint of the job's oldest running partition or sweep, read from batch_runs and batch_sweeps (any process's).", []string{"job"}, nil)}
+			"Seconds since the last checkpoint of the job's oldest running partition or sweep, read from batch_runs and batch_sweeps (any process's); 0 while none runs.", []string{"job"}, nil)}
 	}
 	if reg != nil {
 		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Inflight, m.Retries, m.RateLimitWait, m.LockWait)
@@ -68,10 +68,13 @@ func (m *Metrics) inflight(job string, n int) {
 
 // checkpointAgeSQL: per job, the age of the oldest last checkpoint among
 // its running partitions and running sweeps (one without a checkpoint
-// counts from its start).
+// counts from its start); 0 for a job with nothing running, so the series
+// is there (and an alert on it quiet) between runs.
 const checkpointAgeSQL = `
-SELECT job, extract(epoch FROM max(now() - at))::float8
-FROM (SELECT job, coalesce(checkpoint_at, started_at, created_at) AS at FROM batch_runs WHERE state = 'running'
+SELECT job, coalesce(extract(epoch FROM max(now() - at))::float8, 0)
+FROM (SELECT job, NULL::timestamptz AS at FROM batch_jobs
+      UNION ALL
+      SELECT job, coalesce(checkpoint_at, started_at, created_at) FROM batch_runs WHERE state = 'running'
       UNION ALL
       SELECT job, coalesce(checkpoint_at, started_at, created_at) FROM batch_sweeps WHERE state = 'running') r
 GROUP BY job`

@@ -76,6 +76,14 @@ VALUES ('elsewhere', 'r1', 'a', 'running', 'v1', 'h', '{}', now() - interval '5 
 	age, _, found := gathered(t, reg, "batch_checkpoint_age_seconds", "elsewhere")
 	require.True(t, found, "the age of a job this process does not run")
 	require.InDelta(t, 90, age, 30, "the oldest running partition's checkpoint")
+
+	// A job with nothing running has a series at 0, so dashboards and the
+	// stale-checkpoint alert see it between runs.
+	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('idle', '{}')`)
+	require.NoError(t, err)
+	age, _, found = gathered(t, reg, "batch_checkpoint_age_seconds", "idle")
+	require.True(t, found, "a job with no running partition")
+	require.Zero(t, age)
 }
 
 // A running sweep is a running phase of the job too: a sweep that committed
