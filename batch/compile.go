@@ -163,8 +163,58 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 			return nil, fmt.Errorf("%w: document.fields[%d].from %q: column %q is %s, a key path needs jsonb", ErrSpec, i, f.From, root, types[root])
 		}
 	}
+	if s.Mode == ModeIncremental {
+		if err := checkChangeColumn(ctx, db, s); err != nil {
+			return nil, err
+		}
+	}
 	c.build()
 	return c, nil
+}
+
+// changeSeqSQL finds the sequences that fill a column: its DEFAULT's
+// (nextval of any sequence) and an identity or serial column's own.
+const changeSeqSQL = `
+SELECT sq.seqrelid::regclass::text, sq.seqcache
+FROM pg_attribute a
+JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
+JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass
+JOIN pg_sequence sq ON sq.seqrelid = d.refobjid
+WHERE a.attrelid = to_regclass($1) AND a.attname = $2
+UNION
+SELECT sq.seqrelid::regclass::text, sq.seqcache FROM pg_sequence sq
+WHERE sq.seqrelid = pg_get_serial_sequence($1, $2)::regclass`
+
+// checkChangeColumn checks what can be checked of the incremental mode's
+// requirement on its change column (the first cursor column): values must
+// become visible in the order they are taken, up to the writers open when
+// a run starts (it waits for those). A sequence that hands out cached
+// values (CACHE > 1) breaks that: a session may commit a value far below
+// what others committed long before. A trigger's nextval() cannot be seen
+// from the catalog; the spec's doc says what it needs.
+func checkChangeColumn(ctx context.Context, db querier, s Spec) error {
+	col := s.Source.Cursor[0]
+	rows, err := db.Query(ctx, changeSeqSQL, q(s.Source.Schema, s.Source.Table), col)
+	if err != nil {
+		return fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
+	}
+	type seq struct {
+		Name  string
+		Cache int64
+	}
+	seqs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[seq])
+	if err != nil {
+		return fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
+	}
+	for _, sq := range seqs {
+		if sq.Cache > 1 {
+			return fmt.Errorf("%w: source.cursor[0] %q of incremental job %s is filled from sequence %s with CACHE %d: "+
+				"a session hands out cached values long after others committed higher ones, so an incremental run can pass "+
+				"a row before it commits and never read it; run ALTER SEQUENCE %s CACHE 1, or use full mode",
+				ErrSpec, col, s.Job, sq.Name, sq.Cache, sq.Name)
+		}
+	}
+	return nil
 }
 
 // scopeWhere is the filter plus the partition condition.
