@@ -683,7 +683,11 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		"job": r.spec.Job, "run": r.runID, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion,
 	}
 	if f.upto != nil {
-		vals["boundary"] = f.upto // the planned range: (cursor, upto]
+		// The planned range (cursor, upto], read whole: rows inserted inside
+		// it since it was planned (text or random keys, a created_at from a
+		// long transaction) must not push the rows that were there out of a
+		// LIMIT, since the checkpoint moves to upto. (LIMIT NULL is no limit.)
+		vals["boundary"], vals["limit"] = f.upto, nil
 	}
 	if r.cfg.Processor == nil {
 		st := r.c.chunkNext
