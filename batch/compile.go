@@ -163,6 +163,9 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 			return nil, fmt.Errorf("%w: document.fields[%d].from %q: column %q is %s, a key path needs jsonb", ErrSpec, i, f.From, root, types[root])
 		}
 	}
+	if err := checkCursor(ctx, db, s); err != nil {
+		return nil, err
+	}
 	if s.Mode == ModeIncremental {
 		if err := checkChangeColumn(ctx, db, s); err != nil {
 			return nil, err
@@ -170,6 +173,45 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 	}
 	c.build()
 	return c, nil
+}
+
+// cursorSQL reads, for the cursor columns ($2) of table $1, the ones that
+// may be NULL, and whether a valid, non-partial unique index (or the
+// primary key) has all its key columns among them or the partition
+// column ($3, constant within a partition).
+const cursorSQL = `
+SELECT ARRAY(SELECT a.attname::text FROM pg_attribute a
+             WHERE a.attrelid = to_regclass($1) AND a.attname = ANY($2::text[]) AND NOT a.attnotnull ORDER BY a.attnum),
+       EXISTS (SELECT FROM pg_index i
+               WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL
+                 AND NOT EXISTS (SELECT FROM unnest((i.indkey::int2[])[0:i.indnkeyatts - 1]) k(attnum)
+                                 WHERE k.attnum NOT IN (SELECT a.attnum FROM pg_attribute a
+                                                        WHERE a.attrelid = i.indrelid AND (a.attname = ANY($2::text[]) OR a.attname = $3))))`
+
+// checkCursor refuses a cursor that is not a strict total order over the
+// rows: a NULL is never ordered by the keyset comparison, and rows that
+// share a cursor value are skipped when a chunk ends among them.
+func checkCursor(ctx context.Context, db querier, s Spec) error {
+	var (
+		nullable []string
+		unique   bool
+	)
+	if err := db.QueryRow(ctx, cursorSQL, q(s.Source.Schema, s.Source.Table), s.Source.Cursor, s.Source.Partition).Scan(&nullable, &unique); err != nil {
+		return fmt.Errorf("read the cursor's constraints on %s.%s: %w", s.Source.Schema, s.Source.Table, err)
+	}
+	cols := "(" + strings.Join(s.Source.Cursor, ", ") + ")"
+	if len(nullable) > 0 {
+		return fmt.Errorf("%w: source.cursor %s of job %s: column %s of %s.%s may be NULL, and a row with a NULL cursor value is never read; "+
+			"declare it NOT NULL (ALTER TABLE ... ALTER COLUMN %s SET NOT NULL) or choose cursor columns that are",
+			ErrSpec, cols, s.Job, strings.Join(nullable, ", "), s.Source.Schema, s.Source.Table, nullable[0])
+	}
+	if !unique {
+		return fmt.Errorf("%w: source.cursor %s of job %s is not unique: no primary key or unique index of %s.%s has only these columns, "+
+			"and rows that share a cursor value are skipped when a chunk ends among them; "+
+			"add a unique tie-breaker as the last cursor column (e.g. [%s, %s] with %s the primary key), or create a unique index on %s",
+			ErrSpec, cols, s.Job, s.Source.Schema, s.Source.Table, strings.Join(s.Source.Cursor, ", "), s.Source.ID, s.Source.ID, cols)
+	}
+	return nil
 }
 
 // changeSeqSQL finds the sequences that fill a column: its DEFAULT's

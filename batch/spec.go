@@ -76,6 +76,9 @@ type Source struct {
 	Table string `json:"table" yaml:"table"`
 	// Cursor lists the immutable order columns, the last one unique (e.g.
 	// created_at, id). Default: [change_seq] in incremental mode, else [id].
+	// A run refuses to start unless the columns are NOT NULL and the primary
+	// key or a unique index has only these columns (and the partition
+	// column): rows sharing a cursor value would be skipped.
 	//
 	// In incremental mode the first cursor column is the change column: a
 	// run starts after the previous run's boundary, so a value must not
