@@ -2,11 +2,13 @@ package batch
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // stmt is one compiled statement: SQL text plus its parameters, each bound
@@ -74,7 +76,7 @@ type compiled struct {
 	table string            // quoted, schema-qualified
 	types map[string]string // column -> format_type
 	cur   []string          // quoted cursor columns, "s"."col"
-	curT  []string          // their types
+	curT  []string          // their types, with the column's collation when not the default
 
 	boundary   stmt // args: start, pkey
 	partitions stmt
@@ -142,6 +144,9 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 		c.cur = append(c.cur, "s."+q(col))
 		c.curT = append(c.curT, types[col])
 	}
+	if err := c.cursorCollations(ctx, db); err != nil {
+		return nil, err
+	}
 	for setting, col := range map[string]string{"source.id": s.Source.ID, "source.version": s.Source.Version, "source.deleted": s.Source.Deleted, "source.partition": s.Source.Partition} {
 		if col != "" {
 			if err := need(setting, col); err != nil {
@@ -151,6 +156,9 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 	}
 	for i, f := range s.Source.Filter {
 		if err := need(fmt.Sprintf("source.filter[%d].column", i), f.Column); err != nil {
+			return nil, err
+		}
+		if err := checkFilterValue(ctx, db, s.Job, i, f, types[f.Column]); err != nil {
 			return nil, err
 		}
 	}
@@ -173,6 +181,37 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 	}
 	c.build()
 	return c, nil
+}
+
+// collationSQL reads the non-default collations of the columns $2 of $1.
+const collationSQL = `
+SELECT a.attname::text, n.nspname::text, co.collname::text
+FROM pg_attribute a JOIN pg_collation co ON co.oid = a.attcollation JOIN pg_namespace n ON n.oid = co.collnamespace
+WHERE a.attrelid = to_regclass($1) AND a.attname = ANY($2::text[]) AND co.collname <> 'default'`
+
+// cursorCollations makes the cursor's compared values take their columns'
+// collations: a value cast from the stored text[] would compare in the
+// database's default collation, and a checkpoint check in another order
+// than the scan's refuses (or lets pass) the wrong cursors.
+func (c *compiled) cursorCollations(ctx context.Context, db querier) error {
+	s := c.spec.Source
+	rows, err := db.Query(ctx, collationSQL, q(s.Schema, s.Table), s.Cursor)
+	if err != nil {
+		return fmt.Errorf("read the cursor columns' collations of %s.%s: %w", s.Schema, s.Table, err)
+	}
+	var col, nsp, coll string
+	_, err = pgx.ForEachRow(rows, []any{&col, &nsp, &coll}, func() error {
+		for i, name := range s.Cursor {
+			if name == col {
+				c.curT[i] += " COLLATE " + q(nsp, coll)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read the cursor columns' collations of %s.%s: %w", s.Schema, s.Table, err)
+	}
+	return nil
 }
 
 // cursorSQL reads, for the cursor columns ($2) of table $1, the ones that
@@ -259,6 +298,35 @@ func checkChangeColumn(ctx context.Context, db querier, s Spec) error {
 	return nil
 }
 
+// checkFilterValue casts a filter's value(s) to the column's type (typ,
+// from the catalog) as the scan will, so a value that does not fit is an
+// error in the spec that names the filter, not a SQLSTATE from the first
+// statement that uses it.
+func checkFilterValue(ctx context.Context, db querier, job string, i int, f Condition, typ string) error {
+	var (
+		sql string
+		arg any
+		val = strconv.Quote(f.Value)
+	)
+	switch filterOps[strings.ToLower(f.Op)] {
+	case "is null", "is not null":
+		return nil
+	case "in":
+		sql, arg, val = "SELECT $1::text[]::"+typ+"[]", f.Values, fmt.Sprintf("%q", f.Values)
+	default:
+		sql, arg = "SELECT $1::text::"+typ, f.Value
+	}
+	_, err := db.Exec(ctx, sql, arg)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code[:2] == "22" || pgErr.Code == "42804") {
+		return fmt.Errorf("%w: job %s: source.filter[%d] (%s %s %s): the value is not a valid %s: %s", ErrSpec, job, i, f.Column, strings.ToLower(f.Op), val, typ, pgErr.Message)
+	}
+	if err != nil {
+		return fmt.Errorf("check source.filter[%d] of job %s: %w", i, job, err)
+	}
+	return nil
+}
+
 // scopeWhere is the filter plus the partition condition.
 func (c *compiled) scopeWhere(b *builder) string {
 	var terms []string
@@ -302,10 +370,21 @@ func (c *compiled) orderBy(desc bool) string {
 	return strings.Join(cols, ", ")
 }
 
+// cursorText renders the cursor columns k1..kn as the text[] stored in
+// batch_runs. Dates and timestamps go through JSON, which writes them in
+// ISO 8601 whatever the session's DateStyle ("SQL, DMY" would store
+// 14/05/2025, which a "MDY" session cannot read back, and 05/04/2025,
+// which it reads as another day); ISO input reads the same under every
+// DateStyle.
 func (c *compiled) cursorText(prefix string) string {
 	parts := make([]string, len(c.cur))
-	for i := range c.cur {
-		parts[i] = prefix + "k" + strconv.Itoa(i+1) + "::text"
+	for i, col := range c.spec.Source.Cursor {
+		k := prefix + "k" + strconv.Itoa(i+1)
+		if t := c.types[col]; t == "date" || strings.HasPrefix(t, "timestamp") {
+			parts[i] = "to_jsonb(" + k + ") #>> '{}'"
+		} else {
+			parts[i] = k + "::text"
+		}
 	}
 	return "ARRAY[" + strings.Join(parts, ", ") + "]"
 }
