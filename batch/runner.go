@@ -796,6 +796,11 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		return res, nil // the range is done; nothing to commit
 	}
 	failpoint.Hit("batch.after_upsert")
+	// A forced retryable error, after the chunk wrote its rows: tests make
+	// a chunk roll back and retry where they choose.
+	if err := failpoint.Error("batch.chunk_error"); err != nil {
+		return res, err
+	}
 	t1 := time.Now()
 	// The events were inserted by the upsert's statement (a CTE step over
 	// the rows it RETURNed); no document crosses the wire twice.
