@@ -153,8 +153,9 @@ WHERE n.source_id IS NULL AND t.id !~ 'x'`)
 // A pipelined chunk's range (prev, upto] is planned before it runs. Rows
 // inserted inside that range meanwhile (text keys land between existing
 // ones) must not push rows that existed at the start out of the chunk:
-// here a chunk is retried after lock timeouts while 50 rows are inserted
-// inside its range, and every row that existed at the start is processed.
+// here a chunk is retried after lock timeouts while 150 rows are inserted
+// inside its range of 100, and every row that existed at the start is
+// processed.
 func TestPipelinedRetryReadsThePlannedRange(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -189,7 +190,8 @@ func TestPipelinedRetryReadsThePlannedRange(t *testing.T) {
 				return queryInt(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) > 0
 			})
 			var inserted time.Time
-			require.NoError(t, pool.QueryRow(ctx, `INSERT INTO text_records (id) SELECT 'k0250x' || lpad(g::text, 2, '0') FROM generate_series(0, 49) g RETURNING clock_timestamp()`).Scan(&inserted))
+			// More than the chunk's planned size: the read's LIMIT must grow.
+			require.NoError(t, pool.QueryRow(ctx, `WITH i AS (INSERT INTO text_records (id) SELECT 'k0250x' || lpad(g::text, 3, '0') FROM generate_series(0, 149) g RETURNING clock_timestamp() t) SELECT max(t) FROM i`).Scan(&inserted))
 			waitFor(t, time.Minute, "a retry that sees the inserted rows waiting on the blocked key", func() bool {
 				return queryInt(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query_start > $1`, inserted) > 0
 			})

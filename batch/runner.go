@@ -498,6 +498,9 @@ type flight struct {
 	prev []string // the cursor the chunk starts after (its checkpoint's condition)
 	upto []string // pipelined: the chunk's last key, found before it ran; nil: LIMIT size
 	size int
+	// limit is the LIMIT of a planned range's read (0: twice size), raised
+	// after a read filled it.
+	limit int
 	// pred is the chunk before this one when it was in flight at launch:
 	// this one's checkpoint waits for it and matches only if it committed.
 	pred   *flight
@@ -510,6 +513,11 @@ type flight struct {
 }
 
 func (f *flight) checkpointed() { f.lockMu.Do(func() { close(f.locked) }) }
+
+// errRangeGrew: so many rows were inserted inside a planned chunk's range
+// since it was planned that its read filled the LIMIT; the chunk rolls back
+// and reads again with a larger one.
+var errRangeGrew = errors.New("the planned chunk's range grew past its read limit")
 
 // errPredecessor: the chunk before this one did not commit (it failed or
 // rolled back for a retry), so this chunk's checkpoint matched no row.
@@ -670,7 +678,7 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		// A lost connection rolled the chunk back (unless its COMMIT got
 		// through, which the next attempt checks first): retried on a new
 		// connection.
-		if ctx.Err() != nil || !(IsRetryable(err) || lost) {
+		if ctx.Err() != nil || !(IsRetryable(err) || lost || errors.Is(err, errRangeGrew)) {
 			return backoff.Permanent(err)
 		}
 		return err
@@ -763,12 +771,16 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		"cursor": cursor, "boundary": cl.boundary, "limit": size, "pkey": cl.key, "pkeytext": cl.key,
 		"job": r.spec.Job, "run": r.runID, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion,
 	}
+	limit := 0
 	if f.upto != nil {
 		// The planned range (cursor, upto], read whole: rows inserted inside
 		// it since it was planned (text or random keys, a created_at from a
-		// long transaction) must not push the rows that were there out of a
-		// LIMIT, since the checkpoint moves to upto. (LIMIT NULL is no limit.)
-		vals["boundary"], vals["limit"] = f.upto, nil
+		// long transaction) must not push the rows that were there out of
+		// the read, since the checkpoint moves to upto. The LIMIT stays (it
+		// makes the planner walk the cursor index) with room for such rows;
+		// a read that fills it is retried with a larger one (errRangeGrew).
+		limit = cmp.Or(f.limit, 2*f.size)
+		vals["boundary"], vals["limit"] = f.upto, limit
 	}
 	if r.cfg.Processor == nil {
 		st := r.c.chunkNext
@@ -789,6 +801,10 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		}
 	}
 	if f.upto != nil {
+		if res.n >= limit {
+			f.limit = 4 * limit
+			return res, fmt.Errorf("%w: %d rows or more between %v and %v, planned %d", errRangeGrew, limit, cursor, f.upto, f.size)
+		}
 		// The cursor is the planned last key: a real row when it was read,
 		// and where the next chunk in flight starts.
 		res.next = f.upto
