@@ -183,18 +183,25 @@ func TestPipelinedRetryReadsThePlannedRange(t *testing.T) {
 			blocker, err := pool.Begin(ctx)
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = blocker.Rollback(context.Background()) })
+			var blockerPID int32
+			require.NoError(t, blocker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&blockerPID))
 			_, err = blocker.Exec(ctx, `INSERT INTO normalized_records (source, source_id, source_version, processor_version) VALUES ('text_records', 'k0250', 0, 'v0')`)
 			require.NoError(t, err)
 			done := startRun(t, url, s, batch.Config{LeaseTTL: testLease, Processor: tc.proc})
-			waitFor(t, time.Minute, "a chunk waiting on the blocked key", func() bool {
-				return queryInt(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) > 0
-			})
-			var inserted time.Time
+			// (Pipelined chunks also wait on each other's row locks: only a
+			// wait on the blocker counts.)
+			blocked := func(since time.Time) bool {
+				return queryInt(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND $1 = ANY(pg_blocking_pids(pid)) AND xact_start > $2`, blockerPID, since) > 0
+			}
+			waitFor(t, time.Minute, "the chunk of k0250 waiting on the blocker", func() bool { return blocked(time.Time{}) })
 			// More than the chunk's planned size: the read's LIMIT must grow.
-			require.NoError(t, pool.QueryRow(ctx, `WITH i AS (INSERT INTO text_records (id) SELECT 'k0250x' || lpad(g::text, 3, '0') FROM generate_series(0, 149) g RETURNING clock_timestamp() t) SELECT max(t) FROM i`).Scan(&inserted))
-			waitFor(t, time.Minute, "a retry that sees the inserted rows waiting on the blocked key", func() bool {
-				return queryInt(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query_start > $1`, inserted) > 0
-			})
+			_, err = pool.Exec(ctx, `INSERT INTO text_records (id) SELECT 'k0250x' || lpad(g::text, 3, '0') FROM generate_series(0, 149) g`)
+			require.NoError(t, err)
+			var inserted time.Time
+			require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&inserted))
+			// A transaction begun after the insert committed: a retry whose
+			// reads saw the new rows.
+			waitFor(t, time.Minute, "a retry that sees the inserted rows waiting on the blocker", func() bool { return blocked(inserted) })
 			require.NoError(t, blocker.Rollback(ctx))
 
 			res := <-done
