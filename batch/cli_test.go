@@ -33,7 +33,7 @@ func TestCommands(t *testing.T) {
 
 	p = cmd("status", "--job", "records")
 	require.Equal(t, 0, p.ExitCode(), p.Stderr())
-	require.Regexp(t, `records\s+\S+\s+-\s+pending\s+2024-01-01 00:02:46\+00,3493\s+500/~3000\s+\d+/s\s+\S+\s+1\s+0`, p.Stdout())
+	require.Regexp(t, `records\s+\S+\s+-\s+pending\s+2024-01-01T00:02:46\+00:00,3493\s+500/~3000\s+\d+/s\s+\S+\s+1\s+0`, p.Stdout())
 
 	bad := writeSpec(t, spec(func(s *batch.Spec) { s.Errors.Policy = batch.PolicyQuarantine; s.ProcessorVersion = "v2" }))
 	p = cmd("run", "--spec", bad)

@@ -2,6 +2,7 @@ package batch
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // stmt is one compiled statement: SQL text plus its parameters, each bound
@@ -76,7 +78,7 @@ type compiled struct {
 	table string            // quoted, schema-qualified
 	types map[string]string // column -> format_type
 	cur   []string          // quoted cursor columns, "s"."col"
-	curT  []string          // their types
+	curT  []string          // their types, with the column's collation when not the default
 
 	boundary   stmt // args: start, pkey
 	partitions stmt
@@ -144,6 +146,9 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 		c.cur = append(c.cur, "s."+q(col))
 		c.curT = append(c.curT, types[col])
 	}
+	if err := c.cursorCollations(ctx, db); err != nil {
+		return nil, err
+	}
 	for setting, col := range map[string]string{"source.id": s.Source.ID, "source.version": s.Source.Version, "source.deleted": s.Source.Deleted, "source.partition": s.Source.Partition} {
 		if col != "" {
 			if err := need(setting, col); err != nil {
@@ -153,6 +158,9 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 	}
 	for i, f := range s.Source.Filter {
 		if err := need(fmt.Sprintf("source.filter[%d].column", i), f.Column); err != nil {
+			return nil, err
+		}
+		if err := checkFilterValue(ctx, db, s.Job, i, f, types[f.Column]); err != nil {
 			return nil, err
 		}
 	}
@@ -165,8 +173,160 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 			return nil, fmt.Errorf("%w: document.fields[%d].from %q: column %q is %s, a key path needs jsonb", ErrSpec, i, f.From, root, types[root])
 		}
 	}
+	if err := checkCursor(ctx, db, s); err != nil {
+		return nil, err
+	}
+	if s.Mode == ModeIncremental {
+		if err := checkChangeColumn(ctx, db, s); err != nil {
+			return nil, err
+		}
+	}
 	c.build()
 	return c, nil
+}
+
+// collationSQL reads the non-default collations of the columns $2 of $1.
+const collationSQL = `
+SELECT a.attname::text, n.nspname::text, co.collname::text
+FROM pg_attribute a JOIN pg_collation co ON co.oid = a.attcollation JOIN pg_namespace n ON n.oid = co.collnamespace
+WHERE a.attrelid = to_regclass($1) AND a.attname = ANY($2::text[]) AND co.collname <> 'default'`
+
+// cursorCollations makes the cursor's compared values take their columns'
+// collations: a value cast from the stored text[] would compare in the
+// database's default collation, and a checkpoint check in another order
+// than the scan's refuses (or lets pass) the wrong cursors.
+func (c *compiled) cursorCollations(ctx context.Context, db querier) error {
+	s := c.spec.Source
+	rows, err := db.Query(ctx, collationSQL, q(s.Schema, s.Table), s.Cursor)
+	if err != nil {
+		return fmt.Errorf("read the cursor columns' collations of %s.%s: %w", s.Schema, s.Table, err)
+	}
+	var col, nsp, coll string
+	_, err = pgx.ForEachRow(rows, []any{&col, &nsp, &coll}, func() error {
+		for i, name := range s.Cursor {
+			if name == col {
+				c.curT[i] += " COLLATE " + q(nsp, coll)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read the cursor columns' collations of %s.%s: %w", s.Schema, s.Table, err)
+	}
+	return nil
+}
+
+// cursorSQL reads, for the cursor columns ($2) of table $1, the ones that
+// may be NULL, and whether a valid, non-partial unique index (or the
+// primary key) has all its key columns among them or the partition
+// column ($3, constant within a partition).
+const cursorSQL = `
+SELECT ARRAY(SELECT a.attname::text FROM pg_attribute a
+             WHERE a.attrelid = to_regclass($1) AND a.attname = ANY($2::text[]) AND NOT a.attnotnull ORDER BY a.attnum),
+       EXISTS (SELECT FROM pg_index i
+               WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL
+                 AND NOT EXISTS (SELECT FROM unnest((i.indkey::int2[])[0:i.indnkeyatts - 1]) k(attnum)
+                                 WHERE k.attnum NOT IN (SELECT a.attnum FROM pg_attribute a
+                                                        WHERE a.attrelid = i.indrelid AND (a.attname = ANY($2::text[]) OR a.attname = $3))))`
+
+// checkCursor refuses a cursor that is not a strict total order over the
+// rows: a NULL is never ordered by the keyset comparison, and rows that
+// share a cursor value are skipped when a chunk ends among them.
+func checkCursor(ctx context.Context, db querier, s Spec) error {
+	var (
+		nullable []string
+		unique   bool
+	)
+	if err := db.QueryRow(ctx, cursorSQL, q(s.Source.Schema, s.Source.Table), s.Source.Cursor, s.Source.Partition).Scan(&nullable, &unique); err != nil {
+		return fmt.Errorf("read the cursor's constraints on %s.%s: %w", s.Source.Schema, s.Source.Table, err)
+	}
+	cols := "(" + strings.Join(s.Source.Cursor, ", ") + ")"
+	if len(nullable) > 0 {
+		return fmt.Errorf("%w: source.cursor %s of job %s: column %s of %s.%s may be NULL, and a row with a NULL cursor value is never read; "+
+			"declare it NOT NULL (ALTER TABLE ... ALTER COLUMN %s SET NOT NULL) or choose cursor columns that are",
+			ErrSpec, cols, s.Job, strings.Join(nullable, ", "), s.Source.Schema, s.Source.Table, nullable[0])
+	}
+	if !unique {
+		return fmt.Errorf("%w: source.cursor %s of job %s is not unique: no primary key or unique index of %s.%s has only these columns, "+
+			"and rows that share a cursor value are skipped when a chunk ends among them; "+
+			"add a unique tie-breaker as the last cursor column (e.g. [%s, %s] with %s the primary key), or create a unique index on %s",
+			ErrSpec, cols, s.Job, s.Source.Schema, s.Source.Table, strings.Join(s.Source.Cursor, ", "), s.Source.ID, s.Source.ID, cols)
+	}
+	return nil
+}
+
+// changeSeqSQL finds the sequences that fill a column: its DEFAULT's
+// (nextval of any sequence) and an identity or serial column's own.
+const changeSeqSQL = `
+SELECT sq.seqrelid::regclass::text, sq.seqcache
+FROM pg_attribute a
+JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
+JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass
+JOIN pg_sequence sq ON sq.seqrelid = d.refobjid
+WHERE a.attrelid = to_regclass($1) AND a.attname = $2
+UNION
+SELECT sq.seqrelid::regclass::text, sq.seqcache FROM pg_sequence sq
+WHERE sq.seqrelid = pg_get_serial_sequence($1, $2)::regclass`
+
+// checkChangeColumn checks what can be checked of the incremental mode's
+// requirement on its change column (the first cursor column): values must
+// become visible in the order they are taken, up to the writers open when
+// a run starts (it waits for those). A sequence that hands out cached
+// values (CACHE > 1) breaks that: a session may commit a value far below
+// what others committed long before. A trigger's nextval() cannot be seen
+// from the catalog; the spec's doc says what it needs.
+func checkChangeColumn(ctx context.Context, db querier, s Spec) error {
+	col := s.Source.Cursor[0]
+	rows, err := db.Query(ctx, changeSeqSQL, q(s.Source.Schema, s.Source.Table), col)
+	if err != nil {
+		return fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
+	}
+	type seq struct {
+		Name  string
+		Cache int64
+	}
+	seqs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[seq])
+	if err != nil {
+		return fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
+	}
+	for _, sq := range seqs {
+		if sq.Cache > 1 {
+			return fmt.Errorf("%w: source.cursor[0] %q of incremental job %s is filled from sequence %s with CACHE %d: "+
+				"a session hands out cached values long after others committed higher ones, so an incremental run can pass "+
+				"a row before it commits and never read it; run ALTER SEQUENCE %s CACHE 1, or use full mode",
+				ErrSpec, col, s.Job, sq.Name, sq.Cache, sq.Name)
+		}
+	}
+	return nil
+}
+
+// checkFilterValue casts a filter's value(s) to the column's type (typ,
+// from the catalog) as the scan will, so a value that does not fit is an
+// error in the spec that names the filter, not a SQLSTATE from the first
+// statement that uses it.
+func checkFilterValue(ctx context.Context, db querier, job string, i int, f Condition, typ string) error {
+	var (
+		sql string
+		arg any
+		val = strconv.Quote(f.Value)
+	)
+	switch filterOps[strings.ToLower(f.Op)] {
+	case "is null", "is not null":
+		return nil
+	case "in":
+		sql, arg, val = "SELECT $1::text[]::"+typ+"[]", f.Values, fmt.Sprintf("%q", f.Values)
+	default:
+		sql, arg = "SELECT $1::text::"+typ, f.Value
+	}
+	_, err := db.Exec(ctx, sql, arg)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code[:2] == "22" || pgErr.Code == "42804") {
+		return fmt.Errorf("%w: job %s: source.filter[%d] (%s %s %s): the value is not a valid %s: %s", ErrSpec, job, i, f.Column, strings.ToLower(f.Op), val, typ, pgErr.Message)
+	}
+	if err != nil {
+		return fmt.Errorf("check source.filter[%d] of job %s: %w", i, job, err)
+	}
+	return nil
 }
 
 // scopeWhere is the filter plus the partition condition.
@@ -212,10 +372,21 @@ func (c *compiled) orderBy(desc bool) string {
 	return strings.Join(cols, ", ")
 }
 
+// cursorText renders the cursor columns k1..kn as the text[] stored in
+// batch_runs. Dates and timestamps go through JSON, which writes them in
+// ISO 8601 whatever the session's DateStyle ("SQL, DMY" would store
+// 14/05/2025, which a "MDY" session cannot read back, and 05/04/2025,
+// which it reads as another day); ISO input reads the same under every
+// DateStyle.
 func (c *compiled) cursorText(prefix string) string {
 	parts := make([]string, len(c.cur))
-	for i := range c.cur {
-		parts[i] = prefix + "k" + strconv.Itoa(i+1) + "::text"
+	for i, col := range c.spec.Source.Cursor {
+		k := prefix + "k" + strconv.Itoa(i+1)
+		if t := c.types[col]; t == "date" || strings.HasPrefix(t, "timestamp") {
+			parts[i] = "to_jsonb(" + k + ") #>> '{}'"
+		} else {
+			parts[i] = k + "::text"
+		}
 	}
 	return "ARRAY[" + strings.Join(parts, ", ") + "]"
 }

@@ -16,7 +16,8 @@ CREATE TABLE IF NOT EXISTS source_records (
 );
 CREATE INDEX IF NOT EXISTS source_records_created_id ON source_records (created_at, id);
 CREATE INDEX IF NOT EXISTS source_records_tenant_created_id ON source_records (tenant_id, created_at, id);
-CREATE INDEX IF NOT EXISTS source_records_change_seq ON source_records (change_seq);
+-- Unique: the incremental job's cursor must be (the batcher checks it).
+CREATE UNIQUE INDEX IF NOT EXISTS source_records_change_seq_key ON source_records (change_seq);
 
 CREATE OR REPLACE FUNCTION source_records_bump() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

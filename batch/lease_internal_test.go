@@ -77,7 +77,7 @@ func beginIdleBounded(t *testing.T, conn *pgx.Conn) pgx.Tx {
 func startWait(t *testing.T, s waitSetup, conn *pgx.Conn, tx pgx.Tx, pred *flight) <-chan error {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*internalLease)
-	f := &flight{conn: conn, pred: pred, locked: make(chan struct{}), done: make(chan struct{})}
+	f := &flight{pred: pred, locked: make(chan struct{}), done: make(chan struct{})}
 	res := make(chan error, 1)
 	finished := make(chan struct{})
 	go func() {
@@ -121,7 +121,8 @@ func TestAwaitPredecessorStopsWhenTheLeaseIsTaken(t *testing.T) {
 	require.NoError(t, err)
 	_, err = predTx.Exec(ctx, `SELECT 1`)
 	require.NoError(t, err)
-	pred := &flight{conn: predConn, locked: make(chan struct{}), done: make(chan struct{})}
+	pred := &flight{locked: make(chan struct{}), done: make(chan struct{})}
+	pred.pid.Store(predConn.PgConn().PID())
 	pred.begun.Store(true)
 
 	conn := connect(t, s.url)
@@ -159,7 +160,8 @@ func TestAwaitPredecessorGivesUpOnAStuckPredecessor(t *testing.T) {
 	predConn := connect(t, s.url)
 	beginIdleBounded(t, predConn) // sends nothing more: the server ends it a lease TTL later
 	predPID := predConn.PgConn().PID()
-	pred := &flight{conn: predConn, locked: make(chan struct{}), done: make(chan struct{})}
+	pred := &flight{locked: make(chan struct{}), done: make(chan struct{})}
+	pred.pid.Store(predConn.PgConn().PID())
 	pred.begun.Store(true)
 
 	conn := connect(t, s.url)

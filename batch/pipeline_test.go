@@ -124,3 +124,91 @@ func TestPipelineSameResults(t *testing.T) {
 		})
 	}
 }
+
+// textKeys creates text_records: a text primary key k0000..k(n-1), the
+// cursor of a job whose new rows land between existing keys (random, UUID
+// or text keys).
+func textKeys(t *testing.T, pool *pgxpool.Pool, n int) batch.Spec {
+	t.Helper()
+	_, err := pool.Exec(context.Background(), `CREATE TABLE text_records (id text PRIMARY KEY, version bigint NOT NULL DEFAULT 1, payload jsonb NOT NULL DEFAULT '{}')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(context.Background(), `INSERT INTO text_records (id) SELECT 'k' || lpad(g::text, 4, '0') FROM generate_series(0, $1::int - 1) g`, n)
+	require.NoError(t, err)
+	return batch.Spec{
+		Job:              "text-keys",
+		Source:           batch.Source{Table: "text_records", Cursor: []string{"id"}, ID: "id", Version: "version"},
+		ProcessorVersion: "v1",
+		Chunk:            batch.ChunkSettings{Size: 100, Min: 100, Max: 100, Pipeline: 2},
+	}
+}
+
+// missingTextKeys counts rows of text_records k0000..k(n-1) that have no
+// normalized record at their version.
+func missingTextKeys(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	return queryInt(t, pool, `SELECT count(*) FROM text_records t LEFT JOIN normalized_records n ON n.source = 'text_records' AND n.source_id = t.id AND n.source_version = t.version
+WHERE n.source_id IS NULL AND t.id !~ 'x'`)
+}
+
+// A pipelined chunk's range (prev, upto] is planned before it runs. Rows
+// inserted inside that range meanwhile (text keys land between existing
+// ones) must not push rows that existed at the start out of the chunk:
+// here a chunk is retried after lock timeouts while 150 rows are inserted
+// inside its range of 100, and every row that existed at the start is
+// processed.
+func TestPipelinedRetryReadsThePlannedRange(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		proc batch.Processor
+	}{
+		{name: "sql"},
+		{name: "go", proc: batch.ProcessorFunc(func(_ context.Context, rows []batch.SourceRow) ([]batch.Result, error) {
+			out := make([]batch.Result, len(rows))
+			for i, r := range rows {
+				out[i] = batch.Result{Document: r.Row}
+			}
+			return out, nil
+		})},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			url, pool := newDB(t)
+			s := textKeys(t, pool, 1000)
+			s.Chunk.LockTimeout = batch.Duration(200 * time.Millisecond)
+			s.Errors = batch.ErrorPolicy{MaxRetries: 1000, InitialBackoff: batch.Duration(20 * time.Millisecond), MaxBackoff: batch.Duration(100 * time.Millisecond)}
+
+			// The chunk k0200..k0299 waits on k0250's key, times out, retries.
+			blocker, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = blocker.Rollback(context.Background()) })
+			var blockerPID int32
+			require.NoError(t, blocker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&blockerPID))
+			_, err = blocker.Exec(ctx, `INSERT INTO normalized_records (source, source_id, source_version, processor_version) VALUES ('text_records', 'k0250', 0, 'v0')`)
+			require.NoError(t, err)
+			done := startRun(t, url, s, batch.Config{LeaseTTL: testLease, Processor: tc.proc})
+			// (Pipelined chunks also wait on each other's row locks: only a
+			// wait on the blocker counts.)
+			blocked := func(since time.Time) bool {
+				return queryInt(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND $1 = ANY(pg_blocking_pids(pid)) AND xact_start > $2`, blockerPID, since) > 0
+			}
+			waitFor(t, time.Minute, "the chunk of k0250 waiting on the blocker", func() bool { return blocked(time.Time{}) })
+			// More than the chunk's planned size: the read's LIMIT must grow.
+			_, err = pool.Exec(ctx, `INSERT INTO text_records (id) SELECT 'k0250x' || lpad(g::text, 3, '0') FROM generate_series(0, 149) g`)
+			require.NoError(t, err)
+			var inserted time.Time
+			require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&inserted))
+			// A transaction begun after the insert committed: a retry whose
+			// reads saw the new rows.
+			waitFor(t, time.Minute, "a retry that sees the inserted rows waiting on the blocker", func() bool { return blocked(inserted) })
+			require.NoError(t, blocker.Rollback(ctx))
+
+			res := <-done
+			require.NoError(t, res.err)
+			require.True(t, res.sum.Done)
+			require.Zero(t, missingTextKeys(t, pool), "every row that existed at the start is processed")
+			require.Positive(t, queryInt(t, pool, `SELECT retries FROM batch_runs WHERE job = 'text-keys'`))
+		})
+	}
+}

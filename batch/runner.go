@@ -269,14 +269,14 @@ func (r *Runner) partitionFilter() *string {
 // worker holds one connection per chunk in flight (its session settings
 // live there) and claims partitions until none is left.
 func (r *Runner) worker(soft, hard context.Context, id string) error {
-	conns := make([]*pgx.Conn, r.inFlight())
+	conns := make([]*connSlot, r.inFlight())
 	for i := range conns {
 		conn, err := r.pool.Acquire(hard)
 		if err != nil {
 			return fmt.Errorf("acquire a connection: %w", err)
 		}
-		defer conn.Release()
-		conns[i] = conn.Conn()
+		conns[i] = &connSlot{pool: r.pool, pc: conn}
+		defer conns[i].release()
 	}
 	for {
 		if soft.Err() != nil || r.maxReached.Load() {
@@ -330,7 +330,7 @@ func (r *Runner) logAttrs(key string) []any {
 }
 
 // partition processes chunks of one claimed partition.
-func (r *Runner) partition(soft, hard context.Context, conns []*pgx.Conn, cl *claim, worker string) error {
+func (r *Runner) partition(soft, hard context.Context, conns []*connSlot, cl *claim, worker string) error {
 	job, run := r.spec.Job, r.runID
 	log := r.cfg.Logger.With(r.logAttrs(cl.key)...)
 	log.Info("partition claimed", slog.String("worker", worker), slog.Int("attempt", cl.attempt), slog.Any("cursor", cl.cursor), slog.Any("boundary", cl.boundary))
@@ -395,7 +395,7 @@ func (r *Runner) partition(soft, hard context.Context, conns []*pgx.Conn, cl *cl
 				break
 			}
 			conn := free[len(free)-1]
-			f := &flight{conn: conn, prev: next, size: sizer.Size(), locked: make(chan struct{}), done: make(chan struct{})}
+			f := &flight{slot: conn, prev: next, size: sizer.Size(), locked: make(chan struct{}), done: make(chan struct{})}
 			if len(queue) > 0 {
 				f.pred = queue[len(queue)-1]
 			}
@@ -434,7 +434,7 @@ func (r *Runner) partition(soft, hard context.Context, conns []*pgx.Conn, cl *cl
 		}
 		f := queue[0]
 		<-f.done
-		queue, free = queue[1:], append(free, f.conn)
+		queue, free = queue[1:], append(free, f.slot)
 		if f.err != nil {
 			r.unreserveChunk()
 			switch {
@@ -519,10 +519,15 @@ func (r *Runner) partition(soft, hard context.Context, conns []*pgx.Conn, cl *cl
 
 // flight is one chunk in flight on its own connection.
 type flight struct {
-	conn *pgx.Conn
+	slot *connSlot // its connection; only the chunk's goroutine uses it while in flight
+	// pid is the backend of its current attempt, for the chunk after it.
+	pid  atomic.Uint32
 	prev []string // the cursor the chunk starts after (its checkpoint's condition)
 	upto []string // pipelined: the chunk's last key, found before it ran; nil: LIMIT size
 	size int
+	// limit is the LIMIT of a planned range's read (0: twice size), raised
+	// after a read filled it.
+	limit int
 	// pred is the chunk before this one when it was in flight at launch:
 	// this one's checkpoint waits for it and matches only if it committed.
 	pred   *flight
@@ -536,13 +541,19 @@ type flight struct {
 
 func (f *flight) checkpointed() { f.lockMu.Do(func() { close(f.locked) }) }
 
+// errRangeGrew: so many rows were inserted inside a planned chunk's range
+// since it was planned that its read filled the LIMIT; the chunk rolls back
+// and reads again with a larger one.
+var errRangeGrew = errors.New("the planned chunk's range grew past its read limit")
+
 // errPredecessor: the chunk before this one did not commit (it failed or
 // rolled back for a retry), so this chunk's checkpoint matched no row.
 var errPredecessor = errors.New("the previous chunk did not commit")
 
 // planChunk reads where the chunk after cursor ends: its row count (at most
-// size) and its last key.
-func (r *Runner) planChunk(ctx context.Context, conn *pgx.Conn, cl *claim, cursor []string, size int) (int, []string, error) {
+// size) and its last key. Transient errors (a lost connection among them)
+// are retried like a chunk's.
+func (r *Runner) planChunk(ctx context.Context, slot *connSlot, cl *claim, cursor []string, size int) (int, []string, error) {
 	st := r.c.keysNext
 	if cursor == nil {
 		st = r.c.keysFirst
@@ -552,10 +563,73 @@ func (r *Runner) planChunk(ctx context.Context, conn *pgx.Conn, cl *claim, curso
 		n   int
 		end []string
 	)
-	if err := conn.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &end); err != nil {
+	op := func() error {
+		conn, err := slot.ensure(ctx)
+		if err == nil {
+			err = conn.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &end)
+		}
+		if err != nil && (ctx.Err() != nil || !(IsRetryable(err) || slot.lost())) {
+			return backoff.Permanent(err)
+		}
+		return err
+	}
+	notify := func(err error, d time.Duration) {
+		r.cfg.Logger.Warn("finding the end of the next chunk failed; retrying", append(r.logAttrs(cl.key), slog.String("error", err.Error()), slog.Duration("backoff", d))...)
+	}
+	if err := backoff.RetryNotify(op, r.retryBackoff(ctx), notify); err != nil {
 		return 0, nil, fmt.Errorf("find the end of the chunk after %v: %w", cursor, err)
 	}
 	return n, end, nil
+}
+
+// retryBackoff is the bounded, jittered backoff of the spec's errors
+// settings.
+func (r *Runner) retryBackoff(ctx context.Context) backoff.BackOff {
+	return backoff.WithContext(r.retryAttempts(), ctx)
+}
+
+// retryAttempts is the spec's retry schedule: exponential with jitter,
+// bounded by attempts.
+func (r *Runner) retryAttempts() backoff.BackOff {
+	expo := backoff.NewExponentialBackOff()
+	expo.InitialInterval = time.Duration(r.spec.Errors.InitialBackoff)
+	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
+	expo.RandomizationFactor = 0.5 // jitter
+	expo.MaxElapsedTime = 0        // bounded by attempts instead
+	return backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries))
+}
+
+// connSlot is the pooled connection a worker keeps for one chunk in flight.
+// A connection the server ended (a terminated backend, a restart) is
+// replaced by a new one before its next use, so a retry does not run on a
+// dead connection.
+type connSlot struct {
+	pool *pgxpool.Pool
+	pc   *pgxpool.Conn
+}
+
+// lost reports whether the slot's connection is closed.
+func (s *connSlot) lost() bool { return s.pc == nil || s.pc.Conn().IsClosed() }
+
+// ensure returns a live connection, acquiring a new one for a closed one.
+func (s *connSlot) ensure(ctx context.Context) (*pgx.Conn, error) {
+	if !s.lost() {
+		return s.pc.Conn(), nil
+	}
+	s.release()
+	pc, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("reconnect: %w", err)
+	}
+	s.pc = pc
+	return pc.Conn(), nil
+}
+
+func (s *connSlot) release() {
+	if s.pc != nil {
+		s.pc.Release() // the pool drops a closed connection
+		s.pc = nil
+	}
 }
 
 // reserveChunk takes one of MaxChunks for a chunk about to start, so chunks
@@ -579,6 +653,7 @@ func (r *Runner) unreserveChunk() {
 
 type chunkResult struct {
 	retries     int64
+	committing  bool // the attempt reached its COMMIT
 	n, size     int
 	bad         int64
 	changed     int64
@@ -592,19 +667,26 @@ type chunkResult struct {
 // touch the partition's bookkeeping: chunks in flight finish in any order,
 // the caller takes their results in cursor order.
 func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer *Sizer, log *slog.Logger) (chunkResult, error) {
-	expo := backoff.NewExponentialBackOff()
-	expo.InitialInterval = time.Duration(r.spec.Errors.InitialBackoff)
-	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
-	expo.RandomizationFactor = 0.5 // jitter
-	expo.MaxElapsedTime = 0        // bounded by attempts instead
-	ra := &retryAfterBackOff{inner: backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries))}
+	ra := &retryAfterBackOff{inner: r.retryAttempts()}
 	bo := backoff.WithContext(ra, ctx)
 	var (
 		res     chunkResult
 		retries int64
+		unsure  *chunkResult // an attempt whose COMMIT lost its connection: it may have committed
 	)
 	op := func() error {
 		start := time.Now()
+		if unsure != nil {
+			committed, err := r.committed(ctx, f, cl, unsure.next)
+			if err != nil {
+				return err // still unreachable: retried
+			}
+			if committed {
+				res = *unsure
+				return nil
+			}
+			unsure = nil
+		}
 		var err error
 		size := f.size
 		if f.upto == nil {
@@ -617,6 +699,11 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		res, err = r.chunk(pctx, f, cl, size, retries)
 		if err == nil {
 			return nil
+		}
+		lost := f.slot.lost() && !isIdleTimeout(err)
+		if lost && res.committing {
+			u := res
+			unsure = &u
 		}
 		if d, ok := retryAfter(err); ok && ctx.Err() == nil {
 			// The service asked for a pause: every call of this process
@@ -633,7 +720,10 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		if isLockTimeout(err) && r.cfg.Metrics != nil {
 			r.cfg.Metrics.LockWait.WithLabelValues(r.spec.Job).Observe(time.Since(start).Seconds())
 		}
-		if ctx.Err() != nil || !IsRetryable(err) {
+		// A lost connection rolled the chunk back (unless its COMMIT got
+		// through, which the next attempt checks first): retried on a new
+		// connection.
+		if ctx.Err() != nil || !(IsRetryable(err) || lost || errors.Is(err, errRangeGrew)) {
 			return backoff.Permanent(err)
 		}
 		return err
@@ -695,10 +785,15 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 // chunk is one transaction: results, outbox events and checkpoint commit
 // together or not at all.
 func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retries int64) (chunkResult, error) {
-	conn, cursor := f.conn, f.prev
+	cursor := f.prev
 	res := chunkResult{size: size}
 	ctx, span := tracing.Start(ctx, "batch.chunk")
 	defer span.End()
+	conn, err := f.slot.ensure(ctx)
+	if err != nil {
+		return res, err
+	}
+	f.pid.Store(conn.PgConn().PID())
 	failpoint.Hit("batch.before_tx")
 	t0 := time.Now()
 	tx, err := conn.Begin(ctx)
@@ -725,8 +820,16 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		"job": r.spec.Job, "run": r.runID, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion,
 		"tp": tracing.Arg(ctx),
 	}
+	limit := 0
 	if f.upto != nil {
-		vals["boundary"] = f.upto // the planned range: (cursor, upto]
+		// The planned range (cursor, upto], read whole: rows inserted inside
+		// it since it was planned (text or random keys, a created_at from a
+		// long transaction) must not push the rows that were there out of
+		// the read, since the checkpoint moves to upto. The LIMIT stays (it
+		// makes the planner walk the cursor index) with room for such rows;
+		// a read that fills it is retried with a larger one (errRangeGrew).
+		limit = cmp.Or(f.limit, 2*f.size)
+		vals["boundary"], vals["limit"] = f.upto, limit
 	}
 	if r.cfg.Processor == nil {
 		st := r.c.chunkNext
@@ -749,6 +852,10 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		}
 	}
 	if f.upto != nil {
+		if res.n >= limit {
+			f.limit = 4 * limit
+			return res, fmt.Errorf("%w: %d rows or more between %v and %v, planned %d", errRangeGrew, limit, cursor, f.upto, f.size)
+		}
 		// The cursor is the planned last key: a real row when it was read,
 		// and where the next chunk in flight starts.
 		res.next = f.upto
@@ -756,6 +863,11 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		return res, nil // the range is done; nothing to commit
 	}
 	failpoint.Hit("batch.after_upsert")
+	// A forced retryable error, after the chunk wrote its rows: tests make
+	// a chunk roll back and retry where they choose.
+	if err := failpoint.Error("batch.chunk_error"); err != nil {
+		return res, err
+	}
 	t1 := time.Now()
 	// The events were inserted by the upsert's statement (a CTE step over
 	// the rows it RETURNed); no document crosses the wire twice.
@@ -798,12 +910,32 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		return res, why
 	}
 	failpoint.Hit("batch.after_checkpoint")
+	res.committing = true
 	if err := tx.Commit(ctx); err != nil {
 		return res, fmt.Errorf("commit chunk: %w", err)
 	}
 	failpoint.Hit("batch.after_commit")
 	res.commit = time.Since(t1) + res.write
 	return res, nil
+}
+
+// committed reads, after a COMMIT whose connection was lost, whether the
+// chunk's checkpoint (from f.prev to next) is the partition's under this
+// lease: the COMMIT got through.
+func (r *Runner) committed(ctx context.Context, f *flight, cl *claim, next []string) (bool, error) {
+	conn, err := f.slot.ensure(ctx)
+	if err != nil {
+		return false, err
+	}
+	var cursor []string
+	err = conn.QueryRow(ctx, `SELECT cursor FROM batch_runs`+fence, r.spec.Job, r.runID, cl.key, cl.token).Scan(&cursor)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil // not ours any more: the attempt finds out why
+	}
+	if err != nil {
+		return false, fmt.Errorf("read the checkpoint after a lost COMMIT: %w", err)
+	}
+	return slices.Equal(cursor, next), nil
 }
 
 // awaitPredecessor waits until the chunk before f holds the checkpoint row
@@ -826,7 +958,6 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 // a retried predecessor it runs the chunk again, otherwise the
 // predecessor's own error fails the partition.
 func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl *claim) error {
-	pid := f.pred.conn.PgConn().PID()
 	tick := time.NewTicker(r.cfg.LeaseTTL / 3)
 	defer tick.Stop()
 	for {
@@ -839,6 +970,7 @@ func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl 
 			return fmt.Errorf("wait for the previous chunk: %w", context.Cause(ctx))
 		case <-tick.C:
 		}
+		pid := f.pred.pid.Load() // its attempt's backend (a retry may have reconnected)
 		held, busy, err := waitCheck(ctx, tx, r.spec.Job, r.runID, cl.key, cl.token, pid)
 		if err != nil {
 			return fmt.Errorf("check the lease while waiting for the previous chunk: %w", err)

@@ -484,3 +484,36 @@ func TestSizer(t *testing.T) {
 		})
 	}
 }
+
+// The cursor must be a strict total order: NOT NULL columns that a primary
+// key or unique index covers. A cursor of [grp] with 15 rows per value
+// would skip the rows of a value that a chunk ends among; it is refused at
+// start with the columns and the fix, as is a column that may be NULL.
+func TestCursorMustBeUniqueAndNotNull(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	_, err := pool.Exec(ctx, `CREATE TABLE grp_records (id bigint PRIMARY KEY, grp int NOT NULL, label text, version bigint NOT NULL DEFAULT 1)`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO grp_records (id, grp, label) SELECT g, g % 3, CASE WHEN g <> 7 THEN 'l' || g END FROM generate_series(1, 45) g`)
+	require.NoError(t, err)
+	grp := func(cursor ...string) batch.Spec {
+		return batch.Spec{Job: "grp", ProcessorVersion: "v1",
+			Source: batch.Source{Table: "grp_records", Cursor: cursor, ID: "id", Version: "version"},
+			Chunk:  batch.ChunkSettings{Size: 10, Min: 10, Max: 10}}
+	}
+	_, err = run(t, pool, grp("grp"), batch.Config{})
+	require.ErrorIs(t, err, batch.ErrSpec)
+	require.ErrorContains(t, err, "source.cursor (grp) of job grp is not unique: no primary key or unique index of public.grp_records has only these columns")
+	require.ErrorContains(t, err, "add a unique tie-breaker as the last cursor column (e.g. [grp, id] with id the primary key)")
+
+	_, err = run(t, pool, grp("label", "id"), batch.Config{})
+	require.ErrorIs(t, err, batch.ErrSpec)
+	require.ErrorContains(t, err, "source.cursor (label, id) of job grp: column label of public.grp_records may be NULL")
+
+	sum, err := run(t, pool, grp("grp", "id"), batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	require.EqualValues(t, 45, sum.Rows)
+	require.EqualValues(t, 45, queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source = 'grp_records'`))
+}

@@ -109,6 +109,18 @@ type Source struct {
 	Table string `json:"table" yaml:"table"`
 	// Cursor lists the immutable order columns, the last one unique (e.g.
 	// created_at, id). Default: [change_seq] in incremental mode, else [id].
+	// A run refuses to start unless the columns are NOT NULL and the primary
+	// key or a unique index has only these columns (and the partition
+	// column): rows sharing a cursor value would be skipped.
+	//
+	// In incremental mode the first cursor column is the change column: a
+	// run starts after the previous run's boundary, so a value must not
+	// commit below a boundary once the writers open at that run's start have
+	// ended (the run waits for them). A sequence without CACHE (CACHE 1),
+	// set by nextval() in a DEFAULT, an identity or a trigger, meets that; a
+	// sequence with CACHE > 1 does not (a run refuses to start on one it can
+	// see: a DEFAULT's or an identity's), nor does a clock (now() is the
+	// transaction's start, not its commit).
 	Cursor []string `json:"cursor,omitempty" yaml:"cursor,omitempty"`
 	// ID is the row's identity (aggregate id, Kafka key). Default "id".
 	ID string `json:"id,omitempty" yaml:"id,omitempty"`

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -287,21 +288,23 @@ func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOp
 // openWritersWait bounds waitForOpenWriters.
 var openWritersWait = 2 * time.Minute
 
-// waitForOpenWriters waits until every transaction that had written to
-// the source table when it was called has ended: a writer holds a
-// RowExclusiveLock (or stronger) on the table until it commits or rolls
-// back. Transactions that start writing later order after the boundary.
+// waitForOpenWriters waits until every transaction that held a write lock
+// on the source table when it was called has ended: a writer holds a
+// RowExclusiveLock (or stronger) on the table from the start of its first
+// INSERT, UPDATE or DELETE until it commits or rolls back, which covers the
+// nextval() defaults and BEFORE triggers an INSERT evaluates before it has
+// a transaction id. Each writer is known by its virtual transaction id (a
+// prepared transaction by its "-1/xid"), and the wait polls pg_locks, which
+// is read afresh by every statement (pg_stat_activity would stay frozen for
+// the rest of the transaction). Transactions that take the lock later
+// order after the boundary (see the incremental mode's requirements on the
+// change column in [Source]) and do not delay the run.
 func waitForOpenWriters(ctx context.Context, tx pgx.Tx, job, table string) error {
 	type writer struct {
-		Pid int32
-		Xid string
+		VXID string
+		Pid  *int32
 	}
-	rows, err := tx.Query(ctx, `SELECT DISTINCT l.pid, a.backend_xid::text
-FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.relation = to_regclass($1) AND l.granted
-  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
-  AND l.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL`, table)
+	rows, err := tx.Query(ctx, openWritersSQL, table, nil)
 	if err != nil {
 		return fmt.Errorf("list open writers of %s: %w", table, err)
 	}
@@ -312,30 +315,33 @@ WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHER
 	if len(writers) == 0 {
 		return nil
 	}
-	pids, xids := make([]int32, len(writers)), make([]string, len(writers))
+	vxids := make([]string, len(writers))
 	for i, w := range writers {
-		pids[i], xids[i] = w.Pid, w.Xid
+		vxids[i] = w.VXID
 	}
 	deadline := time.Now().Add(openWritersWait)
-	for wait := 5 * time.Millisecond; ; wait = min(wait*2, 500*time.Millisecond) {
-		var open int
-		// pg_stat_activity is read once per transaction and cached
-		// (stats_fetch_consistency): drop the cached picture, or the
-		// writer looks open forever.
-		if _, err := tx.Exec(ctx, `SELECT pg_stat_clear_snapshot()`); err != nil {
-			return fmt.Errorf("watch open writers of %s: %w", table, err)
-		}
-		err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity a
-JOIN unnest($1::int[], $2::text[]) AS w(pid, xid) ON a.pid = w.pid AND a.backend_xid::text = w.xid`, pids, xids).Scan(&open)
+	for wait := 5 * time.Millisecond; ; wait = min(wait*2, 200*time.Millisecond) {
+		rows, err := tx.Query(ctx, openWritersSQL, table, vxids)
 		if err != nil {
 			return fmt.Errorf("watch open writers of %s: %w", table, err)
 		}
-		if open == 0 {
+		open, err := pgx.CollectRows(rows, pgx.RowToStructByPos[writer])
+		if err != nil {
+			return fmt.Errorf("watch open writers of %s: %w", table, err)
+		}
+		if len(open) == 0 {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("start a run of job %s: transactions of backends %v that wrote %s have been open for over %s; "+
-				"they may still commit rows below the new run's boundary, so the run does not start before they end", job, pids, table, openWritersWait)
+			desc := make([]string, len(open))
+			for i, w := range open {
+				desc[i] = w.VXID
+				if w.Pid != nil {
+					desc[i] += " (pid " + strconv.Itoa(int(*w.Pid)) + ")"
+				}
+			}
+			return fmt.Errorf("start a run of job %s: transactions %s that wrote %s have been open for over %s; "+
+				"they may still commit rows below the new run's boundary, so the run does not start before they end", job, strings.Join(desc, ", "), table, openWritersWait)
 		}
 		select {
 		case <-ctx.Done():
@@ -344,6 +350,18 @@ JOIN unnest($1::int[], $2::text[]) AS w(pid, xid) ON a.pid = w.pid AND a.backend
 		}
 	}
 }
+
+// openWritersSQL lists the transactions holding a write lock on table ($1)
+// in this database, other than this one's; $2, when not NULL, keeps only
+// those virtual transaction ids.
+const openWritersSQL = `SELECT l.virtualtransaction, min(l.pid)
+FROM pg_locks l
+WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.relation = to_regclass($1) AND l.granted
+  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+  AND l.pid IS DISTINCT FROM pg_backend_pid() AND l.virtualtransaction IS NOT NULL
+  AND ($2::text[] IS NULL OR l.virtualtransaction = ANY($2::text[]))
+GROUP BY l.virtualtransaction`
 
 type beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)

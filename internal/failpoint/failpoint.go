@@ -1,14 +1,17 @@
-// Package failpoint lets crash tests kill a real process at a named point.
+// Package failpoint lets crash tests kill a real process at a named point,
+// or force an error there.
 //
 // Failpoints are compiled in always and cost one map lookup when unset. Set
 // OUTBOXRELAY_FAILPOINT to a comma-separated list of names; the process kills
 // itself with SIGKILL (no deferred functions, no rollback message, exactly
-// like a power cut of the client) when it reaches one. "name@N" fires on the
-// Nth time the point is reached (1-based), so a test can let some chunks
-// commit before the crash.
+// like a power cut of the client) when it reaches one ([Hit]), or the point
+// returns [ErrInjected] ([Error]). "name@N" fires on the Nth time the point
+// is reached (1-based), so a test can let some chunks commit before the
+// crash; a name may be listed several times ("p@2,p@5").
 package failpoint
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -20,14 +23,17 @@ import (
 // EnvVar names the environment variable read at start.
 const EnvVar = "OUTBOXRELAY_FAILPOINT"
 
+// ErrInjected is the error an armed [Error] point returns.
+var ErrInjected = errors.New("failpoint: injected error")
+
 var (
 	mu     sync.Mutex
 	armed  = parse(os.Getenv(EnvVar))
 	counts = map[string]int{}
 )
 
-func parse(s string) map[string]int {
-	out := map[string]int{}
+func parse(s string) map[string]map[int]bool {
+	out := map[string]map[int]bool{}
 	for _, part := range strings.Split(s, ",") {
 		part = strings.TrimSpace(part)
 		if part == "" {
@@ -40,28 +46,46 @@ func parse(s string) map[string]int {
 				n = v
 			}
 		}
-		out[name] = n
+		if out[name] == nil {
+			out[name] = map[int]bool{}
+		}
+		out[name][n] = true
 	}
 	return out
+}
+
+// reached counts a visit of name and reports whether it fires.
+func reached(name string) bool {
+	if len(armed) == 0 {
+		return false
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	nths, ok := armed[name]
+	if !ok {
+		return false
+	}
+	counts[name]++
+	return nths[counts[name]]
 }
 
 // Hit kills the process if the failpoint name is armed and reached for the
 // configured time.
 func Hit(name string) {
-	if len(armed) == 0 {
-		return
-	}
-	mu.Lock()
-	want, ok := armed[name]
-	if ok {
-		counts[name]++
-		ok = counts[name] == want
-	}
-	mu.Unlock()
-	if !ok {
+	if !reached(name) {
 		return
 	}
 	fmt.Fprintf(os.Stderr, "failpoint %s: killing process %d\n", name, os.Getpid())
 	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 	select {} // SIGKILL is not deliverable late; never return.
+}
+
+// Error returns an error wrapping [ErrInjected] if the failpoint name is
+// armed and reached for the configured time, else nil.
+func Error(name string) error {
+	if !reached(name) {
+		return nil
+	}
+	fmt.Fprintf(os.Stderr, "failpoint %s: injecting an error\n", name)
+	return fmt.Errorf("%w at %s", ErrInjected, name)
 }

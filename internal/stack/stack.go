@@ -114,6 +114,11 @@ func Private(tb testing.TB, kind string) *Server {
 	tb.Helper()
 	skipShort(tb, kind)
 	srv := &Server{Kind: kind, Dir: tb.TempDir()}
+	if kind == "postgres" {
+		// As root the script runs PostgreSQL as the postgres user, which
+		// must reach the directory: the test's temp dir is 0700.
+		_ = os.Chmod(filepath.Dir(srv.Dir), 0o755)
+	}
 	if err := srv.Start(); err != nil {
 		tb.Fatalf("start private %s: %v", kind, err)
 	}
