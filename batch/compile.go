@@ -9,8 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outboxrelay/outboxrelay/outbox"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
 // stmt is one compiled statement: SQL text plus its parameters, each bound
