@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -182,35 +183,61 @@ type lease struct {
 // its share within one batch time instead of one or two heartbeats.
 func (p *Publisher) rebalance(ctx context.Context) error {
 	start := p.now()
-	var live int
-	var renewed, claimed []lease
+	hb, err := p.heartbeat(ctx)
+	if err != nil {
+		return err
+	}
+	p.joined = true
+	// The database extended the leases to now()+TTL at some point after
+	// start; counting from start keeps the local deadline on the safe side.
+	deadline := start + p.cfg.LeaseTTL - p.cfg.LeaseTTL/10
+
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.runHeld(ctx, hb, deadline)
+	p.giveBack(hb.target)
+	p.m.shards.Set(float64(len(p.workers)))
+	return nil
+}
+
+// heartbeatResult is what one heartbeat transaction found.
+type heartbeatResult struct {
+	target           int // shards each live publisher should hold
+	renewed, claimed []lease
 	// giving is the renewed shards that were being given back when counted.
-	// Their release waits for this transaction's row locks and may be done
-	// (p.releasing cleared) by the time the workers are started below: such
-	// a shard's renewal is stale, and starting a worker on it would send
-	// from a shard another publisher is free to claim.
-	giving := map[int]bool{}
+	// Their release waits for the heartbeat's row locks and may be done
+	// (p.releasing cleared) by the time the workers are started: such a
+	// shard's renewal is stale, and starting a worker on it would send from
+	// a shard another publisher is free to claim.
+	giving map[int]bool
+}
+
+// heartbeat renews membership and leases and claims free shards up to this
+// publisher's share, in one transaction.
+func (p *Publisher) heartbeat(ctx context.Context) (heartbeatResult, error) {
+	hb := heartbeatResult{giving: map[int]bool{}}
 	err := pgx.BeginFunc(ctx, p.leasePool, func(tx pgx.Tx) error {
+		var live int
 		if err := tx.QueryRow(ctx, heartbeatSQL, p.cfg.ID, p.cfg.LeaseTTL).Scan(&live); err != nil {
 			return fmt.Errorf("heartbeat: %w", err)
 		}
 		var err error
-		if renewed, err = scanLeases(tx.Query(ctx, renewLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL)); err != nil {
+		if hb.renewed, err = scanLeases(tx.Query(ctx, renewLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL)); err != nil {
 			return fmt.Errorf("renew leases: %w", err)
 		}
-		target := int(math.Ceil(float64(NumShards) / float64(max(live, 1))))
+		hb.target = int(math.Ceil(float64(NumShards) / float64(max(live, 1))))
 		p.mu.Lock()
 		owned := 0
-		for _, l := range renewed {
+		for _, l := range hb.renewed {
 			if p.releasing[l.shard] {
-				giving[l.shard] = true
+				hb.giving[l.shard] = true
 			} else {
 				owned++
 			}
 		}
 		p.mu.Unlock()
-		if owned < target {
-			if claimed, err = scanLeases(tx.Query(ctx, claimLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL, target-owned)); err != nil {
+		if owned < hb.target {
+			if hb.claimed, err = scanLeases(tx.Query(ctx, claimLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL, hb.target-owned)); err != nil {
 				return fmt.Errorf("claim leases: %w", err)
 			}
 		}
@@ -225,21 +252,17 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 		}
 		return nil
 	})
-	if err != nil {
-		return err
-	}
-	p.joined = true
-	// The database extended the leases to now()+TTL at some point after
-	// start; counting from start keeps the local deadline on the safe side.
-	deadline := start + p.cfg.LeaseTTL - p.cfg.LeaseTTL/10
-	target := int(math.Ceil(float64(NumShards) / float64(max(live, 1))))
+	return hb, err
+}
 
-	p.mu.Lock()
-	defer p.mu.Unlock()
+// runHeld makes the workers match the leases the heartbeat holds: a worker
+// per held shard, running until deadline unless renewed again; workers of
+// shards no longer held are stopped. Called with p.mu held.
+func (p *Publisher) runHeld(ctx context.Context, hb heartbeatResult, deadline time.Duration) {
 	held := map[int]bool{}
-	for _, l := range append(renewed, claimed...) {
+	for _, l := range append(hb.renewed, hb.claimed...) {
 		held[l.shard] = true
-		if p.releasing[l.shard] || giving[l.shard] {
+		if p.releasing[l.shard] || hb.giving[l.shard] {
 			continue
 		}
 		w := p.workers[l.shard]
@@ -261,11 +284,14 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 			delete(p.workers, shard)
 		}
 	}
-	// Give surplus shards back, highest first, once their worker has
-	// finished its batch; the lease is renewed meanwhile so nobody else
-	// sends from the shard before this publisher has stopped. Each shard
-	// given back is announced, so the others claim it at once rather than
-	// when the slowest of the batches in flight is done.
+}
+
+// giveBack gives surplus shards back, highest first, once their worker has
+// finished its batch; the lease is renewed meanwhile so nobody else sends
+// from the shard before this publisher has stopped. Each shard given back
+// is announced, so the others claim it at once rather than when the
+// slowest of the batches in flight is done. Called with p.mu held.
+func (p *Publisher) giveBack(target int) {
 	for shard := NumShards - 1; shard >= 0 && len(p.workers) > target; shard-- {
 		w := p.workers[shard]
 		if w == nil {
@@ -291,8 +317,6 @@ func (p *Publisher) rebalance(ctx context.Context) error {
 			p.mu.Unlock()
 		}()
 	}
-	p.m.shards.Set(float64(len(p.workers)))
-	return nil
 }
 
 func scanLeases(rows pgx.Rows, err error) ([]lease, error) {
@@ -518,27 +542,87 @@ func (p *Publisher) cleanupPublished(ctx context.Context) {
 	}
 }
 
-// setFailing tracks shards whose broker writes fail; health is degraded
-// while any does.
-func (p *Publisher) setFailing(w *shardWorker, failing bool, cause error) {
-	if w.failing.Load() == failing {
-		return
+// startWorker runs a worker for a freshly held lease. Called with p.mu held.
+func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.Duration) *shardWorker {
+	ctx, cancel := context.WithCancel(parent)
+	w := &shardWorker{
+		p:      p,
+		shard:  l.shard,
+		epoch:  l.epoch,
+		cancel: cancel,
+		done:   make(chan struct{}),
+		wake:   make(chan struct{}, 1),
+
+		readLimit: cmp.Or(int(p.readLimit.Load()), p.firstReadLimit()),
+		lane:      p.pickLane(),
+		log:       p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
+		// One writer per shard: its partition batches never mix with another
+		// shard's, so each call's messages for a partition go out in a single
+		// produce request (see doc.go).
+		writer: &kafka.Writer{
+			Addr:         kafka.TCP(p.cfg.Brokers...),
+			Balancer:     &kafka.Murmur2Balancer{},
+			RequiredAcks: kafka.RequireAll,
+			BatchSize:    p.cfg.BatchSize,
+			BatchBytes:   int64(p.cfg.BatchBytes),
+			BatchTimeout: p.cfg.BatchTimeout,
+			WriteTimeout: p.cfg.WriteTimeout,
+			ReadTimeout:  p.cfg.WriteTimeout,
+			// kafka-go's own retries sleep without a context and would hide
+			// an outage; the publisher retries with backoff instead.
+			MaxAttempts:            1,
+			Transport:              p.transport,
+			AllowAutoTopicCreation: true,
+		},
 	}
-	w.failing.Store(failing)
-	p.failingMu.Lock()
-	defer p.failingMu.Unlock()
-	if failing {
-		p.failing++
-	} else {
-		p.failing--
+	w.deadline.Store(int64(deadline))
+	w.wake <- struct{}{} // look at the shard once at start
+	p.workers[l.shard] = w
+	p.wg.Add(1)
+	p.laneLoad[w.lane]++
+	go func() {
+		defer p.wg.Done()
+		defer close(w.done)
+		defer func() {
+			p.mu.Lock()
+			p.laneLoad[w.lane]--
+			p.mu.Unlock()
+		}()
+		defer w.writer.Close()
+		defer w.setFailing(false, nil)
+		w.runShard(ctx)
+	}()
+	return w
+}
+
+// firstReadLimit is the read size before any shard has fitted one: events
+// of up to 1 KiB fit in BatchBytes at this size, so the first reads of a
+// start (64 at once) do not read rows only to leave them for the next read.
+func (p *Publisher) firstReadLimit() int {
+	return max(1, min(p.cfg.BatchSize, p.cfg.BatchBytes/1024))
+}
+
+// pickLane chooses the lane of a new shard worker: the least busy of as few
+// lanes as the workers need, 64/lanes shards to a lane (8 with the default
+// 8 lanes). A lane is one connection, so it prepares and plans the
+// statements of the partitions of its shards only (each shard's statements
+// name its partition) and keeps them. A publisher holding all 64 shards
+// uses every lane; one that holds a third of them uses a third of its
+// lanes, so three publishers send PostgreSQL as many queries at once as
+// one, which on a small machine is faster than three times as many.
+// Called with p.mu held.
+func (p *Publisher) pickLane() int {
+	running := 0
+	for _, n := range p.laneLoad {
+		running += n
 	}
-	if p.cfg.Health == nil {
-		return
+	perLane := (NumShards + len(p.lanes) - 1) / len(p.lanes)
+	need := min(len(p.lanes), running/perLane+1)
+	lane := 0
+	for i := 1; i < need; i++ {
+		if p.laneLoad[i] < p.laneLoad[lane] {
+			lane = i
+		}
 	}
-	switch {
-	case p.failing > 0 && cause != nil:
-		p.cfg.Health.SetDegraded("kafka", cause.Error())
-	case p.failing == 0:
-		p.cfg.Health.SetDegraded("kafka", "")
-	}
+	return lane
 }
