@@ -21,7 +21,7 @@ type batch struct {
 	rows   arena // the events' variable-length columns
 	rb     recordBuilder
 	all    []pendingEvent
-	msgs   []kafka.Message // the records of a WriteMessages call
+	msgs   []kafka.Message // the records of a produce call
 }
 
 var batchPool = sync.Pool{New: func() any { return new(batch) }}

@@ -2,10 +2,12 @@ package outbox
 
 import (
 	"cmp"
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"time"
 
@@ -20,7 +22,6 @@ const (
 	DefaultPollInterval    = time.Second
 	DefaultBatchSize       = 2000
 	DefaultBatchBytes      = 1_000_000
-	DefaultBatchTimeout    = time.Microsecond
 	DefaultWriteTimeout    = 10 * time.Second
 	DefaultRetryMaxElapsed = time.Minute
 	DefaultBacklogInterval = 5 * time.Second
@@ -43,20 +44,16 @@ type Config struct {
 	// PollInterval is the polling fallback when no NOTIFY arrives (e.g. the
 	// listening connection is down). Default 1s.
 	PollInterval time.Duration
-	// BatchSize is the most events one shard sends in one WriteMessages
+	// BatchSize is the most events one shard sends in one produce
 	// call. Default 2000.
 	BatchSize int
 	// BatchBytes caps the bytes of one call (kafka-go's size estimate) and is
-	// the writer's BatchBytes; one event larger than this is dead-lettered.
+	// the most one partition's produce request carries; one event larger than this is dead-lettered.
 	// Keep it at or below the broker's message.max.bytes. Default 1,000,000.
 	BatchBytes int
-	// BatchTimeout is kafka-go's BatchTimeout: how long a partition's share
-	// of a call that does not fill the batch waits before it is sent. The
-	// publisher hands a whole batch to one call and never adds to it, so
-	// waiting only adds latency (a call's share of a partition is one batch
-	// however short this is). Default 1µs.
-	BatchTimeout time.Duration
-	// WriteTimeout bounds one produce attempt. Default 10s.
+	// WriteTimeout bounds one produce attempt; an attempt also ends at the
+	// shard's lease deadline (LeaseTTL/10 before the lease can be taken
+	// over), whichever comes first. Default 10s.
 	WriteTimeout time.Duration
 	// RetryMaxElapsed bounds one retry loop (a produce or a database write);
 	// the shard then starts over from the database. Default 1m.
@@ -69,6 +66,9 @@ type Config struct {
 	BacklogInterval time.Duration
 	// Source is the CloudEvents ce_source. Default "outboxrelay".
 	Source string
+	// Dial opens the connections to the brokers (a proxy, a custom
+	// network). nil: a net.Dialer with a 5s timeout.
+	Dial func(ctx context.Context, network, address string) (net.Conn, error)
 	// Registerer receives the publisher's metrics. nil: not registered.
 	Registerer prometheus.Registerer
 	// Health is marked degraded while the broker fails. nil: not reported.
@@ -95,11 +95,13 @@ func (c Config) withDefaults() Config {
 	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.BatchBytes = cmp.Or(c.BatchBytes, DefaultBatchBytes)
-	c.BatchTimeout = cmp.Or(c.BatchTimeout, DefaultBatchTimeout)
 	c.WriteTimeout = cmp.Or(c.WriteTimeout, DefaultWriteTimeout)
 	c.RetryMaxElapsed = cmp.Or(c.RetryMaxElapsed, DefaultRetryMaxElapsed)
 	c.BacklogInterval = cmp.Or(c.BacklogInterval, DefaultBacklogInterval)
 	c.Source = cmp.Or(c.Source, DefaultSource)
+	if c.Dial == nil {
+		c.Dial = (&net.Dialer{Timeout: 5 * time.Second}).DialContext
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -118,8 +120,6 @@ func (c Config) validate() error {
 		return fmt.Errorf("BATCH_SIZE=%d: must be between 1 and 100000", c.BatchSize)
 	case c.BatchBytes < 1024:
 		return fmt.Errorf("BATCH_BYTES=%d: must be at least 1024", c.BatchBytes)
-	case c.BatchTimeout < 0:
-		return fmt.Errorf("BATCH_TIMEOUT=%s: must be >= 0", c.BatchTimeout)
 	case c.WriteTimeout <= 0:
 		return fmt.Errorf("WRITE_TIMEOUT=%s: must be > 0", c.WriteTimeout)
 	case c.RetryMaxElapsed <= 0:

@@ -212,10 +212,9 @@ func (a *arena) take(grown []byte) []byte {
 }
 
 // messageSize is kafka-go's own size estimate of a message (the unexported
-// Message.totalSize), the number it compares with Writer.BatchBytes. The
-// publisher keeps every WriteMessages call under BatchBytes with it, so
-// kafka-go never splits one call's messages for a partition into two produce
-// requests (see doc.go, "One request per partition").
+// Message.totalSize). The publisher keeps every produce call under
+// BatchBytes with it, so one partition's share of a call stays under the
+// broker's message.max.bytes (see doc.go, "One request per partition").
 func messageSize(m *kafka.Message) int {
 	n := varIntLen(len(m.Headers))
 	for _, h := range m.Headers {

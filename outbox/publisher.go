@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -33,13 +32,19 @@ type Publisher struct {
 	log       *slog.Logger
 	m         *publisherMetrics
 	transport *kafka.Transport
+	producer  *producer
 	base      time.Time // monotonic origin of lease deadlines
 
 	mu        sync.Mutex
 	laneLoad  []int // running shard workers per lane
 	workers   map[int]*shardWorker
 	releasing map[int]bool
-	wg        sync.WaitGroup
+	// retired are workers of shards whose lease was lost or replaced, told
+	// to stop and not finished yet: the shard gets no new worker before its
+	// old one is done, so two of this publisher's workers never send from
+	// one shard at once.
+	retired map[int]*shardWorker
+	wg      sync.WaitGroup
 
 	notify       chan struct{} // run the pending-shards query now
 	rebalanceNow chan struct{} // membership changed: rebalance before the next heartbeat
@@ -70,17 +75,19 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 		base:         time.Now(),
 		workers:      map[int]*shardWorker{},
 		releasing:    map[int]bool{},
+		retired:      map[int]*shardWorker{},
 		notify:       make(chan struct{}, 1),
 		rebalanceNow: make(chan struct{}, 1),
 		announceCh:   make(chan struct{}, 1),
 		transport: &kafka.Transport{
-			Dial:        (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+			Dial:        cfg.Dial,
 			DialTimeout: 5 * time.Second,
 			IdleTimeout: 30 * time.Second,
 			MetadataTTL: 10 * time.Second,
 			ClientID:    "outboxrelay-publisher",
 		},
 	}
+	p.producer = newProducer(p.transport, cfg.Brokers)
 	return p, nil
 }
 
@@ -267,11 +274,13 @@ func (p *Publisher) runHeld(ctx context.Context, hb heartbeatResult, deadline ti
 		}
 		w := p.workers[l.shard]
 		if w != nil && (w.epoch != l.epoch || w.exited()) {
-			w.cancel()
-			delete(p.workers, l.shard)
+			p.retire(w)
 			w = nil
 		}
 		if w == nil {
+			if p.retired[l.shard] != nil {
+				continue // started once the old worker is done (retire)
+			}
 			w = p.startWorker(ctx, l, deadline)
 			p.log.Debug("shard acquired", slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch))
 		}
@@ -280,10 +289,33 @@ func (p *Publisher) runHeld(ctx context.Context, hb heartbeatResult, deadline ti
 	for shard, w := range p.workers {
 		if !held[shard] {
 			p.log.Warn("shard lease lost", slog.Int("shard", shard), slog.Int64("epoch", w.epoch))
-			w.cancel()
-			delete(p.workers, shard)
+			p.retire(w)
 		}
 	}
+}
+
+// retire stops w, whose lease is lost or replaced, and keeps the shard from
+// getting a new worker until w is done; then it asks for a rebalance, which
+// starts the new worker if the shard is still held. Called with p.mu held.
+func (p *Publisher) retire(w *shardWorker) {
+	w.cancel()
+	delete(p.workers, w.shard)
+	if w.exited() {
+		return
+	}
+	p.retired[w.shard] = w
+	go func() {
+		<-w.done
+		p.mu.Lock()
+		if p.retired[w.shard] == w {
+			delete(p.retired, w.shard)
+		}
+		p.mu.Unlock()
+		select {
+		case p.rebalanceNow <- struct{}{}:
+		default:
+		}
+	}()
 }
 
 // giveBack gives surplus shards back, highest first, once their worker has
@@ -556,24 +588,6 @@ func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.D
 		readLimit: cmp.Or(int(p.readLimit.Load()), p.firstReadLimit()),
 		lane:      p.pickLane(),
 		log:       p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
-		// One writer per shard: its partition batches never mix with another
-		// shard's, so each call's messages for a partition go out in a single
-		// produce request (see doc.go).
-		writer: &kafka.Writer{
-			Addr:         kafka.TCP(p.cfg.Brokers...),
-			Balancer:     &kafka.Murmur2Balancer{},
-			RequiredAcks: kafka.RequireAll,
-			BatchSize:    p.cfg.BatchSize,
-			BatchBytes:   int64(p.cfg.BatchBytes),
-			BatchTimeout: p.cfg.BatchTimeout,
-			WriteTimeout: p.cfg.WriteTimeout,
-			ReadTimeout:  p.cfg.WriteTimeout,
-			// kafka-go's own retries sleep without a context and would hide
-			// an outage; the publisher retries with backoff instead.
-			MaxAttempts:            1,
-			Transport:              p.transport,
-			AllowAutoTopicCreation: true,
-		},
 	}
 	w.deadline.Store(int64(deadline))
 	w.wake <- struct{}{} // look at the shard once at start
@@ -588,7 +602,6 @@ func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.D
 			p.laneLoad[w.lane]--
 			p.mu.Unlock()
 		}()
-		defer w.writer.Close()
 		defer w.setFailing(false, nil)
 		w.runShard(ctx)
 	}()

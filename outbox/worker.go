@@ -31,7 +31,6 @@ type shardWorker struct {
 	// that many would not fit in one call (see fit). Shard goroutine only.
 	readLimit int
 	lane      int // index into Publisher.lanes
-	writer    *kafka.Writer
 	log       *slog.Logger
 }
 
@@ -53,6 +52,11 @@ func (w *shardWorker) exited() bool {
 
 // valid reports whether the lease is certainly still ours.
 func (w *shardWorker) valid() bool { return w.p.now() < time.Duration(w.deadline.Load()) }
+
+// leaseDeadline is the local lease deadline as a time (monotonic).
+func (w *shardWorker) leaseDeadline() time.Time {
+	return w.p.base.Add(time.Duration(w.deadline.Load()))
+}
 
 func (w *shardWorker) runShard(ctx context.Context) {
 	p := w.p
@@ -200,8 +204,9 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 		p.cfg.OnPublished(w.shard, published)
 	}
 	// A write that failed or timed out may still be on its way in kafka-go
-	// (a WriteMessages call that gave up on its context leaves the request
-	// running), with the batch's bytes: such a batch is not reused.
+	// (a produce that gave up on its context may still be encoding the
+	// request until the same deadline), with the batch's bytes: such a
+	// batch is not reused.
 	if !retried {
 		b.release()
 	}
@@ -316,17 +321,10 @@ func (w *shardWorker) produce(ctx context.Context, b *batch) (retried bool, err 
 	return retried, nil
 }
 
-// write sends msgs in one WriteMessages call. The writer's BatchSize is set
-// to the call's size first: a partition that receives the whole call then
-// has a full batch and goes out at once instead of after BatchTimeout, and
-// kafka-go sizes each partition batch's buffer by BatchSize, so a one-event
-// call no longer allocates room for 2000 messages. Only this shard's
-// goroutine calls write, and kafka-go reads BatchSize only inside
-// WriteMessages, so changing it between calls is safe. A call never exceeds
-// BatchSize or BatchBytes, so each partition's share is still one request.
+// write sends msgs in one call: each partition's share is one produce
+// request (see producer), so a retry can duplicate but never reorder.
 func (w *shardWorker) write(ctx context.Context, msgs ...kafka.Message) error {
-	w.writer.BatchSize = len(msgs)
-	return w.writer.WriteMessages(ctx, msgs...)
+	return w.p.producer.write(ctx, msgs)
 }
 
 // messages appends the messages of pes to out.
@@ -340,8 +338,13 @@ func messages(out []kafka.Message, pes []*pendingEvent) []kafka.Message {
 
 // retry runs op with exponential backoff and jitter until it succeeds, the
 // loop's time budget runs out, the shard stops, or the lease deadline passes.
-// Each attempt gets WriteTimeout; an attempt in flight is not cut short by a
-// soft stop, so what the broker acknowledged gets recorded.
+// Each attempt gets WriteTimeout, cut to the lease deadline: an attempt
+// that would outlive the lease could deliver its records after another
+// publisher took the shard and sent newer events of the same keys. The
+// deadline is the lease's local one (LeaseTTL/10 before the database lets
+// anyone else claim the shard); the producer writes no byte after it. An
+// attempt in flight is not cut short by a soft stop, so what the broker
+// acknowledged gets recorded.
 func (w *shardWorker) retry(ctx context.Context, op func(context.Context) error) error {
 	p := w.p
 	b := backoff.NewExponentialBackOff()
@@ -354,7 +357,11 @@ func (w *shardWorker) retry(ctx context.Context, op func(context.Context) error)
 			return backoff.Permanent(errLeaseExpired)
 		}
 		attempt++
-		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.WriteTimeout)
+		end := time.Now().Add(p.cfg.WriteTimeout)
+		if lease := w.leaseDeadline(); lease.Before(end) {
+			end = lease
+		}
+		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), end)
 		defer cancel()
 		err := op(actx)
 		if err == nil {

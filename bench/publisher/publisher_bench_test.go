@@ -319,7 +319,7 @@ func baseline(b *testing.B, brokers []string) measured {
 		go func() {
 			defer wg.Done()
 			w := &kafka.Writer{Addr: kafka.TCP(brokers...), Balancer: &kafka.Murmur2Balancer{}, RequiredAcks: kafka.RequireAll,
-				BatchSize: outbox.DefaultBatchSize, BatchBytes: outbox.DefaultBatchBytes, BatchTimeout: outbox.DefaultBatchTimeout,
+				BatchSize: outbox.DefaultBatchSize, BatchBytes: outbox.DefaultBatchBytes,
 				MaxAttempts: 1, Transport: transport}
 			defer w.Close()
 			for len(msgs) > 0 {
