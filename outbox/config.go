@@ -35,7 +35,10 @@ type Config struct {
 	// Brokers are the Kafka bootstrap addresses ("host:port"). Required.
 	Brokers []string
 	// ID names this publisher in the lease table. Default: hostname-pid-random.
-	// Two running publishers must never share an ID.
+	// Two running publishers never share an ID: Run returns
+	// ErrPublisherIDInUse in a process that starts with the ID of a running
+	// one (after waiting up to LeaseTTL for a previous process's membership
+	// under the ID to run out, as after a crash and restart).
 	ID string
 	// LeaseTTL is how long a shard lease and a membership last without a
 	// heartbeat; heartbeats run every LeaseTTL/3. A publisher that dies is

@@ -300,3 +300,51 @@ func distinctIDs(msgs []consumed) map[string]bool {
 	}
 	return out
 }
+
+// A second process started with the PUBLISHER_ID of a running one is
+// refused with ErrPublisherIDInUse; the first keeps its shards and goes on
+// publishing.
+func TestDuplicatePublisherIDRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	brokers := stack.KafkaBrokers(t)
+	pool := stack.Pool(t, stack.Database(t))
+	topic := createTopic(t, brokers, 2)
+	cfg := outbox.Config{Brokers: brokers, ID: "same-id", LeaseTTL: time.Second, PollInterval: 200 * time.Millisecond, Logger: testLogger()}
+	first, err := outbox.NewPublisher(pool, cfg)
+	require.NoError(t, err)
+	firstCtx, stopFirst := context.WithCancel(ctx)
+	firstDone := make(chan error, 1)
+	go func() { firstDone <- first.Run(firstCtx) }()
+	held := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_shard_leases WHERE owner = 'same-id'`).Scan(&n))
+		return n
+	}
+	waitFor(t, time.Minute, "the first publisher to hold every shard", func() bool { return held() == outbox.NumShards })
+	var epochs int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT sum(epoch) FROM outbox_shard_leases`).Scan(&epochs))
+
+	second, err := outbox.NewPublisher(pool, cfg)
+	require.NoError(t, err)
+	secondCtx, stopSecond := context.WithTimeout(ctx, time.Minute)
+	defer stopSecond()
+	err = second.Run(secondCtx)
+	require.ErrorIs(t, err, outbox.ErrPublisherIDInUse)
+	require.Contains(t, err.Error(), `PUBLISHER_ID="same-id"`)
+
+	require.Equal(t, outbox.NumShards, held(), "the first publisher keeps its shards")
+	var after int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT sum(epoch) FROM outbox_shard_leases`).Scan(&after))
+	require.Equal(t, epochs, after, "no shard changed hands")
+	insertEvents(t, pool, topic, 10, 0, 100, 10)
+	consumeAll(t, brokers, topic, wantIDs(topic, 10, 0, 100), time.Minute)
+	waitFor(t, time.Minute, "the first publisher to drain the outbox", func() bool { return outboxCount(t, pool) == 0 })
+
+	stopFirst()
+	require.NoError(t, <-firstDone)
+	// Once the first has stopped, the id is free again.
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_publishers WHERE id = 'same-id'`).Scan(&n))
+	require.Zero(t, n, "a clean stop leaves the membership")
+}

@@ -3,6 +3,8 @@ package outbox
 import (
 	"cmp"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -18,14 +20,22 @@ import (
 	"github.com/segmentio/kafka-go"
 )
 
-// ErrLeaseLost is returned inside the publisher when a shard's fenced write
-// found another owner or epoch: the shard worker stops at once.
-var ErrLeaseLost = errors.New("shard lease lost")
+var (
+	// ErrLeaseLost is returned inside the publisher when a shard's fenced
+	// write found another owner or epoch: the shard worker stops at once.
+	ErrLeaseLost = errors.New("shard lease lost")
+	// ErrPublisherIDInUse is returned by [Publisher.Run] when another running
+	// process uses the same Config.ID (PUBLISHER_ID): two processes under one
+	// id would renew the same leases and send the same shards at once. The
+	// process that held the id first keeps it and its shards.
+	ErrPublisherIDInUse = errors.New("publisher id in use by another running publisher")
+)
 
 // Publisher drains outbox_events to Kafka. Run several, in one process or
 // many; they share the 64 shards through leases. See the package doc.
 type Publisher struct {
 	cfg       Config
+	instance  string // this process's token in outbox_publishers (see ErrPublisherIDInUse)
 	pool      *pgxpool.Pool
 	leasePool *pgxpool.Pool   // heartbeats: never wait behind shard work
 	lanes     []*pgxpool.Pool // one connection each; a worker keeps the lane it started on (pickLane)
@@ -69,6 +79,7 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 	}
 	p := &Publisher{
 		cfg:          cfg,
+		instance:     newInstanceToken(),
 		pool:         pool,
 		log:          cfg.Logger.With(slog.String("publisher", cfg.ID)),
 		m:            newPublisherMetrics(cfg.Registerer),
@@ -97,10 +108,14 @@ func (p *Publisher) ID() string { return p.cfg.ID }
 // Run publishes until ctx is cancelled, then stops softly: each shard
 // finishes the batch it is sending and records it, the leases are released
 // so other publishers take over at once, and Run returns nil. It returns an
-// error only when it cannot start.
+// error only when it cannot start, or when its id is another running
+// publisher's ([ErrPublisherIDInUse]).
 func (p *Publisher) Run(ctx context.Context) error {
 	if err := p.pool.Ping(ctx); err != nil {
 		return fmt.Errorf("publisher %s: database: %w", p.cfg.ID, err)
+	}
+	if err := checkIDSequence(ctx, p.pool); err != nil {
+		return fmt.Errorf("publisher %s: %w", p.cfg.ID, err)
 	}
 	lcfg := p.pool.Config().Copy()
 	lcfg.MaxConns, lcfg.MinConns = 2, 0
@@ -122,6 +137,8 @@ func (p *Publisher) Run(ctx context.Context) error {
 		defer p.lanes[i].Close()
 	}
 	p.log.Info("publisher starting", slog.Int("batch_size", p.cfg.BatchSize), slog.Duration("lease_ttl", p.cfg.LeaseTTL))
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	var bg sync.WaitGroup
 	for _, fn := range []func(context.Context){p.listen, p.dispatch, p.watchBacklog, p.cleanupPublished, p.announcer} {
 		bg.Add(1)
@@ -133,8 +150,22 @@ func (p *Publisher) Run(ctx context.Context) error {
 
 	beat := time.NewTicker(p.cfg.LeaseTTL / 3)
 	defer beat.Stop()
+	// A process that restarts under its id finds its previous membership
+	// still live for up to LeaseTTL: only an id that is renewed by someone
+	// else for longer than that is another running publisher's.
+	joinBy := time.Now().Add(p.cfg.LeaseTTL + p.cfg.LeaseTTL/3)
 	for {
-		if err := p.rebalance(ctx); err != nil && ctx.Err() == nil {
+		err := p.rebalance(ctx)
+		var inUse *idInUseError
+		switch {
+		case errors.As(err, &inUse) && (p.joined || time.Now().After(joinBy)):
+			p.log.Error("publisher id in use by another running publisher; stopping", slog.String("other_instance", inUse.other))
+			p.stop()
+			cancel()
+			bg.Wait()
+			p.transport.CloseIdleConnections()
+			return err
+		case err != nil && ctx.Err() == nil && inUse == nil:
 			p.m.errors.WithLabelValues(errKindDatabase).Inc()
 			p.log.Warn("heartbeat failed; shards stop when their lease runs out", slog.String("error", err.Error()))
 		}
@@ -170,12 +201,56 @@ func (p *Publisher) stop() {
 			p.log.Warn("release lease", slog.Int("shard", w.shard), slog.String("error", err.Error()))
 		}
 	}
-	if _, err := p.leasePool.Exec(ctx, leaveSQL, p.cfg.ID); err != nil {
+	if _, err := p.leasePool.Exec(ctx, leaveSQL, p.cfg.ID, p.instance); err != nil {
 		p.log.Warn("leave", slog.String("error", err.Error()))
 	}
 	p.announce(ctx)
 	p.m.shards.Set(0)
 	p.log.Info("publisher stopped", slog.Int("shards_released", len(workers)))
+}
+
+// ErrIDSequenceCached is returned by [Publisher.Run] when outbox_events'
+// identity sequence hands out ids in cached blocks (CACHE > 1).
+var ErrIDSequenceCached = errors.New("outbox_events id sequence has CACHE > 1")
+
+// checkIDSequence refuses an id sequence with CACHE > 1. Per-key order
+// rests on a writer that commits after another writer of the same aggregate
+// getting the higher id (see Enqueue); with a cache every session draws ids
+// from a block of its own, so the later transaction can get the lower id
+// and its event would be published first.
+func checkIDSequence(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) error {
+	var cache int64
+	if err := q.QueryRow(ctx, idCacheSQL).Scan(&cache); err != nil {
+		return fmt.Errorf("read the outbox_events id sequence: %w", err)
+	}
+	if cache > 1 {
+		return fmt.Errorf("%w: it is CACHE %d, so sessions take ids from blocks of their own and a later commit of one aggregate can get a lower id, which breaks per-key order; run ALTER SEQUENCE outbox_events_id_seq CACHE 1 (migration 005 creates it so)",
+			ErrIDSequenceCached, cache)
+	}
+	return nil
+}
+
+// idInUseError is ErrPublisherIDInUse with the instance that holds the id.
+type idInUseError struct {
+	id, other string
+	left      time.Duration // until the other instance's membership expires
+}
+
+func (e *idInUseError) Error() string {
+	return fmt.Sprintf("PUBLISHER_ID=%q is used by another running publisher (instance %q, membership valid for %s more): give each publisher its own PUBLISHER_ID, or leave it unset for a generated one",
+		e.id, e.other, e.left.Round(time.Millisecond))
+}
+
+func (e *idInUseError) Unwrap() error { return ErrPublisherIDInUse }
+
+// newInstanceToken is a random token naming this process in
+// outbox_publishers.
+func newInstanceToken() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
 }
 
 type lease struct {
@@ -225,8 +300,16 @@ func (p *Publisher) heartbeat(ctx context.Context) (heartbeatResult, error) {
 	hb := heartbeatResult{giving: map[int]bool{}}
 	err := pgx.BeginFunc(ctx, p.leasePool, func(tx pgx.Tx) error {
 		var live int
-		if err := tx.QueryRow(ctx, heartbeatSQL, p.cfg.ID, p.cfg.LeaseTTL).Scan(&live); err != nil {
+		var mine bool
+		if err := tx.QueryRow(ctx, heartbeatSQL, p.cfg.ID, p.cfg.LeaseTTL, p.instance).Scan(&mine, &live); err != nil {
 			return fmt.Errorf("heartbeat: %w", err)
+		}
+		if !mine {
+			e := &idInUseError{id: p.cfg.ID}
+			if err := tx.QueryRow(ctx, publisherInstanceSQL, p.cfg.ID).Scan(&e.other, &e.left); err != nil {
+				return fmt.Errorf("heartbeat: look up the instance holding id %q: %w", p.cfg.ID, err)
+			}
+			return e
 		}
 		var err error
 		if hb.renewed, err = scanLeases(tx.Query(ctx, renewLeasesSQL, p.cfg.ID, p.cfg.LeaseTTL)); err != nil {

@@ -30,7 +30,7 @@ func runCommand() cli.Command {
 			c.RegisterLogging(fs)
 			fs.String(&brokers, "kafka-brokers", "KAFKA_BROKERS", "", "Kafka bootstrap brokers, comma-separated host:port (required)")
 			fs.String(&metricsAddr, "metrics-addr", "METRICS_ADDR", "127.0.0.1:9102", `address for /metrics, /healthz and /readyz ("" disables)`)
-			fs.String(&cfg.ID, "publisher-id", "PUBLISHER_ID", "", "name of this publisher in the lease table (default hostname-pid-random; must be unique)")
+			fs.String(&cfg.ID, "publisher-id", "PUBLISHER_ID", "", "name of this publisher in the lease table (default hostname-pid-random); a second process started with the id of a running one exits with an error")
 			fs.Duration(&cfg.LeaseTTL, "lease-ttl", "LEASE_TTL", outbox.DefaultLeaseTTL, "shard lease lifetime; heartbeats every third of it; a dead publisher's shards move after this")
 			fs.Duration(&cfg.PollInterval, "poll-interval", "POLL_INTERVAL", outbox.DefaultPollInterval, "polling fallback interval when no NOTIFY arrives")
 			fs.Int(&cfg.BatchSize, "batch-size", "BATCH_SIZE", outbox.DefaultBatchSize, "most events per shard per Kafka write")
