@@ -25,6 +25,7 @@ const (
 	DefaultWriteTimeout    = 10 * time.Second
 	DefaultRetryMaxElapsed = time.Minute
 	DefaultBacklogInterval = 5 * time.Second
+	DefaultTopicWait       = 30 * time.Second
 	DefaultSource          = "outboxrelay"
 	DefaultMaxConns        = 8
 )
@@ -61,6 +62,12 @@ type Config struct {
 	// RetryMaxElapsed bounds one retry loop (a produce or a database write);
 	// the shard then starts over from the database. Default 1m.
 	RetryMaxElapsed time.Duration
+	// TopicWait is how long an event waits for its topic when the broker
+	// says the topic does not exist or the publisher may not write to it;
+	// then the event goes to outbox_dead_letters, and so do the topic's
+	// later events until the topic works again. Topics are never created by
+	// the publisher (see EnsureTopics). Default 30s.
+	TopicWait time.Duration
 	// Retention keeps published rows in outbox_published this long before
 	// they are deleted in batches. 0 (default) deletes them at once.
 	Retention time.Duration
@@ -101,6 +108,7 @@ func (c Config) withDefaults() Config {
 	c.WriteTimeout = cmp.Or(c.WriteTimeout, DefaultWriteTimeout)
 	c.RetryMaxElapsed = cmp.Or(c.RetryMaxElapsed, DefaultRetryMaxElapsed)
 	c.BacklogInterval = cmp.Or(c.BacklogInterval, DefaultBacklogInterval)
+	c.TopicWait = cmp.Or(c.TopicWait, DefaultTopicWait)
 	c.Source = cmp.Or(c.Source, DefaultSource)
 	if c.Dial == nil {
 		c.Dial = (&net.Dialer{Timeout: 5 * time.Second}).DialContext
@@ -127,6 +135,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("WRITE_TIMEOUT=%s: must be > 0", c.WriteTimeout)
 	case c.RetryMaxElapsed <= 0:
 		return fmt.Errorf("RETRY_MAX_ELAPSED=%s: must be > 0", c.RetryMaxElapsed)
+	case c.TopicWait < 0:
+		return fmt.Errorf("TOPIC_WAIT=%s: must be >= 0", c.TopicWait)
 	case c.Retention < 0:
 		return fmt.Errorf("RETENTION=%s: must be >= 0 (0 deletes published events at once)", c.Retention)
 	}

@@ -161,6 +161,16 @@
 // records are re-sent one at a time to find it. `publisher dead-letter
 // list` shows them and `publisher dead-letter retry` re-enqueues them.
 //
+// Topics are never created by the publisher (no auto-creation: a typo would
+// become a topic with the broker's defaults, and adding partitions later
+// moves keys); create them with [EnsureTopics] (`publisher topics ensure`).
+// Each topic of a batch is looked up and sent on its own, so a topic that is
+// missing or forbidden (UNKNOWN_TOPIC_OR_PARTITION,
+// TOPIC_AUTHORIZATION_FAILED) fails its own events only. They are retried
+// for Config.TopicWait, then dead-lettered with the error; while the topic
+// stays unavailable its later events are dead-lettered at once, and the
+// shard's other topics are not held up.
+//
 // # Kafka record
 //
 // Key = aggregate id, value = payload (nil for a delete: a tombstone),

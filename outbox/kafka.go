@@ -267,6 +267,14 @@ func IsPermanent(err error) bool {
 	return false
 }
 
+// topicUnavailable reports whether err says the topic does not exist or the
+// publisher may not write to it. Both can heal (a topic being created, an
+// ACL being granted, metadata catching up), so an event waits TopicWait
+// for its topic before it is dead-lettered.
+func topicUnavailable(err error) bool {
+	return errors.Is(err, kafka.UnknownTopicOrPartition) || errors.Is(err, kafka.TopicAuthorizationFailed)
+}
+
 // errorCode extracts the Kafka error code of err, 0 if it has none.
 func errorCode(err error) int32 {
 	var kerr kafka.Error

@@ -29,6 +29,9 @@ type producer struct {
 
 	mu    sync.Mutex
 	parts map[string]topicParts // partition counts, from the transport's metadata cache
+	// unavailable is when each topic was first found missing or forbidden
+	// (topicUnavailable) since it last worked.
+	unavailable map[string]time.Time
 }
 
 type topicParts struct {
@@ -45,6 +48,8 @@ func newProducer(transport *kafka.Transport, brokers []string) *producer {
 	return &producer{
 		client: &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport},
 		parts:  map[string]topicParts{},
+
+		unavailable: map[string]time.Time{},
 	}
 }
 
@@ -94,6 +99,7 @@ func (pr *producer) partitions(ctx context.Context, msgs []kafka.Message) (map[s
 		} else {
 			delete(pr.parts, t) // ask again next time
 		}
+		pr.noteLocked(t, tp.err, now)
 		out[t] = tp
 	}
 	return out, nil
@@ -139,6 +145,9 @@ func (pr *producer) write(ctx context.Context, msgs []kafka.Message) error {
 			if err == nil && res.Error != nil {
 				err = res.Error
 			}
+			pr.mu.Lock()
+			pr.noteLocked(k.topic, err, time.Now())
+			pr.mu.Unlock()
 			if err != nil {
 				mu.Lock()
 				for _, i := range idx {
@@ -154,6 +163,31 @@ func (pr *producer) write(ctx context.Context, msgs []kafka.Message) error {
 		return nil
 	}
 	return werrs
+}
+
+// noteLocked records whether topic is unavailable after a result with err.
+// Called with pr.mu held.
+func (pr *producer) noteLocked(topic string, err error, now time.Time) {
+	switch {
+	case err == nil:
+		delete(pr.unavailable, topic)
+	case topicUnavailable(err):
+		if _, ok := pr.unavailable[topic]; !ok {
+			pr.unavailable[topic] = now
+		}
+	}
+}
+
+// unavailableFor is how long topic has been missing or forbidden (0 when it
+// is not).
+func (pr *producer) unavailableFor(topic string) time.Duration {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	since, ok := pr.unavailable[topic]
+	if !ok {
+		return 0
+	}
+	return time.Since(since)
 }
 
 var partitionIDs struct {

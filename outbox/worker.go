@@ -256,6 +256,7 @@ func (w *shardWorker) read(ctx context.Context) (*batch, error) {
 // after a failure only the failed partitions' messages are sent again, in
 // their original order, and a retry can duplicate but never reorder.
 func (w *shardWorker) produce(ctx context.Context, b *batch) (retried bool, err error) {
+	p := w.p
 	pending := make([]*pendingEvent, 0, len(b.all))
 	for i := range b.all {
 		if pe := &b.all[i]; pe.err == nil {
@@ -286,6 +287,13 @@ func (w *shardWorker) produce(ctx context.Context, b *batch) (retried bool, err 
 			case e == nil:
 			case IsPermanent(e):
 				suspects = append(suspects, pending[i])
+			case topicUnavailable(e) && p.producer.unavailableFor(pending[i].msg.Topic) >= p.cfg.TopicWait:
+				// The topic is missing or forbidden and has been for
+				// TopicWait: the event is parked instead of stopping the
+				// shard (the shard's other topics go on).
+				pending[i].err = fmt.Errorf("topic %q unavailable for over TOPIC_WAIT=%s (create it with `publisher topics ensure`, or let the publisher write to it; then `publisher dead-letter retry`): %w",
+					pending[i].msg.Topic, p.cfg.TopicWait, e)
+				pending[i].code = errorCode(e)
 			default:
 				again, cause = append(again, pending[i]), e
 			}

@@ -19,5 +19,6 @@ func commands() []cli.Command {
 		statusCommand(os.Stdout),
 		deadLetterListCommand(os.Stdout),
 		deadLetterRetryCommand(os.Stdout),
+		topicsEnsureCommand(os.Stdout),
 	}
 }

@@ -37,6 +37,7 @@ func runCommand() cli.Command {
 			fs.Int(&cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", outbox.DefaultBatchBytes, "most bytes per Kafka write; a larger event is dead-lettered (keep <= broker message.max.bytes)")
 			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "timeout of one produce attempt (also cut to the shard's lease deadline)")
 			fs.Duration(&cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", outbox.DefaultRetryMaxElapsed, "time budget of one retry loop before the shard starts over from the database")
+			fs.Duration(&cfg.TopicWait, "topic-wait", "TOPIC_WAIT", outbox.DefaultTopicWait, "how long an event waits for a missing or forbidden topic before it is dead-lettered (topics are never auto-created: see topics ensure)")
 			fs.Duration(&cfg.Retention, "retention", "RETENTION", 0, "keep published events in outbox_published this long (0 deletes them at once)")
 			fs.Duration(&cfg.BacklogInterval, "backlog-interval", "BACKLOG_INTERVAL", outbox.DefaultBacklogInterval, "refresh interval of the backlog metrics")
 			fs.String(&cfg.Source, "ce-source", "CE_SOURCE", outbox.DefaultSource, "CloudEvents ce_source header")
