@@ -46,8 +46,22 @@ type Config struct {
 	// replaced after at most LeaseTTL. Default 10s, minimum 300ms.
 	LeaseTTL time.Duration
 	// PollInterval is the polling fallback when no NOTIFY arrives (e.g. the
-	// listening connection is down). Default 1s.
+	// listening connection is down), and the only wake-up of idle shards
+	// with NoListen or the NOTIFY trigger off (then consider 100ms: an idle
+	// publisher costs one small query per interval). Default 1s.
 	PollInterval time.Duration
+	// NoListen turns LISTEN off: no session connection waits for the
+	// outbox trigger's NOTIFY and for membership announcements, idle
+	// shards are found by polling every PollInterval and membership changes
+	// at the next heartbeat. LISTEN needs a session of its own, so set it
+	// behind PgBouncer in transaction mode (and DATABASE_URL's
+	// default_query_exec_mode=exec or simple_protocol there: no prepared
+	// statements outlive a transaction).
+	NoListen bool
+	// ShardConns is how many connections (lanes) the shard work uses, each
+	// opened when a shard first needs it; 64/ShardConns shards share one.
+	// Default 0: the pool's MaxConns.
+	ShardConns int
 	// BatchSize is the most events one shard sends in one produce
 	// call. Default 2000.
 	BatchSize int
@@ -135,6 +149,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("WRITE_TIMEOUT=%s: must be > 0", c.WriteTimeout)
 	case c.RetryMaxElapsed <= 0:
 		return fmt.Errorf("RETRY_MAX_ELAPSED=%s: must be > 0", c.RetryMaxElapsed)
+	case c.ShardConns < 0 || c.ShardConns > NumShards:
+		return fmt.Errorf("DATABASE_MAX_CONNS=%d: must be between 1 and %d", c.ShardConns, NumShards)
 	case c.TopicWait < 0:
 		return fmt.Errorf("TOPIC_WAIT=%s: must be >= 0", c.TopicWait)
 	case c.Retention < 0:

@@ -68,10 +68,14 @@ type Publisher struct {
 }
 
 // NewPublisher checks cfg and returns a publisher on pool. Run opens, from
-// pool's configuration, up to pool.Config().MaxConns connections for the
-// shard work (lanes, opened as the shards held need them), two for
-// heartbeats and one to LISTEN; pool itself serves the occasional queries
-// (polling, backlog). A MaxConns of 8 is plenty.
+// pool's configuration, Config.ShardConns connections for the shard work
+// (lanes, each opened when a shard first needs it: a publisher holding a
+// third of the shards opens about a third of them), two for heartbeats
+// and, unless Config.NoListen, one to LISTEN; pool itself serves the
+// occasional queries (start checks, polling, backlog, cleanup of retained
+// rows), which never need more than one connection at a time. So a
+// publisher holds at most ShardConns + 3 connections besides pool's, and
+// `publisher run` opens pool with one: DATABASE_MAX_CONNS + 4 in all.
 func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
@@ -126,7 +130,7 @@ func (p *Publisher) Run(ctx context.Context) error {
 	p.leasePool = leasePool
 	defer leasePool.Close()
 	// Shard work goes through lanes of one connection each (see lane).
-	p.lanes = make([]*pgxpool.Pool, max(1, p.pool.Config().MaxConns))
+	p.lanes = make([]*pgxpool.Pool, max(1, cmp.Or(p.cfg.ShardConns, int(p.pool.Config().MaxConns))))
 	p.laneLoad = make([]int, len(p.lanes))
 	for i := range p.lanes {
 		cfg := p.pool.Config().Copy()
@@ -136,11 +140,27 @@ func (p *Publisher) Run(ctx context.Context) error {
 		}
 		defer p.lanes[i].Close()
 	}
-	p.log.Info("publisher starting", slog.Int("batch_size", p.cfg.BatchSize), slog.Duration("lease_ttl", p.cfg.LeaseTTL))
+	notify, err := notifyEnabled(ctx, p.pool)
+	if err != nil {
+		return fmt.Errorf("publisher %s: %w", p.cfg.ID, err)
+	}
+	wakeup := "NOTIFY, polling every " + p.cfg.PollInterval.String() + " as a fallback"
+	switch {
+	case p.cfg.NoListen:
+		wakeup = "polling every " + p.cfg.PollInterval.String() + " (LISTEN off)"
+	case !notify:
+		wakeup = "polling every " + p.cfg.PollInterval.String() + " (the outbox NOTIFY trigger is off: see `publisher notify`)"
+	}
+	p.log.Info("publisher starting", slog.Int("batch_size", p.cfg.BatchSize), slog.Duration("lease_ttl", p.cfg.LeaseTTL),
+		slog.Int("shard_conns", len(p.lanes)), slog.String("wakeup", wakeup))
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var bg sync.WaitGroup
-	for _, fn := range []func(context.Context){p.listen, p.dispatch, p.watchBacklog, p.cleanupPublished, p.announcer} {
+	background := []func(context.Context){p.dispatch, p.watchBacklog, p.cleanupPublished, p.announcer}
+	if !p.cfg.NoListen {
+		background = append(background, p.listen)
+	}
+	for _, fn := range background {
 		bg.Add(1)
 		go func() {
 			defer bg.Done()

@@ -129,6 +129,22 @@ moved AS (
 )
 SELECT EXISTS (SELECT FROM lease), (SELECT count(*) FROM moved)`
 
+// notifyTrigger is the statement-level trigger on outbox_events that
+// NOTIFYs notifyChannel (migration 004, recreated by 005).
+const notifyTrigger = "outbox_events_notify"
+
+// notifyEnabledSQL reports whether the NOTIFY trigger fires ('D' is
+// disabled; a missing trigger does not fire either).
+const notifyEnabledSQL = `SELECT coalesce((SELECT tgenabled <> 'D' FROM pg_trigger WHERE tgrelid = 'outbox_events'::regclass AND tgname = '` + notifyTrigger + `'), false)`
+
+// enableNotifySQL and disableNotifySQL switch the trigger (they take a
+// short SHARE ROW EXCLUSIVE lock on outbox_events, which waits for the
+// writers in flight).
+const (
+	enableNotifySQL  = `ALTER TABLE outbox_events ENABLE TRIGGER ` + notifyTrigger
+	disableNotifySQL = `ALTER TABLE outbox_events DISABLE TRIGGER ` + notifyTrigger
+)
+
 // idCacheSQL reads the CACHE of outbox_events' identity sequence (see
 // checkIDSequence).
 const idCacheSQL = `SELECT seqcache FROM pg_sequence WHERE seqrelid = pg_get_serial_sequence('outbox_events', 'id')::regclass`

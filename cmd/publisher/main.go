@@ -20,5 +20,8 @@ func commands() []cli.Command {
 		deadLetterListCommand(os.Stdout),
 		deadLetterRetryCommand(os.Stdout),
 		topicsEnsureCommand(os.Stdout),
+		notifyCommand(os.Stdout, "on"),
+		notifyCommand(os.Stdout, "off"),
+		notifyCommand(os.Stdout, "status"),
 	}
 }
