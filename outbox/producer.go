@@ -140,7 +140,7 @@ func (pr *producer) write(ctx context.Context, msgs []kafka.Message) error {
 			defer wg.Done()
 			res, err := pr.client.Produce(ctx, &kafka.ProduceRequest{
 				Topic: k.topic, Partition: k.partition, RequiredAcks: kafka.RequireAll,
-				Records: &messageRecords{msgs: msgs, idx: idx},
+				Records: newMessageRecords(msgs, idx),
 			})
 			if err == nil && res.Error != nil {
 				err = res.Error
@@ -205,21 +205,32 @@ func partitionList(n int) []int {
 	return partitionIDs.ids[:n:n]
 }
 
-// messageRecords reads msgs[idx...] as records without copying them (as
-// kafka.Writer's own adapter does).
+// messageRecords reads messages as records (as kafka.Writer's own adapter
+// does). It holds its own copy of the Message values: a request that gave
+// up on its deadline may still be encoded by the transport's connection
+// goroutine (until the same deadline) while the caller builds the next
+// attempt's message list. The byte slices are shared; the batch that owns
+// them is not reused after a failed attempt (publishBatch).
 type messageRecords struct {
 	msgs       []kafka.Message
-	idx        []int
 	next       int
 	record     kafka.Record
 	key, value bytesReadCloser
 }
 
+func newMessageRecords(msgs []kafka.Message, idx []int) *messageRecords {
+	r := &messageRecords{msgs: make([]kafka.Message, len(idx))}
+	for j, i := range idx {
+		r.msgs[j] = msgs[i]
+	}
+	return r
+}
+
 func (r *messageRecords) ReadRecord() (*kafka.Record, error) {
-	if r.next >= len(r.idx) {
+	if r.next >= len(r.msgs) {
 		return nil, io.EOF
 	}
-	m := &r.msgs[r.idx[r.next]]
+	m := &r.msgs[r.next]
 	r.next++
 	r.record = kafka.Record{Time: m.Time, Headers: m.Headers}
 	if m.Key != nil {
