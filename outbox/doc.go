@@ -52,10 +52,14 @@
 // the newcomer about one batch time, and nobody waits for a join that may
 // never come). Heartbeats use their own two connections so they never queue
 // behind the shard work. Shard work goes through lanes of one connection
-// each (up to the pool's MaxConns), 64/MaxConns shard workers to a lane,
-// so each connection prepares and plans the statements of a few partitions
-// rather than all 64, and a publisher holding few shards uses few
-// connections.
+// each (Config.ShardConns, by default the pool's MaxConns), 64/ShardConns
+// shard workers to a lane, so each connection prepares and plans the
+// statements of a few partitions rather than all 64, and a publisher
+// holding few shards uses few connections. With the LISTEN connection and
+// one connection of the pool for polling and the gauges, a publisher holds
+// at most ShardConns + 4 connections (see [NewPublisher]); with
+// Config.NoListen it holds no session connection, for PgBouncer in
+// transaction mode.
 //
 // # One shard, one batch at a time
 //
@@ -138,7 +142,8 @@
 //
 // # Wake-up
 //
-// A statement-level trigger NOTIFYs outboxrelay_outbox once per INSERT
+// A statement-level trigger (outbox_events_notify; [SetNotify] turns it off
+// and on) NOTIFYs outboxrelay_outbox once per INSERT
 // statement with the distinct shards it inserted into as the payload
 // ("3,17,42", from a transition table; delivered at commit). A publisher
 // LISTENs on a connection of its own and wakes those shards' workers
