@@ -123,13 +123,18 @@ func (pr *producer) write(ctx context.Context, msgs []kafka.Message) error {
 	groups := map[key][]int{}
 	werrs := make(kafka.WriteErrors, len(msgs))
 	failed := false
+	var lastTopic string
+	var ids []int // partitionList of lastTopic
 	for i := range msgs {
 		tp := parts[msgs[i].Topic]
 		if tp.err != nil {
 			werrs[i], failed = tp.err, true
 			continue
 		}
-		k := key{msgs[i].Topic, pr.balancer.Balance(msgs[i], partitionList(tp.n)...)}
+		if ids == nil || msgs[i].Topic != lastTopic {
+			lastTopic, ids = msgs[i].Topic, partitionList(tp.n)
+		}
+		k := key{msgs[i].Topic, pr.balancer.Balance(msgs[i], ids...)}
 		groups[k] = append(groups[k], i)
 	}
 	var wg sync.WaitGroup
