@@ -157,8 +157,8 @@
 // NOTIFY has a cost on the writers' side: PostgreSQL takes its global
 // notify lock from the commit of every transaction that notifies until the
 // commit is done, so concurrent writers of the outbox commit one after
-// another (16 writers committing one event each: about 1,070 events/s with
-// the trigger on, 1,840 with it off on the project's test machine;
+// another (16 writers committing one event each: about 2,500 events/s with
+// the trigger on, 3,900 with it off on the project's 2-core test machine;
 // bench/publisher, BenchmarkPublisherWriters). Where writers matter more
 // than wake-up latency, turn the trigger off (`publisher notify off`) and
 // poll every 100ms.
