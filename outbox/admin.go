@@ -154,3 +154,44 @@ func RetryDeadLetters(ctx context.Context, q DB, ids []int64) (int64, error) {
 	}
 	return tag.RowsAffected(), nil
 }
+
+// SetNotify turns the outbox's NOTIFY trigger on or off. On (the default),
+// every transaction that writes the outbox NOTIFYs the publishers at
+// commit, so idle shards wake at once; but NOTIFY takes PostgreSQL's global
+// notify lock from the commit until it is flushed, which serialises the
+// commits of every writer of the outbox (16 concurrent writers: see
+// bench/publisher, "writers"). Off, writers commit without it and
+// publishers find idle shards by polling every Config.PollInterval (a busy
+// shard never waits: it reads its next batch at once). Publishers notice
+// at their next start; running ones keep LISTENing and simply get no more
+// notifications.
+func SetNotify(ctx context.Context, q DB, on bool) error {
+	sql := disableNotifySQL
+	if on {
+		sql = enableNotifySQL
+	}
+	if _, err := q.Exec(ctx, sql); err != nil {
+		return fmt.Errorf("turn the outbox NOTIFY trigger %s: %w", onOff(on), err)
+	}
+	return nil
+}
+
+// NotifyEnabled reports whether the outbox's NOTIFY trigger is on.
+func NotifyEnabled(ctx context.Context, q DB) (bool, error) { return notifyEnabled(ctx, q) }
+
+func notifyEnabled(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) (bool, error) {
+	var on bool
+	if err := q.QueryRow(ctx, notifyEnabledSQL).Scan(&on); err != nil {
+		return false, fmt.Errorf("read the outbox NOTIFY trigger: %w", err)
+	}
+	return on, nil
+}
+
+func onOff(on bool) string {
+	if on {
+		return "on"
+	}
+	return "off"
+}

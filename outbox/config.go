@@ -2,11 +2,13 @@ package outbox
 
 import (
 	"cmp"
+	"context"
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"time"
 
@@ -22,10 +24,10 @@ const (
 	DefaultPollInterval    = time.Second
 	DefaultBatchSize       = 2000
 	DefaultBatchBytes      = 1_000_000
-	DefaultBatchTimeout    = time.Microsecond
 	DefaultWriteTimeout    = 10 * time.Second
 	DefaultRetryMaxElapsed = time.Minute
 	DefaultBacklogInterval = 5 * time.Second
+	DefaultTopicWait       = 30 * time.Second
 	DefaultSource          = "outboxrelay"
 	DefaultMaxConns        = 8
 )
@@ -40,33 +42,52 @@ type Config struct {
 	TLS  *tls.Config
 	SASL sasl.Mechanism
 	// ID names this publisher in the lease table. Default: hostname-pid-random.
-	// Two running publishers must never share an ID.
+	// Two running publishers never share an ID: Run returns
+	// ErrPublisherIDInUse in a process that starts with the ID of a running
+	// one (after waiting up to LeaseTTL for a previous process's membership
+	// under the ID to run out, as after a crash and restart).
 	ID string
 	// LeaseTTL is how long a shard lease and a membership last without a
 	// heartbeat; heartbeats run every LeaseTTL/3. A publisher that dies is
 	// replaced after at most LeaseTTL. Default 10s, minimum 300ms.
 	LeaseTTL time.Duration
 	// PollInterval is the polling fallback when no NOTIFY arrives (e.g. the
-	// listening connection is down). Default 1s.
+	// listening connection is down), and the only wake-up of idle shards
+	// with NoListen or the NOTIFY trigger off (then consider 100ms: an idle
+	// publisher costs one small query per interval). Default 1s.
 	PollInterval time.Duration
-	// BatchSize is the most events one shard sends in one WriteMessages
+	// NoListen turns LISTEN off: no session connection waits for the
+	// outbox trigger's NOTIFY and for membership announcements, idle
+	// shards are found by polling every PollInterval and membership changes
+	// at the next heartbeat. LISTEN needs a session of its own, so set it
+	// behind PgBouncer in transaction mode (and DATABASE_URL's
+	// default_query_exec_mode=exec or simple_protocol there: no prepared
+	// statements outlive a transaction).
+	NoListen bool
+	// ShardConns is how many connections (lanes) the shard work uses, each
+	// opened when a shard first needs it; 64/ShardConns shards share one.
+	// Default 0: the pool's MaxConns.
+	ShardConns int
+	// BatchSize is the most events one shard sends in one produce
 	// call. Default 2000.
 	BatchSize int
 	// BatchBytes caps the bytes of one call (kafka-go's size estimate) and is
-	// the writer's BatchBytes; one event larger than this is dead-lettered.
+	// the most one partition's produce request carries; one event larger than this is dead-lettered.
 	// Keep it at or below the broker's message.max.bytes. Default 1,000,000.
 	BatchBytes int
-	// BatchTimeout is kafka-go's BatchTimeout: how long a partition's share
-	// of a call that does not fill the batch waits before it is sent. The
-	// publisher hands a whole batch to one call and never adds to it, so
-	// waiting only adds latency (a call's share of a partition is one batch
-	// however short this is). Default 1µs.
-	BatchTimeout time.Duration
-	// WriteTimeout bounds one produce attempt. Default 10s.
+	// WriteTimeout bounds one produce attempt; an attempt also ends at the
+	// shard's lease deadline (LeaseTTL/10 before the lease can be taken
+	// over), whichever comes first. Default 10s.
 	WriteTimeout time.Duration
 	// RetryMaxElapsed bounds one retry loop (a produce or a database write);
 	// the shard then starts over from the database. Default 1m.
 	RetryMaxElapsed time.Duration
+	// TopicWait is how long an event waits for its topic when the broker
+	// says the topic does not exist or the publisher may not write to it;
+	// then the event goes to outbox_dead_letters, and so do the topic's
+	// later events until the topic works again. Topics are never created by
+	// the publisher (see EnsureTopics). Default 30s.
+	TopicWait time.Duration
 	// Retention keeps published rows in outbox_published this long before
 	// they are deleted in batches. 0 (default) deletes them at once.
 	Retention time.Duration
@@ -75,6 +96,9 @@ type Config struct {
 	BacklogInterval time.Duration
 	// Source is the CloudEvents ce_source. Default "outboxrelay".
 	Source string
+	// Dial opens the connections to the brokers (a proxy, a custom
+	// network). nil: a net.Dialer with a 5s timeout.
+	Dial func(ctx context.Context, network, address string) (net.Conn, error)
 	// Registerer receives the publisher's metrics. nil: not registered.
 	Registerer prometheus.Registerer
 	// Health is marked degraded while the broker fails. nil: not reported.
@@ -101,11 +125,14 @@ func (c Config) withDefaults() Config {
 	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
 	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	c.BatchBytes = cmp.Or(c.BatchBytes, DefaultBatchBytes)
-	c.BatchTimeout = cmp.Or(c.BatchTimeout, DefaultBatchTimeout)
 	c.WriteTimeout = cmp.Or(c.WriteTimeout, DefaultWriteTimeout)
 	c.RetryMaxElapsed = cmp.Or(c.RetryMaxElapsed, DefaultRetryMaxElapsed)
 	c.BacklogInterval = cmp.Or(c.BacklogInterval, DefaultBacklogInterval)
+	c.TopicWait = cmp.Or(c.TopicWait, DefaultTopicWait)
 	c.Source = cmp.Or(c.Source, DefaultSource)
+	if c.Dial == nil {
+		c.Dial = (&net.Dialer{Timeout: 5 * time.Second}).DialContext
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -124,12 +151,14 @@ func (c Config) validate() error {
 		return fmt.Errorf("BATCH_SIZE=%d: must be between 1 and 100000", c.BatchSize)
 	case c.BatchBytes < 1024:
 		return fmt.Errorf("BATCH_BYTES=%d: must be at least 1024", c.BatchBytes)
-	case c.BatchTimeout < 0:
-		return fmt.Errorf("BATCH_TIMEOUT=%s: must be >= 0", c.BatchTimeout)
 	case c.WriteTimeout <= 0:
 		return fmt.Errorf("WRITE_TIMEOUT=%s: must be > 0", c.WriteTimeout)
 	case c.RetryMaxElapsed <= 0:
 		return fmt.Errorf("RETRY_MAX_ELAPSED=%s: must be > 0", c.RetryMaxElapsed)
+	case c.ShardConns < 0 || c.ShardConns > NumShards:
+		return fmt.Errorf("DATABASE_MAX_CONNS=%d: must be between 1 and %d", c.ShardConns, NumShards)
+	case c.TopicWait < 0:
+		return fmt.Errorf("TOPIC_WAIT=%s: must be >= 0", c.TopicWait)
 	case c.Retention < 0:
 		return fmt.Errorf("RETENTION=%s: must be >= 0 (0 deletes published events at once)", c.Retention)
 	}

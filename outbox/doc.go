@@ -52,15 +52,19 @@
 // the newcomer about one batch time, and nobody waits for a join that may
 // never come). Heartbeats use their own two connections so they never queue
 // behind the shard work. Shard work goes through lanes of one connection
-// each (up to the pool's MaxConns), 64/MaxConns shard workers to a lane,
-// so each connection prepares and plans the statements of a few partitions
-// rather than all 64, and a publisher holding few shards uses few
-// connections.
+// each (Config.ShardConns, by default the pool's MaxConns), 64/ShardConns
+// shard workers to a lane, so each connection prepares and plans the
+// statements of a few partitions rather than all 64, and a publisher
+// holding few shards uses few connections. With the LISTEN connection and
+// one connection of the pool for polling and the gauges, a publisher holds
+// at most ShardConns + 4 connections (see [NewPublisher]); with
+// Config.NoListen it holds no session connection, for PgBouncer in
+// transaction mode.
 //
 // # One shard, one batch at a time
 //
 // Each leased shard has one worker: read up to BatchSize unpublished events
-// in id order (and at most BatchBytes), send them in one WriteMessages call
+// in id order (and at most BatchBytes), send them in one produce call
 // with RequiredAcks=all, then delete them in one short statement fenced by
 // the lease (owner and epoch). The delete names exactly the ids that were
 // sent and acknowledged. The worker learns how many rows fit in BatchBytes
@@ -80,23 +84,35 @@
 // # One request per partition
 //
 // Records go to partitions with kafka.Murmur2Balancer (the Java client's
-// default partitioner), so one key always lands in one partition. Each shard
-// worker has its own kafka.Writer with BatchSize and BatchBytes equal to the
-// publisher's limits, and a call never exceeds them, so kafka-go turns one
-// call's messages for a partition into exactly one produce request, which
-// the broker appends whole or not at all. After a failure, only the
-// messages of the failed partitions are sent again, in their original order:
-// a retry can duplicate a record but never put a key's older event after a
-// newer one. kafka-go's own retries are off (MaxAttempts 1: they sleep
-// without a context); the publisher retries with exponential backoff and
+// default partitioner), so one key always lands in one partition. A batch
+// never exceeds BatchSize or BatchBytes, and its share of each partition is
+// sent as exactly one produce request (kafka-go's Client.Produce, acks=all),
+// which the broker appends whole or not at all. After a failure, only the
+// messages of the failed partitions are sent again, in their original
+// order: a retry can duplicate a record but never put a key's older event
+// after a newer one. The publisher retries with exponential backoff and
 // jitter (backoff/v4), each attempt bounded by WriteTimeout, each loop by
 // RetryMaxElapsed, after which the shard starts over from the database.
-// Nothing is ever added to a call, so nothing is waited for: the writer's
-// BatchSize is set to the call's size before each call (a one-partition call
-// is a full batch and leaves at once, and kafka-go no longer allocates a
-// 2000-message buffer for a one-event batch), and BatchTimeout, which only
-// decides when a partition's share of a call is sent, is 1µs (kafka-go's
-// default of 1 s would delay every call by a second).
+//
+// # No write after the lease
+//
+// Every produce attempt ends at the shard's lease deadline, which is
+// LeaseTTL/10 before the database lets another publisher claim the shard
+// (the deadline counts from the start of the heartbeat that renewed the
+// lease). The deadline is the produce requests' own context deadline, and
+// kafka-go sets it on the socket: no byte of an attempt is written after
+// it, and when the attempt returns no request of it is left queued to go
+// out later. kafka.Writer is not used because it sends queued batches from
+// goroutines of its own, on a context of its own, also after the call that
+// queued them gave up, and Close flushes them: a publisher cut off from the
+// broker could deliver an old batch after the shard's new owner sent newer
+// events of the same keys (TestNoWriteAfterLeaseLost). A worker whose lease
+// was lost or replaced is waited for before its shard gets a new worker in
+// the same publisher, and a shard given back is released only after its
+// worker finished. What remains: bytes written before the deadline that the
+// network delivers after it (a request stuck in a TCP send queue longer
+// than the margin plus the new owner's first write); only broker-side
+// fencing (transactional producers, which kafka-go lacks) closes that.
 //
 // # Commit order
 //
@@ -126,7 +142,8 @@
 //
 // # Wake-up
 //
-// A statement-level trigger NOTIFYs outboxrelay_outbox once per INSERT
+// A statement-level trigger (outbox_events_notify; [SetNotify] turns it off
+// and on) NOTIFYs outboxrelay_outbox once per INSERT
 // statement with the distinct shards it inserted into as the payload
 // ("3,17,42", from a transition table; delivered at commit). A publisher
 // LISTENs on a connection of its own and wakes those shards' workers
@@ -136,6 +153,15 @@
 // LISTEN connection is down; a busy worker reads its next batch at once
 // without waiting, so it needs no waking). An idle publisher costs one
 // small query per PollInterval: one index probe per idle shard.
+//
+// NOTIFY has a cost on the writers' side: PostgreSQL takes its global
+// notify lock from the commit of every transaction that notifies until the
+// commit is done, so concurrent writers of the outbox commit one after
+// another (16 writers committing one event each: about 2,500 events/s with
+// the trigger on, 3,900 with it off on the project's 2-core test machine;
+// bench/publisher, BenchmarkPublisherWriters). Where writers matter more
+// than wake-up latency, turn the trigger off (`publisher notify off`) and
+// poll every 100ms.
 //
 // # Failures
 //
@@ -148,6 +174,16 @@
 // rejected produce request does not say which record was at fault, its
 // records are re-sent one at a time to find it. `publisher dead-letter
 // list` shows them and `publisher dead-letter retry` re-enqueues them.
+//
+// Topics are never created by the publisher (no auto-creation: a typo would
+// become a topic with the broker's defaults, and adding partitions later
+// moves keys); create them with [EnsureTopics] (`publisher topics ensure`).
+// Each topic of a batch is looked up and sent on its own, so a topic that is
+// missing or forbidden (UNKNOWN_TOPIC_OR_PARTITION,
+// TOPIC_AUTHORIZATION_FAILED) fails its own events only. They are retried
+// for Config.TopicWait, then dead-lettered with the error; while the topic
+// stays unavailable its later events are dead-lettered at once, and the
+// shard's other topics are not held up.
 //
 // # Kafka record
 //

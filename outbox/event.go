@@ -64,6 +64,20 @@ ON CONFLICT DO NOTHING`
 // aggregate: the uniqueness is (event_id, aggregate_id), since outbox_events
 // is partitioned by aggregate). It returns how many events were inserted.
 // One statement whatever the number of events.
+//
+// Per-key order rule: the publisher sends a shard's events in id order, and
+// ids are taken when Enqueue runs, not at commit. So two transactions that
+// enqueue events of one aggregate must serialise on that aggregate before
+// calling Enqueue: lock or update the aggregate's own row first (UPDATE ...,
+// or SELECT ... FOR UPDATE), then Enqueue, then commit. The second
+// transaction then takes its id only after the first committed, gets the
+// higher id, and its event is published after the first one's. Enqueuing
+// first and locking afterwards, or writing one aggregate from transactions
+// that never touch a common row, leaves the order of their events
+// undefined. The batcher follows the rule (its guarded upsert of
+// normalized_records locks the row before its events are inserted). It also
+// needs outbox_events' identity sequence at CACHE 1, which the publisher
+// checks at start ([ErrIDSequenceCached]).
 func Enqueue(ctx context.Context, tx Querier, events ...Event) (int64, error) {
 	if len(events) == 0 {
 		return 0, nil

@@ -212,10 +212,9 @@ func (a *arena) take(grown []byte) []byte {
 }
 
 // messageSize is kafka-go's own size estimate of a message (the unexported
-// Message.totalSize), the number it compares with Writer.BatchBytes. The
-// publisher keeps every WriteMessages call under BatchBytes with it, so
-// kafka-go never splits one call's messages for a partition into two produce
-// requests (see doc.go, "One request per partition").
+// Message.totalSize). The publisher keeps every produce call under
+// BatchBytes with it, so one partition's share of a call stays under the
+// broker's message.max.bytes (see doc.go, "One request per partition").
 func messageSize(m *kafka.Message) int {
 	n := varIntLen(len(m.Headers))
 	for _, h := range m.Headers {
@@ -266,6 +265,14 @@ func IsPermanent(err error) bool {
 		}
 	}
 	return false
+}
+
+// topicUnavailable reports whether err says the topic does not exist or the
+// publisher may not write to it. Both can heal (a topic being created, an
+// ACL being granted, metadata catching up), so an event waits TopicWait
+// for its topic before it is dead-lettered.
+func topicUnavailable(err error) bool {
+	return errors.Is(err, kafka.UnknownTopicOrPartition) || errors.Is(err, kafka.TopicAuthorizationFailed)
 }
 
 // errorCode extracts the Kafka error code of err, 0 if it has none.

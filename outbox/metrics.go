@@ -38,7 +38,7 @@ func newPublisherMetrics(reg prometheus.Registerer) *publisherMetrics {
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
 		}),
 		batchSize: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "outbox_publish_batch_size", Help: "Events per WriteMessages call.",
+			Name: "outbox_publish_batch_size", Help: "Events per produce call.",
 			Buckets: prometheus.ExponentialBuckets(1, 4, 8),
 		}),
 		backlog: prometheus.NewGauge(prometheus.GaugeOpts{

@@ -101,8 +101,10 @@ func TestPollingFindsEventsWithoutNotifications(t *testing.T) {
 	brokers := stack.KafkaBrokers(t)
 	pool := stack.Pool(t, stack.Database(t))
 	topic := createTopic(t, brokers, 3)
-	_, err := pool.Exec(ctx, `ALTER TABLE outbox_events DISABLE TRIGGER outbox_events_notify`)
+	require.NoError(t, outbox.SetNotify(ctx, pool, false)) // `publisher notify off`
+	on, err := outbox.NotifyEnabled(ctx, pool)
 	require.NoError(t, err)
+	require.False(t, on)
 	pub := startPublisher(t, pool, outbox.Config{Brokers: brokers, PollInterval: 100 * time.Millisecond})
 	waitFor(t, 30*time.Second, "publisher to hold every shard and find it empty", func() bool {
 		var held int

@@ -129,15 +129,44 @@ moved AS (
 )
 SELECT EXISTS (SELECT FROM lease), (SELECT count(*) FROM moved)`
 
-// heartbeatSQL registers or renews this publisher and returns how many
-// publishers are alive (this one included).
+// notifyTrigger is the statement-level trigger on outbox_events that
+// NOTIFYs notifyChannel (migration 004, recreated by 005).
+const notifyTrigger = "outbox_events_notify"
+
+// notifyEnabledSQL reports whether the NOTIFY trigger fires ('D' is
+// disabled; a missing trigger does not fire either).
+const notifyEnabledSQL = `SELECT coalesce((SELECT tgenabled <> 'D' FROM pg_trigger WHERE tgrelid = 'outbox_events'::regclass AND tgname = '` + notifyTrigger + `'), false)`
+
+// enableNotifySQL and disableNotifySQL switch the trigger (they take a
+// short SHARE ROW EXCLUSIVE lock on outbox_events, which waits for the
+// writers in flight).
+const (
+	enableNotifySQL  = `ALTER TABLE outbox_events ENABLE TRIGGER ` + notifyTrigger
+	disableNotifySQL = `ALTER TABLE outbox_events DISABLE TRIGGER ` + notifyTrigger
+)
+
+// idCacheSQL reads the CACHE of outbox_events' identity sequence (see
+// checkIDSequence).
+const idCacheSQL = `SELECT seqcache FROM pg_sequence WHERE seqrelid = pg_get_serial_sequence('outbox_events', 'id')::regclass`
+
+// heartbeatSQL registers or renews this publisher instance ($3) and
+// returns whether it holds its id and how many publishers are alive (this
+// one included). The id is not this instance's while another instance's
+// membership under it has not expired: a second process started with the
+// same id is then refused, and the first keeps its shards.
 const heartbeatSQL = `
 WITH me AS (
-    INSERT INTO outbox_publishers (id, expires_at) VALUES ($1, now() + $2::interval)
-    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = excluded.expires_at
+    INSERT INTO outbox_publishers AS p (id, instance, expires_at) VALUES ($1, $3, now() + $2::interval)
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = excluded.expires_at, instance = excluded.instance,
+                                   started_at = CASE WHEN p.instance = excluded.instance THEN p.started_at ELSE now() END
+    WHERE p.instance = excluded.instance OR p.expires_at <= now()
     RETURNING id
 )
-SELECT 1 + count(*) FROM outbox_publishers WHERE expires_at > now() AND id <> $1`
+SELECT EXISTS (SELECT FROM me), 1 + count(*) FROM outbox_publishers WHERE expires_at > now() AND id <> $1`
+
+// publisherInstanceSQL names the instance holding an id and how long its
+// membership still runs.
+const publisherInstanceSQL = `SELECT instance, greatest(expires_at - now(), '0'::interval) FROM outbox_publishers WHERE id = $1`
 
 // forgetDeadPublishersSQL drops members that have not beaten for a while, so
 // status does not list them forever.
@@ -173,7 +202,7 @@ WHERE shard = $1 AND owner = $2 AND epoch = $3`
 
 // leaveSQL removes this publisher at a clean stop, so the others rebalance
 // at their next heartbeat instead of waiting for the lease TTL.
-const leaveSQL = `DELETE FROM outbox_publishers WHERE id = $1`
+const leaveSQL = `DELETE FROM outbox_publishers WHERE id = $1 AND instance = $2`
 
 // pendingShardsSQL is the polling fallback: which of the shards $1 (this
 // publisher's idle ones) have events. One index probe per partition (the

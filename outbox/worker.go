@@ -1,29 +1,24 @@
 package outbox
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
-
-	"github.com/outboxrelay/outboxrelay/internal/kafkakey"
 )
 
 // shardWorker publishes one leased shard: one batch at a time, so one key's
 // events never overtake each other.
 type shardWorker struct {
+	p        *Publisher
 	shard    int
 	epoch    int64
 	cancel   context.CancelFunc
@@ -36,7 +31,6 @@ type shardWorker struct {
 	// that many would not fit in one call (see fit). Shard goroutine only.
 	readLimit int
 	lane      int // index into Publisher.lanes
-	writer    *kafka.Writer
 	log       *slog.Logger
 }
 
@@ -56,67 +50,21 @@ func (w *shardWorker) exited() bool {
 	}
 }
 
-// startWorker runs a worker for a freshly held lease. Called with p.mu held.
-func (p *Publisher) startWorker(parent context.Context, l lease, deadline time.Duration) *shardWorker {
-	ctx, cancel := context.WithCancel(parent)
-	w := &shardWorker{
-		shard:  l.shard,
-		epoch:  l.epoch,
-		cancel: cancel,
-		done:   make(chan struct{}),
-		wake:   make(chan struct{}, 1),
+// valid reports whether the lease is certainly still ours.
+func (w *shardWorker) valid() bool { return w.p.now() < time.Duration(w.deadline.Load()) }
 
-		readLimit: cmp.Or(int(p.readLimit.Load()), p.firstReadLimit()),
-		lane:      p.pickLane(),
-		log:       p.log.With(slog.Int("shard", l.shard), slog.Int64("epoch", l.epoch)),
-		// One writer per shard: its partition batches never mix with another
-		// shard's, so each call's messages for a partition go out in a single
-		// produce request (see doc.go).
-		writer: &kafka.Writer{
-			Addr:         kafka.TCP(p.cfg.Brokers...),
-			Balancer:     kafkakey.Balancer(),
-			RequiredAcks: kafka.RequireAll,
-			BatchSize:    p.cfg.BatchSize,
-			BatchBytes:   int64(p.cfg.BatchBytes),
-			BatchTimeout: p.cfg.BatchTimeout,
-			WriteTimeout: p.cfg.WriteTimeout,
-			ReadTimeout:  p.cfg.WriteTimeout,
-			// kafka-go's own retries sleep without a context and would hide
-			// an outage; the publisher retries with backoff instead.
-			MaxAttempts:            1,
-			Transport:              p.transport,
-			AllowAutoTopicCreation: true,
-		},
-	}
-	w.deadline.Store(int64(deadline))
-	w.wake <- struct{}{} // look at the shard once at start
-	p.workers[l.shard] = w
-	p.wg.Add(1)
-	p.laneLoad[w.lane]++
-	go func() {
-		defer p.wg.Done()
-		defer close(w.done)
-		defer func() {
-			p.mu.Lock()
-			p.laneLoad[w.lane]--
-			p.mu.Unlock()
-		}()
-		defer w.writer.Close()
-		defer p.setFailing(w, false, nil)
-		p.runShard(ctx, w)
-	}()
-	return w
+// leaseDeadline is the local lease deadline as a time (monotonic).
+func (w *shardWorker) leaseDeadline() time.Time {
+	return w.p.base.Add(time.Duration(w.deadline.Load()))
 }
 
-// valid reports whether the lease is certainly still ours.
-func (p *Publisher) valid(w *shardWorker) bool { return p.now() < time.Duration(w.deadline.Load()) }
-
-func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
+func (w *shardWorker) runShard(ctx context.Context) {
+	p := w.p
 	failures := 0
 	var events *batch
 	fresh := false // events were read after the last batch was recorded
 	for ctx.Err() == nil {
-		if !p.valid(w) {
+		if !w.valid() {
 			// Heartbeats are failing (database down?): send nothing until a
 			// renewal proves the lease is still ours.
 			fresh = false
@@ -127,7 +75,7 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 		}
 		var err error
 		if !fresh {
-			if events, err = p.read(ctx, w); err != nil {
+			if events, err = w.read(ctx); err != nil {
 				p.m.errors.WithLabelValues(errKindDatabase).Inc()
 				err = fmt.Errorf("read shard %d: %w", w.shard, err)
 			}
@@ -135,7 +83,7 @@ func (p *Publisher) runShard(ctx context.Context, w *shardWorker) {
 		if err == nil && events.len() > 0 {
 			// The round trip that records this batch also reads the next
 			// one, so a busy shard costs one query per batch.
-			events, err = p.publishBatch(ctx, w, events)
+			events, err = w.publishBatch(ctx, events)
 		}
 		fresh = err == nil
 		switch {
@@ -178,47 +126,10 @@ type pendingEvent struct {
 	code int32
 }
 
-// batch is one read of a shard: its events, the memory their columns were
-// copied into, and what their records are built with. Batches come from
-// batchPool and go back to it once published and recorded, so a busy shard
-// reuses the same few megabytes instead of allocating them batch after
-// batch (and the garbage collector has that much less to do).
-type batch struct {
-	events []storedEvent
-	rows   arena // the events' variable-length columns
-	rb     recordBuilder
-	all    []pendingEvent
-	msgs   []kafka.Message // the records of a WriteMessages call
-}
-
-var batchPool = sync.Pool{New: func() any { return new(batch) }}
-
-func (b *batch) len() int {
-	if b == nil {
-		return 0
-	}
-	return len(b.events)
-}
-
-// release gives b back for reuse. Nothing may use b or anything built from
-// it afterwards: the next batch overwrites its rows' bytes and its records.
-// So only a batch that kafka-go is certainly done with may be released; any
-// other is left to the garbage collector (see publishBatch).
-func (b *batch) release() {
-	clear(b.events)
-	b.events = b.events[:0]
-	b.rows.reset()
-	clear(b.all)
-	b.all = b.all[:0]
-	clear(b.rb.slab)
-	clear(b.msgs)
-	b.msgs = b.msgs[:0]
-	batchPool.Put(b)
-}
-
 // publishBatch sends and records one batch read from the shard, and returns
 // the shard's next batch, read in the same round trip as the recording.
-func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) (*batch, error) {
+func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error) {
+	p := w.p
 	events := b.events
 	// Keep the call under BatchBytes so kafka-go sends each partition's
 	// share as one request; the rest of the rows come with the next read.
@@ -242,12 +153,12 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) 
 		}
 		all = append(all, pe)
 	}
-	p.fit(w, len(all), len(events), bytes)
+	w.fit(len(all), len(events), bytes)
 	b.all = all
 	ctx, span := startPublishSpan(ctx, all)
 	defer span.End()
 
-	retried, err := p.produce(ctx, w, b)
+	retried, err := w.produce(ctx, b)
 	if err != nil {
 		return nil, err
 	}
@@ -269,7 +180,7 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) 
 		}
 		ids = append(ids, pe.ev.id)
 	}
-	next, err := p.record(ctx, w, ids, deadIDs, deadErrs, deadCodes)
+	next, err := w.record(ctx, ids, deadIDs, deadErrs, deadCodes)
 	if err != nil {
 		return nil, err
 	}
@@ -295,19 +206,13 @@ func (p *Publisher) publishBatch(ctx context.Context, w *shardWorker, b *batch) 
 		p.cfg.OnPublished(w.shard, published)
 	}
 	// A write that failed or timed out may still be on its way in kafka-go
-	// (a WriteMessages call that gave up on its context leaves the request
-	// running), with the batch's bytes: such a batch is not reused.
+	// (a produce that gave up on its context may still be encoding the
+	// request until the same deadline), with the batch's bytes: such a
+	// batch is not reused.
 	if !retried {
 		b.release()
 	}
 	return next, nil
-}
-
-// firstReadLimit is the read size before any shard has fitted one: events
-// of up to 1 KiB fit in BatchBytes at this size, so the first reads of a
-// start (64 at once) do not read rows only to leave them for the next read.
-func (p *Publisher) firstReadLimit() int {
-	return max(1, min(p.cfg.BatchSize, p.cfg.BatchBytes/1024))
 }
 
 // fit adapts the worker's read size to what one call can carry: a read of
@@ -316,7 +221,8 @@ func (p *Publisher) firstReadLimit() int {
 // same rows twice. sent of read events went out with bytes in total. Shards
 // started later begin with the latest limit, since one topic's events tend
 // to be alike in size.
-func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
+func (w *shardWorker) fit(sent, read, bytes int) {
+	p := w.p
 	if sent == 0 || bytes == 0 {
 		return
 	}
@@ -328,107 +234,22 @@ func (p *Publisher) fit(w *shardWorker, sent, read, bytes int) {
 	p.readLimit.Store(int64(w.readLimit))
 }
 
-// pickLane chooses the lane of a new shard worker: the least busy of as few
-// lanes as the workers need, 64/lanes shards to a lane (8 with the default
-// 8 lanes). A lane is one connection, so it prepares and plans the
-// statements of the partitions of its shards only (each shard's statements
-// name its partition) and keeps them. A publisher holding all 64 shards
-// uses every lane; one that holds a third of them uses a third of its
-// lanes, so three publishers send PostgreSQL as many queries at once as
-// one, which on a small machine is faster than three times as many.
-// Called with p.mu held.
-func (p *Publisher) pickLane() int {
-	running := 0
-	for _, n := range p.laneLoad {
-		running += n
-	}
-	perLane := (NumShards + len(p.lanes) - 1) / len(p.lanes)
-	need := min(len(p.lanes), running/perLane+1)
-	lane := 0
-	for i := 1; i < need; i++ {
-		if p.laneLoad[i] < p.laneLoad[lane] {
-			lane = i
-		}
-	}
-	return lane
-}
-
-// lane is the connection w's shard works through.
-func (p *Publisher) lane(w *shardWorker) *pgxpool.Pool { return p.lanes[w.lane] }
+// conn is the lane (connection) the shard works through.
+func (w *shardWorker) conn() *pgxpool.Pool { return w.p.lanes[w.lane] }
 
 // readTimeout bounds a read outside the recording round trip: a shard's
 // lane is one connection, so a read that hangs would hold up every shard
 // of the lane while heartbeats keep their leases alive.
 const readTimeout = 30 * time.Second
 
-func (p *Publisher) read(ctx context.Context, w *shardWorker) (*batch, error) {
+func (w *shardWorker) read(ctx context.Context) (*batch, error) {
 	ctx, cancel := context.WithTimeout(ctx, readTimeout)
 	defer cancel()
-	rows, err := p.lane(w).Query(ctx, shardSQL[w.shard].read, w.readLimit)
+	rows, err := w.conn().Query(ctx, shardSQL[w.shard].read, w.readLimit)
 	if err != nil {
 		return nil, err
 	}
 	return scanEvents(rows, w.readLimit)
-}
-
-// scanEvents reads a batch of events with a handful of allocations: the
-// variable-length columns are copied from pgx's row buffer into shared
-// chunks (arena), and the columns that repeat from row to row (topic,
-// types) are made into strings once.
-func scanEvents(rows pgx.Rows, limit int) (*batch, error) {
-	defer rows.Close()
-	var b *batch
-	var out []storedEvent
-	var topic, aggregateType, eventType string
-	// The fixed-size columns are scanned through one argument list for the
-	// whole batch (a list per row would be an allocation per row); the rest
-	// are read raw. Columns: id, event_id, topic, aggregate_type,
-	// aggregate_id, aggregate_version, event_type, payload, headers,
-	// created_at (readSQL).
-	var id, version int64
-	var createdAt time.Time
-	dest := []any{&id, nil, nil, nil, nil, &version, nil, nil, nil, &createdAt}
-	for rows.Next() {
-		if b == nil {
-			b = batchPool.Get().(*batch)
-			out = slices.Grow(b.events[:0], limit)
-		}
-		if err := rows.Scan(dest...); err != nil {
-			return nil, err
-		}
-		out = append(out, storedEvent{id: id, aggregateVersion: version, createdAt: createdAt})
-		e := &out[len(out)-1]
-		raw, fields := rows.RawValues(), rows.FieldDescriptions()
-		buf := &b.rows
-		e.eventID = buf.copy(raw[1])
-		topic, aggregateType, eventType = same(topic, raw[2]), same(aggregateType, raw[3]), same(eventType, raw[6])
-		e.topic, e.aggregateType, e.eventType = topic, aggregateType, eventType
-		e.aggregateID = buf.copy(raw[4])
-		e.payload = buf.copy(jsonText(raw[7], &fields[7]))
-		e.headers = buf.copy(jsonText(raw[8], &fields[8]))
-	}
-	if b != nil {
-		b.events = out
-	}
-	return b, rows.Err()
-}
-
-// same returns v as a string: prev itself when equal, without allocating.
-func same(prev string, v []byte) string {
-	if prev == string(v) {
-		return prev
-	}
-	return string(v)
-}
-
-// jsonText is a json or jsonb column's value as JSON text: jsonb's binary
-// format starts with a version byte (pgx asks for text, where json and
-// jsonb are alike, but a connection may be set up otherwise).
-func jsonText(v []byte, f *pgconn.FieldDescription) []byte {
-	if f.DataTypeOID == pgtype.JSONBOID && f.Format == pgx.BinaryFormatCode && len(v) > 0 {
-		return v[1:]
-	}
-	return v
 }
 
 // produce sends every live event of the batch and returns once each one is
@@ -436,7 +257,8 @@ func jsonText(v []byte, f *pgconn.FieldDescription) []byte {
 // share of a call is one produce request that lands whole or not at all:
 // after a failure only the failed partitions' messages are sent again, in
 // their original order, and a retry can duplicate but never reorder.
-func (p *Publisher) produce(ctx context.Context, w *shardWorker, b *batch) (retried bool, err error) {
+func (w *shardWorker) produce(ctx context.Context, b *batch) (retried bool, err error) {
+	p := w.p
 	pending := make([]*pendingEvent, 0, len(b.all))
 	for i := range b.all {
 		if pe := &b.all[i]; pe.err == nil {
@@ -444,7 +266,7 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, b *batch) (retr
 		}
 	}
 	var suspects []*pendingEvent // rejected as part of a partition batch
-	err = p.retry(ctx, w, func(actx context.Context) error {
+	err = w.retry(ctx, func(actx context.Context) error {
 		b.msgs = messages(b.msgs[:0], pending)
 		err := w.write(actx, b.msgs...)
 		if err == nil {
@@ -467,6 +289,13 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, b *batch) (retr
 			case e == nil:
 			case IsPermanent(e):
 				suspects = append(suspects, pending[i])
+			case topicUnavailable(e) && p.producer.unavailableFor(pending[i].msg.Topic) >= p.cfg.TopicWait:
+				// The topic is missing or forbidden and has been for
+				// TopicWait: the event is parked instead of stopping the
+				// shard (the shard's other topics go on).
+				pending[i].err = fmt.Errorf("topic %q unavailable for over TOPIC_WAIT=%s (create it with `publisher topics ensure`, or let the publisher write to it; then `publisher dead-letter retry`): %w",
+					pending[i].msg.Topic, p.cfg.TopicWait, e)
+				pending[i].code = errorCode(e)
 			default:
 				again, cause = append(again, pending[i]), e
 			}
@@ -483,7 +312,7 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, b *batch) (retr
 	slices.SortFunc(suspects, func(a, b *pendingEvent) int { return int(a.ev.id - b.ev.id) })
 	for _, pe := range suspects {
 		retried = true
-		err := p.retry(ctx, w, func(actx context.Context) error {
+		err := w.retry(ctx, func(actx context.Context) error {
 			err := w.write(actx, pe.msg)
 			var werrs kafka.WriteErrors
 			if errors.As(err, &werrs) && len(werrs) == 1 {
@@ -502,17 +331,10 @@ func (p *Publisher) produce(ctx context.Context, w *shardWorker, b *batch) (retr
 	return retried, nil
 }
 
-// write sends msgs in one WriteMessages call. The writer's BatchSize is set
-// to the call's size first: a partition that receives the whole call then
-// has a full batch and goes out at once instead of after BatchTimeout, and
-// kafka-go sizes each partition batch's buffer by BatchSize, so a one-event
-// call no longer allocates room for 2000 messages. Only this shard's
-// goroutine calls write, and kafka-go reads BatchSize only inside
-// WriteMessages, so changing it between calls is safe. A call never exceeds
-// BatchSize or BatchBytes, so each partition's share is still one request.
+// write sends msgs in one call: each partition's share is one produce
+// request (see producer), so a retry can duplicate but never reorder.
 func (w *shardWorker) write(ctx context.Context, msgs ...kafka.Message) error {
-	w.writer.BatchSize = len(msgs)
-	return w.writer.WriteMessages(ctx, msgs...)
+	return w.p.producer.write(ctx, msgs)
 }
 
 // messages appends the messages of pes to out.
@@ -526,29 +348,39 @@ func messages(out []kafka.Message, pes []*pendingEvent) []kafka.Message {
 
 // retry runs op with exponential backoff and jitter until it succeeds, the
 // loop's time budget runs out, the shard stops, or the lease deadline passes.
-// Each attempt gets WriteTimeout; an attempt in flight is not cut short by a
-// soft stop, so what the broker acknowledged gets recorded.
-func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.Context) error) error {
+// Each attempt gets WriteTimeout, cut to the lease deadline: an attempt
+// that would outlive the lease could deliver its records after another
+// publisher took the shard and sent newer events of the same keys. The
+// deadline is the lease's local one (LeaseTTL/10 before the database lets
+// anyone else claim the shard); the producer writes no byte after it. An
+// attempt in flight is not cut short by a soft stop, so what the broker
+// acknowledged gets recorded.
+func (w *shardWorker) retry(ctx context.Context, op func(context.Context) error) error {
+	p := w.p
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval = 100 * time.Millisecond
 	b.MaxInterval = 5 * time.Second
 	b.MaxElapsedTime = p.cfg.RetryMaxElapsed
 	attempt := 0
 	err := backoff.RetryNotify(func() error {
-		if !p.valid(w) {
+		if !w.valid() {
 			return backoff.Permanent(errLeaseExpired)
 		}
 		attempt++
-		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.WriteTimeout)
+		end := time.Now().Add(p.cfg.WriteTimeout)
+		if lease := w.leaseDeadline(); lease.Before(end) {
+			end = lease
+		}
+		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), end)
 		defer cancel()
 		err := op(actx)
 		if err == nil {
-			p.setFailing(w, false, nil)
+			w.setFailing(false, nil)
 		}
 		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
 		p.m.errors.WithLabelValues(errKindBroker).Inc()
-		p.setFailing(w, true, err)
+		w.setFailing(true, err)
 		level := slog.LevelDebug
 		if attempt == 1 || attempt%10 == 0 {
 			level = slog.LevelWarn // an outage fails every shard: keep the log readable
@@ -569,7 +401,8 @@ func (p *Publisher) retry(ctx context.Context, w *shardWorker, op func(context.C
 // before the next batch goes to Kafka (no transaction is open while Kafka is
 // waited on). It runs to completion after a soft stop: the broker already
 // has the events.
-func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) (*batch, error) {
+func (w *shardWorker) record(ctx context.Context, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) (*batch, error) {
+	p := w.p
 	rctx := context.WithoutCancel(ctx)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval = 100 * time.Millisecond
@@ -602,7 +435,7 @@ func (p *Publisher) record(ctx context.Context, w *shardWorker, ids, deadIDs []i
 			batch.Queue(sql.read, w.readLimit)
 		}
 		err := func() error {
-			br := p.lane(w).SendBatch(actx, batch)
+			br := w.conn().SendBatch(actx, batch)
 			defer br.Close()
 			if _, err := br.Exec(); err != nil {
 				return err
@@ -654,5 +487,31 @@ func sleep(ctx context.Context, d time.Duration) bool {
 		return false
 	case <-t.C:
 		return true
+	}
+}
+
+// setFailing tracks shards whose broker writes fail; health is degraded
+// while any does.
+func (w *shardWorker) setFailing(failing bool, cause error) {
+	p := w.p
+	if w.failing.Load() == failing {
+		return
+	}
+	w.failing.Store(failing)
+	p.failingMu.Lock()
+	defer p.failingMu.Unlock()
+	if failing {
+		p.failing++
+	} else {
+		p.failing--
+	}
+	if p.cfg.Health == nil {
+		return
+	}
+	switch {
+	case p.failing > 0 && cause != nil:
+		p.cfg.Health.SetDegraded("kafka", cause.Error())
+	case p.failing == 0:
+		p.cfg.Health.SetDegraded("kafka", "")
 	}
 }

@@ -319,7 +319,7 @@ func baseline(b *testing.B, brokers []string) measured {
 		go func() {
 			defer wg.Done()
 			w := &kafka.Writer{Addr: kafka.TCP(brokers...), Balancer: &kafka.Murmur2Balancer{}, RequiredAcks: kafka.RequireAll,
-				BatchSize: outbox.DefaultBatchSize, BatchBytes: outbox.DefaultBatchBytes, BatchTimeout: outbox.DefaultBatchTimeout,
+				BatchSize: outbox.DefaultBatchSize, BatchBytes: outbox.DefaultBatchBytes,
 				MaxAttempts: 1, Transport: transport}
 			defer w.Close()
 			for len(msgs) > 0 {
@@ -440,4 +440,106 @@ func BenchmarkPublisherLatency(b *testing.B) {
 	b.ReportMetric(float64(p50.Microseconds())/1000, "p50-ms")
 	b.ReportMetric(float64(p99.Microseconds())/1000, "p99-ms")
 	b.Logf("commit → ack at %d events/s: %d samples, p50 %s, p99 %s, max %s", rate, len(lat), p50, p99, lat[len(lat)-1])
+}
+
+// BenchmarkPublisherWriters: 16 application writers commit one event per
+// transaction while one publisher runs, with the outbox's NOTIFY trigger on
+// (the default) and off (`publisher notify off`; the publisher then polls
+// every 100ms). NOTIFY takes PostgreSQL's global notify lock from each
+// commit until it is done, so concurrent writers of the outbox commit one
+// after another; the writers' rate shows what that costs them, the
+// end-to-end rate (last acknowledgement) what the publisher delivers.
+// Interleaved over BENCH_REPEATS rounds; medians reported.
+func BenchmarkPublisherWriters(b *testing.B) {
+	brokers := stack.KafkaBrokers(b)
+	url := stack.Database(b)
+	pool := stack.Pool(b, url)
+	rounds := benchround.Repeats(b)
+	const writers, perWriter = 16, 1500
+	writersPool := stack.Pool(b, withParam(url, "pool_max_conns", strconv.Itoa(writers)))
+	payload := []byte(`{"pad":"` + strings.Repeat("x", payloadPad) + `"}`)
+	run := func(notify bool) (writeRate, deliverRate float64) {
+		require.NoError(b, outbox.SetNotify(context.Background(), pool, notify))
+		defer func() { require.NoError(b, outbox.SetNotify(context.Background(), pool, true)) }()
+		topic, drop := createTopic(b, brokers)
+		defer drop()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		const total = writers * perWriter
+		var acked atomic.Int64
+		allAcked := make(chan time.Time, 1)
+		pubPool, err := pgxpool.New(context.Background(), withParam(url, "pool_max_conns", "1"))
+		require.NoError(b, err)
+		defer pubPool.Close()
+		pub, err := outbox.NewPublisher(pubPool, outbox.Config{Brokers: brokers, Logger: quiet(), LeaseTTL: 3 * time.Second,
+			ShardConns: outbox.DefaultMaxConns, PollInterval: 100 * time.Millisecond,
+			OnPublished: func(_ int, evs []outbox.Published) {
+				if acked.Add(int64(len(evs))) == total {
+					allAcked <- time.Now()
+				}
+			}})
+		require.NoError(b, err)
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			_ = pub.Run(ctx)
+		}()
+		for held := 0; held < outbox.NumShards; time.Sleep(20 * time.Millisecond) {
+			require.NoError(b, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_shard_leases WHERE owner = $1 AND expires_at > now()`, pub.ID()).Scan(&held))
+		}
+		start := time.Now()
+		var wg sync.WaitGroup
+		for w := range writers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range perWriter {
+					key := strconv.Itoa(w*perWriter + i)
+					_, err := outbox.Enqueue(ctx, writersPool, outbox.Event{ID: outbox.EventID("writers", key, 1, topic), Topic: topic,
+						AggregateID: key, AggregateVersion: 1, Payload: payload})
+					if err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		wrote := time.Since(start)
+		var last time.Time
+		select {
+		case last = <-allAcked:
+		case <-time.After(5 * time.Minute):
+			b.Fatalf("only %d of %d events acknowledged", acked.Load(), total)
+		}
+		cancel()
+		<-done
+		_, err = pool.Exec(context.Background(), `VACUUM outbox_events`)
+		require.NoError(b, err)
+		return total / wrote.Seconds(), total / last.Sub(start).Seconds()
+	}
+	run(true) // warm-up, not counted
+	writes := map[bool]benchround.Series{}
+	delivers := map[bool]benchround.Series{}
+	for r := range rounds {
+		for _, notify := range []bool{r%2 == 0, r%2 != 0} {
+			w, d := run(notify)
+			writes[notify] = append(writes[notify], w)
+			delivers[notify] = append(delivers[notify], d)
+			b.Logf("round %d, %d writers, NOTIFY %s: writers commit %.0f events/s, delivered %.0f events/s", r+1, writers, onOff(notify), w, d)
+		}
+	}
+	for _, notify := range []bool{true, false} {
+		b.ReportMetric(writes[notify].Median(), "events/s-write-notify-"+onOff(notify))
+		b.ReportMetric(delivers[notify].Median(), "events/s-delivered-notify-"+onOff(notify))
+	}
+	b.Logf("medians of %d rounds, %d writers, one event per transaction: NOTIFY on: writers %.0f events/s, delivered %.0f events/s; NOTIFY off (polling 100ms): writers %.0f events/s, delivered %.0f events/s",
+		rounds, writers, writes[true].Median(), delivers[true].Median(), writes[false].Median(), delivers[false].Median())
+}
+
+func onOff(on bool) string {
+	if on {
+		return "on"
+	}
+	return "off"
 }

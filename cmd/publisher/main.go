@@ -19,5 +19,9 @@ func commands() []cli.Command {
 		statusCommand(os.Stdout),
 		deadLetterListCommand(os.Stdout),
 		deadLetterRetryCommand(os.Stdout),
+		topicsEnsureCommand(os.Stdout),
+		notifyCommand(os.Stdout, "on"),
+		notifyCommand(os.Stdout, "off"),
+		notifyCommand(os.Stdout, "status"),
 	}
 }

@@ -25,6 +25,7 @@ func runCommand() cli.Command {
 				brokers  string
 				m        cli.Metrics
 				maxConns int
+				listen   bool
 				grace    time.Duration
 				ks       kafkaconn.Settings
 			)
@@ -34,18 +35,19 @@ func runCommand() cli.Command {
 			fs.String(&brokers, "kafka-brokers", "KAFKA_BROKERS", "", "Kafka bootstrap brokers, comma-separated host:port (required)")
 			ks.Register(fs)
 			m.RegisterMetrics(fs, "127.0.0.1:9102")
-			fs.String(&cfg.ID, "publisher-id", "PUBLISHER_ID", "", "name of this publisher in the lease table (default hostname-pid-random; must be unique)")
+			fs.String(&cfg.ID, "publisher-id", "PUBLISHER_ID", "", "name of this publisher in the lease table (default hostname-pid-random); a second process started with the id of a running one exits with an error")
 			fs.Duration(&cfg.LeaseTTL, "lease-ttl", "LEASE_TTL", outbox.DefaultLeaseTTL, "shard lease lifetime; heartbeats every third of it; a dead publisher's shards move after this")
-			fs.Duration(&cfg.PollInterval, "poll-interval", "POLL_INTERVAL", outbox.DefaultPollInterval, "polling fallback interval when no NOTIFY arrives")
+			fs.Duration(&cfg.PollInterval, "poll-interval", "POLL_INTERVAL", outbox.DefaultPollInterval, "polling fallback interval when no NOTIFY arrives (the only wake-up of idle shards with LISTEN or NOTIFY off: then consider 100ms)")
+			fs.Bool(&listen, "listen", "LISTEN", true, "LISTEN for NOTIFY wake-ups and membership changes on a session connection of its own; false behind PgBouncer in transaction mode (which cannot LISTEN): polling only")
 			fs.Int(&cfg.BatchSize, "batch-size", "BATCH_SIZE", outbox.DefaultBatchSize, "most events per shard per Kafka write")
 			fs.Int(&cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", outbox.DefaultBatchBytes, "most bytes per Kafka write; a larger event is dead-lettered (keep <= broker message.max.bytes)")
-			fs.Duration(&cfg.BatchTimeout, "batch-timeout", "BATCH_TIMEOUT", outbox.DefaultBatchTimeout, "kafka-go BatchTimeout: wait before sending a partly filled partition batch")
-			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "timeout of one produce attempt")
+			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "timeout of one produce attempt (also cut to the shard's lease deadline)")
 			fs.Duration(&cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", outbox.DefaultRetryMaxElapsed, "time budget of one retry loop before the shard starts over from the database")
+			fs.Duration(&cfg.TopicWait, "topic-wait", "TOPIC_WAIT", outbox.DefaultTopicWait, "how long an event waits for a missing or forbidden topic before it is dead-lettered (topics are never auto-created: see topics ensure)")
 			fs.Duration(&cfg.Retention, "retention", "RETENTION", 0, "keep published events in outbox_published this long (0 deletes them at once)")
 			fs.Duration(&cfg.BacklogInterval, "backlog-interval", "BACKLOG_INTERVAL", outbox.DefaultBacklogInterval, "refresh interval of the backlog metrics")
 			fs.String(&cfg.Source, "ce-source", "CE_SOURCE", outbox.DefaultSource, "CloudEvents ce_source header")
-			fs.Int(&maxConns, "database-max-conns", "DATABASE_MAX_CONNS", outbox.DefaultMaxConns, "most PostgreSQL connections for shard work (one per lane, 64/N shards to a lane); heartbeats, LISTEN, polling and the backlog gauge use a few more")
+			fs.Int(&maxConns, "database-max-conns", "DATABASE_MAX_CONNS", outbox.DefaultMaxConns, "PostgreSQL connections for shard work (one per lane, 64/N shards to a lane, each opened when first needed); the publisher holds at most this + 4: 2 for heartbeats, 1 for polling/backlog/cleanup, 1 to LISTEN")
 			fs.Duration(&grace, "shutdown-grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGTERM/SIGINT, how long to finish batches in flight before exiting anyway")
 			if _, err := fs.Parse(args); err != nil {
 				return err
@@ -76,7 +78,10 @@ func runCommand() cli.Command {
 			}
 			soft, hard, stop := shutdown.Contexts(ctx, grace, logger)
 			defer stop()
-			pool, err := pgconn.Open(hard, c.DatabaseURL, maxConns)
+			// The pool serves the start checks, polling, the backlog gauge
+			// and cleanup, one query at a time; the shard lanes, heartbeats
+			// and LISTEN open connections of their own from its settings.
+			pool, err := pgconn.Open(hard, c.DatabaseURL, 1)
 			if err != nil {
 				return err
 			}
@@ -85,6 +90,7 @@ func runCommand() cli.Command {
 			health := metrics.NewHealth()
 			health.AddCheck("postgres", pool.Ping)
 			cfg.Registerer, cfg.Health, cfg.Logger = reg, health, logger
+			cfg.ShardConns, cfg.NoListen = maxConns, !listen
 			pub, err := outbox.NewPublisher(pool, cfg)
 			if err != nil {
 				return cli.UsageError("%v", err)

@@ -1,0 +1,54 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
+	"github.com/outboxrelay/outboxrelay/outbox"
+)
+
+// notifyCommand is `publisher notify on|off|status`: the outbox's NOTIFY
+// trigger, which wakes publishers at once but serialises the commits of
+// concurrent outbox writers on PostgreSQL's notify lock.
+func notifyCommand(stdout io.Writer, verb string) cli.Command {
+	summary := map[string]string{
+		"on":     "turn the outbox NOTIFY trigger on (idle publishers wake at once on every commit; the default)",
+		"off":    "turn the outbox NOTIFY trigger off (writers commit without the global notify lock; publishers poll)",
+		"status": "print whether the outbox NOTIFY trigger is on",
+	}[verb]
+	return cli.Command{
+		Name:    "notify " + verb,
+		Summary: summary,
+		Run: func(ctx context.Context, args []string) error {
+			var c cli.Common
+			fs := cli.NewFlagSet("publisher notify "+verb, "NOTIFY takes PostgreSQL's global notify lock from each commit that writes the outbox until\nthe commit is flushed, so many concurrent writers commit one after another. Off, publishers\nfind idle shards by polling every POLL_INTERVAL instead (set it to about 100ms).")
+			c.RegisterDatabase(fs)
+			if _, err := fs.Parse(args); err != nil {
+				return err
+			}
+			pool, err := pgconn.Open(ctx, c.DatabaseURL, 1)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			if verb != "status" {
+				if err := outbox.SetNotify(ctx, pool, verb == "on"); err != nil {
+					return err
+				}
+			}
+			on, err := outbox.NotifyEnabled(ctx, pool)
+			if err != nil {
+				return err
+			}
+			state := "off: publishers poll every POLL_INTERVAL"
+			if on {
+				state = "on"
+			}
+			fmt.Fprintf(stdout, "outbox NOTIFY trigger: %s\n", state)
+			return nil
+		},
+	}
+}

@@ -1,0 +1,256 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"sync"
+	"time"
+
+	"github.com/outboxrelay/outboxrelay/internal/kafkakey"
+	"github.com/segmentio/kafka-go"
+)
+
+// producer sends records with kafka-go's Client: one Produce request per
+// partition of a call, each bounded by the call's context and nothing else.
+//
+// It replaces kafka.Writer, which sends the batches of a call from
+// goroutines of its own on a context of its own (context.Background plus
+// WriteTimeout): a WriteMessages call that gave up on its context leaves
+// them queued, they go out whenever the broker answers again, and Close
+// flushes them. A publisher that lost a shard's lease could so send an old
+// batch after the shard's new owner had sent newer events of the same keys.
+// Here a request lives and dies with the attempt that made it: its
+// connection is set up, written and read under the attempt's deadline (the
+// transport sets that deadline on the socket), and when write returns no
+// request of the call is waiting anywhere to be sent later.
+type producer struct {
+	client   *kafka.Client
+	balancer kafka.Balancer // kafkakey.Balancer: the partition every stage agrees on
+
+	mu    sync.Mutex
+	parts map[string]topicParts // partition counts, from the transport's metadata cache
+	// unavailable is when each topic was first found missing or forbidden
+	// (topicUnavailable) since it last worked.
+	unavailable map[string]time.Time
+}
+
+type topicParts struct {
+	n       int
+	err     error
+	fetched time.Time
+}
+
+// partsTTL is how long a topic's partition count is reused before the
+// transport's cache (itself refreshed every MetadataTTL) is asked again.
+const partsTTL = time.Second
+
+func newProducer(transport *kafka.Transport, brokers []string) *producer {
+	return &producer{
+		client:   &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport},
+		balancer: kafkakey.Balancer(),
+		parts:    map[string]topicParts{},
+
+		unavailable: map[string]time.Time{},
+	}
+}
+
+// partitions returns the partition count of each topic of msgs; a topic
+// whose metadata failed has its error instead.
+func (pr *producer) partitions(ctx context.Context, msgs []kafka.Message) (map[string]topicParts, error) {
+	now := time.Now()
+	out := map[string]topicParts{}
+	var missing []string
+	pr.mu.Lock()
+	for i := range msgs {
+		t := msgs[i].Topic
+		if _, ok := out[t]; ok {
+			continue
+		}
+		tp, ok := pr.parts[t]
+		if ok && now.Sub(tp.fetched) < partsTTL {
+			out[t] = tp
+		} else {
+			out[t] = topicParts{}
+			missing = append(missing, t)
+		}
+	}
+	pr.mu.Unlock()
+	if len(missing) == 0 {
+		return out, nil
+	}
+	meta, err := pr.client.Metadata(ctx, &kafka.MetadataRequest{Topics: missing})
+	if err != nil {
+		return nil, err
+	}
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	for _, t := range missing {
+		tp := topicParts{err: kafka.UnknownTopicOrPartition, fetched: now}
+		for _, mt := range meta.Topics {
+			if mt.Name == t {
+				tp = topicParts{n: len(mt.Partitions), err: mt.Error, fetched: now}
+				if tp.err == nil && tp.n == 0 {
+					tp.err = kafka.LeaderNotAvailable
+				}
+				break
+			}
+		}
+		if tp.err == nil {
+			pr.parts[t] = tp
+		} else {
+			delete(pr.parts, t) // ask again next time
+		}
+		pr.noteLocked(t, tp.err, now)
+		out[t] = tp
+	}
+	return out, nil
+}
+
+// write sends msgs, each partition's share as one Produce request with
+// acks=all, and returns nil, a [kafka.WriteErrors] with one entry per
+// message, or an error that concerns the whole call. A topic whose
+// metadata fails fails its own messages only. It returns once every request
+// has finished or failed: with a context deadline, no byte of the call is
+// written after that deadline.
+func (pr *producer) write(ctx context.Context, msgs []kafka.Message) error {
+	parts, err := pr.partitions(ctx, msgs)
+	if err != nil {
+		return err
+	}
+	type key struct {
+		topic     string
+		partition int
+	}
+	groups := map[key][]int{}
+	werrs := make(kafka.WriteErrors, len(msgs))
+	failed := false
+	var lastTopic string
+	var ids []int // partitionList of lastTopic
+	for i := range msgs {
+		tp := parts[msgs[i].Topic]
+		if tp.err != nil {
+			werrs[i], failed = tp.err, true
+			continue
+		}
+		if ids == nil || msgs[i].Topic != lastTopic {
+			lastTopic, ids = msgs[i].Topic, partitionList(tp.n)
+		}
+		k := key{msgs[i].Topic, pr.balancer.Balance(msgs[i], ids...)}
+		groups[k] = append(groups[k], i)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for k, idx := range groups {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := pr.client.Produce(ctx, &kafka.ProduceRequest{
+				Topic: k.topic, Partition: k.partition, RequiredAcks: kafka.RequireAll,
+				Records: newMessageRecords(msgs, idx),
+			})
+			if err == nil && res.Error != nil {
+				err = res.Error
+			}
+			pr.mu.Lock()
+			pr.noteLocked(k.topic, err, time.Now())
+			pr.mu.Unlock()
+			if err != nil {
+				mu.Lock()
+				for _, i := range idx {
+					werrs[i] = err
+				}
+				failed = true
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if !failed {
+		return nil
+	}
+	return werrs
+}
+
+// noteLocked records whether topic is unavailable after a result with err.
+// Called with pr.mu held.
+func (pr *producer) noteLocked(topic string, err error, now time.Time) {
+	switch {
+	case err == nil:
+		delete(pr.unavailable, topic)
+	case topicUnavailable(err):
+		if _, ok := pr.unavailable[topic]; !ok {
+			pr.unavailable[topic] = now
+		}
+	}
+}
+
+// unavailableFor is how long topic has been missing or forbidden (0 when it
+// is not).
+func (pr *producer) unavailableFor(topic string) time.Duration {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	since, ok := pr.unavailable[topic]
+	if !ok {
+		return 0
+	}
+	return time.Since(since)
+}
+
+var partitionIDs struct {
+	sync.Mutex
+	ids []int
+}
+
+// partitionList is [0, n) from a shared slice (Balance takes a list).
+func partitionList(n int) []int {
+	partitionIDs.Lock()
+	defer partitionIDs.Unlock()
+	for len(partitionIDs.ids) < n {
+		partitionIDs.ids = append(partitionIDs.ids, len(partitionIDs.ids))
+	}
+	return partitionIDs.ids[:n:n]
+}
+
+// messageRecords reads messages as records (as kafka.Writer's own adapter
+// does). It holds its own copy of the Message values: a request that gave
+// up on its deadline may still be encoded by the transport's connection
+// goroutine (until the same deadline) while the caller builds the next
+// attempt's message list. The byte slices are shared; the batch that owns
+// them is not reused after a failed attempt (publishBatch).
+type messageRecords struct {
+	msgs       []kafka.Message
+	next       int
+	record     kafka.Record
+	key, value bytesReadCloser
+}
+
+func newMessageRecords(msgs []kafka.Message, idx []int) *messageRecords {
+	r := &messageRecords{msgs: make([]kafka.Message, len(idx))}
+	for j, i := range idx {
+		r.msgs[j] = msgs[i]
+	}
+	return r
+}
+
+func (r *messageRecords) ReadRecord() (*kafka.Record, error) {
+	if r.next >= len(r.msgs) {
+		return nil, io.EOF
+	}
+	m := &r.msgs[r.next]
+	r.next++
+	r.record = kafka.Record{Time: m.Time, Headers: m.Headers}
+	if m.Key != nil {
+		r.key.Reset(m.Key)
+		r.record.Key = &r.key
+	}
+	if m.Value != nil {
+		r.value.Reset(m.Value)
+		r.record.Value = &r.value
+	}
+	return &r.record, nil
+}
+
+type bytesReadCloser struct{ bytes.Reader }
+
+func (*bytesReadCloser) Close() error { return nil }

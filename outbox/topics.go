@@ -1,0 +1,116 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+)
+
+// TopicSpec is a topic as [EnsureTopics] creates it.
+type TopicSpec struct {
+	Name string
+	// Partitions is the partition count. Required (> 0): a key's partition
+	// is its hash modulo this count, so changing it later moves keys and
+	// breaks their order across the change.
+	Partitions int
+	// ReplicationFactor is the number of replicas. Required (> 0).
+	ReplicationFactor int
+}
+
+// TopicResult is what [EnsureTopics] found or did for one topic.
+type TopicResult struct {
+	Name       string
+	Created    bool // false: it existed already
+	Partitions int  // the topic's partition count now
+	// Err is set when the topic could not be created, or exists with
+	// another partition count than asked for (it is left as it is).
+	Err error
+}
+
+// ErrTopicMismatch is wrapped in a TopicResult.Err of a topic that exists
+// with another partition count.
+var ErrTopicMismatch = errors.New("topic exists with another partition count")
+
+// EnsureTopics creates the topics that do not exist yet, with the given
+// partition count and replication factor, and checks the partition count of
+// those that do. The publisher never creates topics itself (an event for a
+// missing topic waits Config.TopicWait, then goes to outbox_dead_letters):
+// run this (`publisher topics ensure`) when a deployment adds a topic. It
+// returns an error only when the brokers cannot be asked at all; per-topic
+// problems are in the results.
+func EnsureTopics(ctx context.Context, brokers []string, specs []TopicSpec) ([]TopicResult, error) {
+	for _, s := range specs {
+		switch {
+		case s.Name == "":
+			return nil, fmt.Errorf("topic name is empty")
+		case s.Partitions <= 0:
+			return nil, fmt.Errorf("topic %s: partitions=%d: must be > 0", s.Name, s.Partitions)
+		case s.ReplicationFactor <= 0:
+			return nil, fmt.Errorf("topic %s: replication factor %d: must be > 0", s.Name, s.ReplicationFactor)
+		}
+	}
+	client := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
+	req := &kafka.CreateTopicsRequest{}
+	for _, s := range specs {
+		req.Topics = append(req.Topics, kafka.TopicConfig{Topic: s.Name, NumPartitions: s.Partitions, ReplicationFactor: s.ReplicationFactor})
+	}
+	resp, err := client.CreateTopics(ctx, req)
+	if err != nil {
+		return nil, fmt.Errorf("create topics on %v: %w", brokers, err)
+	}
+	names := make([]string, len(specs))
+	for i, s := range specs {
+		names[i] = s.Name
+	}
+	// Topic creation is asynchronous: wait (bounded) until the metadata
+	// shows every topic with its partitions.
+	var meta *kafka.MetadataResponse
+	for attempt := 0; ; attempt++ {
+		meta, err = client.Metadata(ctx, &kafka.MetadataRequest{Topics: names})
+		if err == nil && allPresent(meta, names) || attempt == 50 || ctx.Err() != nil {
+			break
+		}
+		if !sleep(ctx, 200*time.Millisecond) {
+			break
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read topic metadata from %v: %w", brokers, err)
+	}
+	out := make([]TopicResult, len(specs))
+	for i, s := range specs {
+		r := TopicResult{Name: s.Name}
+		cerr := resp.Errors[s.Name]
+		switch {
+		case cerr == nil:
+			r.Created = true
+		case errors.Is(cerr, kafka.TopicAlreadyExists):
+		default:
+			r.Err = fmt.Errorf("create topic %s: %w", s.Name, cerr)
+		}
+		for _, t := range meta.Topics {
+			if t.Name == s.Name && t.Error == nil {
+				r.Partitions = len(t.Partitions)
+			}
+		}
+		if r.Err == nil && r.Partitions != s.Partitions {
+			r.Err = fmt.Errorf("%w: %s has %d partitions, %d asked for (left as it is: changing the count moves keys to other partitions)",
+				ErrTopicMismatch, s.Name, r.Partitions, s.Partitions)
+		}
+		out[i] = r
+	}
+	return out, nil
+}
+
+func allPresent(meta *kafka.MetadataResponse, names []string) bool {
+	found := 0
+	for _, t := range meta.Topics {
+		if t.Error == nil && len(t.Partitions) > 0 {
+			found++
+		}
+	}
+	return found == len(names)
+}
