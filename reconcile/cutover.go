@@ -112,7 +112,7 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	if err != nil {
 		return r, err
 	}
-	rc := Config{DB: db, Search: client, Index: r.Index, Source: j.SourceName, ProcessorVersion: j.ProcessorVersion, Limit: 1}
+	rc := Config{DB: db, Search: client, Index: r.Index, Source: j.SourceName, AggregateType: j.AggregateType, ProcessorVersion: j.ProcessorVersion, Limit: 1}
 	if !exists {
 		r.Missing = append(r.Missing, fmt.Sprintf("index %s does not exist yet (no indexer has seen an event of processor version %s)", r.Index, j.ProcessorVersion))
 		// The rows still count, for the progress line.

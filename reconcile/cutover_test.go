@@ -99,7 +99,7 @@ SELECT 'orders', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', fal
 	require.NoError(t, err)
 	b := client.Bulk().Index(next)
 	for g := 1; g <= 20; g++ {
-		b.Add(indexDocPV(strconv.Itoa(g), 1, false, "v2"))
+		b.Add(indexDocOf("orders", strconv.Itoa(g), 1, false, "v2"))
 	}
 	res, err := b.Refresh("true").Do(ctx)
 	require.NoError(t, err)

@@ -396,7 +396,7 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 			if len(hit.Source) > 0 {
 				_ = json.Unmarshal(hit.Source, &doc)
 			}
-			st := indexState{state: state{deleted: doc.Deleted}, index: hit.Index, aggregateType: doc.AggregateType}
+			st := indexState{state: state{deleted: doc.Deleted, pv: doc.PV}, index: hit.Index, aggregateType: doc.AggregateType}
 			if hit.Version != nil {
 				st.version = *hit.Version
 			}

@@ -22,9 +22,14 @@ func indexDoc(id string, version int64, deleted bool) *elastic.BulkIndexRequest 
 }
 
 func indexDocPV(id string, version int64, deleted bool, pv string) *elastic.BulkIndexRequest {
-	doc := map[string]any{"title": "doc " + id, sink.FieldAggregateType: "src"}
+	return indexDocOf("src", id, version, deleted, pv)
+}
+
+// indexDocOf is indexDocPV for an event of aggregate type typ.
+func indexDocOf(typ, id string, version int64, deleted bool, pv string) *elastic.BulkIndexRequest {
+	doc := map[string]any{"title": "doc " + id, sink.FieldAggregateType: typ}
 	if deleted {
-		doc = map[string]any{sink.FieldDeleted: true, sink.FieldAggregateType: "src"}
+		doc = map[string]any{sink.FieldDeleted: true, sink.FieldAggregateType: typ}
 	}
 	doc[sink.FieldBucket] = sink.Bucket(id)
 	doc[sink.FieldIDV] = sink.IDV(id, version, deleted, pv)

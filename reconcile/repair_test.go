@@ -24,7 +24,8 @@ func ownedDoc(typ, id string, version int64, deleted bool) *elastic.BulkIndexReq
 		doc = map[string]any{sink.FieldDeleted: true}
 	}
 	doc[sink.FieldBucket] = sink.Bucket(id)
-	doc[sink.FieldIDV] = sink.IDV(id, version, deleted, "")
+	doc[sink.FieldIDV] = sink.IDV(id, version, deleted, "v1")
+	doc[sink.FieldPV] = "v1" // as the batcher's events (processor version v1) are indexed
 	doc[sink.FieldAggregateType] = typ
 	return elastic.NewBulkIndexRequest().Id(id).Version(version).VersionType("external").Doc(doc)
 }

@@ -202,7 +202,14 @@ func TestBacklogDropsAnEndedGeneration(t *testing.T) {
 		put(old, 1, o)
 	}
 	inFlight, _ := b.takeLocked(clock.now())
-	require.Equal(t, map[int][]int64{0: {0, 1}}, offsets(inFlight))
+	got := offsets(inFlight)
+	require.Len(t, got, 1)
+	busy := -1 // the partition in flight: either, they waited as long
+	for p := range got {
+		busy = p
+	}
+	other := 1 - busy
+	require.Equal(t, map[int][]int64{busy: {0, 1}}, got)
 	require.Equal(t, 4, b.drop(old))
 	docs, bytes := b.stats()
 	require.Zero(t, docs)
@@ -211,10 +218,10 @@ func TestBacklogDropsAnEndedGeneration(t *testing.T) {
 	put(next, 0, 0) // read again from the committed offset
 	put(next, 1, 0)
 	bt, _ := b.takeLocked(clock.advance(time.Hour))
-	require.Equal(t, map[int][]int64{1: {0}}, offsets(bt), "partition 0 is still busy")
+	require.Equal(t, map[int][]int64{other: {0}}, offsets(bt), "partition %d is still busy", busy)
 	b.release(inFlight)
 	bt, _ = b.takeLocked(clock.now())
-	require.Equal(t, map[int][]int64{0: {0}}, offsets(bt))
+	require.Equal(t, map[int][]int64{busy: {0}}, offsets(bt))
 	require.Zero(t, b.freeDocs)
 	require.Zero(t, b.freeBytes)
 }

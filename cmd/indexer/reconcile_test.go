@@ -42,7 +42,7 @@ SELECT 't', g::text, jsonb_build_object('title', 'doc ' || g), 1, 'v1', false FR
 	for g := 1; g <= n; g++ {
 		id := strconv.Itoa(g)
 		bulk.Add(elastic.NewBulkIndexRequest().Id(id).Version(1).VersionType("external").Doc(map[string]any{
-			"title": "doc " + id, sink.FieldBucket: sink.Bucket(id), sink.FieldIDV: sink.IDV(id, 1, false, ""), sink.FieldAggregateType: "t",
+			"title": "doc " + id, sink.FieldBucket: sink.Bucket(id), sink.FieldIDV: sink.IDV(id, 1, false, "v1"), sink.FieldPV: "v1", sink.FieldAggregateType: "t",
 		}))
 	}
 	res, err := bulk.Refresh("true").Do(ctx)
