@@ -21,8 +21,11 @@ import (
 
 // settings binds sink.Config to flags and environment variables.
 type settings struct {
-	common      cli.Common
-	brokers     string
+	common  cli.Common
+	brokers string
+	// noKafka: the command talks to the engine only (reindex, cutover,
+	// rollback, generations drop): no broker is required or probed.
+	noKafka     bool
 	mappingFile string
 	metrics     cli.Metrics
 	kafkaSec    kafkaconn.Settings
@@ -97,16 +100,18 @@ func (s *settings) load(ctx context.Context, needEngine bool) (*slog.Logger, err
 			return nil, cli.UsageError("%v", err)
 		}
 	}
-	if len(s.cfg.Brokers) == 0 {
-		return nil, cli.UsageError("KAFKA_BROKERS is required (comma-separated host:port list)")
-	}
-	sec, err := s.kafkaSec.Build(logger)
-	if err != nil {
-		return nil, err
-	}
-	s.cfg.TLS, s.cfg.SASL = sec.TLS, sec.SASL
-	if err := sec.Probe(ctx, s.cfg.Brokers); err != nil {
-		return nil, err
+	if !s.noKafka {
+		if len(s.cfg.Brokers) == 0 {
+			return nil, cli.UsageError("KAFKA_BROKERS is required (comma-separated host:port list)")
+		}
+		sec, err := s.kafkaSec.Build(logger)
+		if err != nil {
+			return nil, err
+		}
+		s.cfg.TLS, s.cfg.SASL = sec.TLS, sec.SASL
+		if err := sec.Probe(ctx, s.cfg.Brokers); err != nil {
+			return nil, err
+		}
 	}
 	if needEngine && s.cfg.URL == "" {
 		return nil, cli.UsageError("ELASTICSEARCH_URL is required (e.g. http://127.0.0.1:9200)")
@@ -268,7 +273,7 @@ func reindexCommand(stdout io.Writer) cli.Command {
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			s.brokers = "unused:0" // reindex does not talk to Kafka
+			s.noKafka = true // reindex does not talk to Kafka
 			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}

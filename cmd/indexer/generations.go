@@ -49,7 +49,7 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 			if job == "" {
 				return cli.UsageError("--job is required")
 			}
-			s.brokers = "unused:0" // cutover does not talk to Kafka
+			s.noKafka = true // cutover does not talk to Kafka
 			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
@@ -86,7 +86,7 @@ func rollbackCommand(stdout io.Writer) cli.Command {
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			s.brokers = "unused:0"
+			s.noKafka = true
 			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
@@ -118,7 +118,7 @@ func dropCommand(stdout io.Writer) cli.Command {
 			if index == "" {
 				return cli.UsageError("--index is required")
 			}
-			s.brokers = "unused:0"
+			s.noKafka = true
 			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
