@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sort"
 	"strconv"
 	"time"
 
@@ -46,6 +45,8 @@ type recordBuilder struct {
 	aggs   map[string][]byte // aggregate type → its bytes
 	values arena
 	slab   []kafka.Header
+	extra  []kafka.Header     // the event's own headers, reused per record
+	keys   map[string]string // their keys, made once
 }
 
 func newRecordBuilder(source string, events int) *recordBuilder {
@@ -61,13 +62,14 @@ func (rb *recordBuilder) reset(source string, events int) {
 		rb.source = []byte(source)
 	}
 	if rb.types == nil {
-		rb.types, rb.aggs = map[string][]byte{}, map[string][]byte{}
+		rb.types, rb.aggs, rb.keys = map[string][]byte{}, map[string][]byte{}, map[string]string{}
 	}
 	clear(rb.types)
 	clear(rb.aggs)
+	clear(rb.keys)
 	rb.values.reset()
-	if cap(rb.slab) < events*standardHeaders {
-		rb.slab = make([]kafka.Header, 0, events*standardHeaders)
+	if cap(rb.slab) < events*(standardHeaders+slabExtra) {
+		rb.slab = make([]kafka.Header, 0, events*(standardHeaders+slabExtra))
 	}
 	rb.slab = rb.slab[:0]
 }
@@ -76,23 +78,28 @@ func (rb *recordBuilder) reset(source string, events int) {
 // the event's own (ce_* and content-type).
 const standardHeaders = 9
 
+// slabExtra is how many of an event's own headers the slab has room for
+// per event: the batcher's ce_processorversion and traceparent.
+const slabExtra = 2
+
 // emptyHeaders is how an event without headers stores them (the column
 // default), recognised without a JSON parse.
 var emptyHeaders = []byte("{}")
 
 // record builds the Kafka record of e.
 func (rb *recordBuilder) record(e *storedEvent) (kafka.Message, error) {
-	extra, err := e.extraHeaders()
+	extra, err := e.extraHeaders(rb.extra[:0], rb.keys)
 	if err != nil {
 		return kafka.Message{}, err
 	}
+	rb.extra = extra[:0]
 	var hs []kafka.Header
-	if len(extra) == 0 && cap(rb.slab)-len(rb.slab) >= standardHeaders {
+	if want := standardHeaders + len(extra); cap(rb.slab)-len(rb.slab) >= want {
 		n := len(rb.slab)
-		hs = rb.slab[n : n : n+standardHeaders]
-		rb.slab = rb.slab[:n+standardHeaders]
+		hs = rb.slab[n : n : n+want]
+		rb.slab = rb.slab[:n+want]
 	} else {
-		hs = make([]kafka.Header, 0, standardHeaders+len(extra))
+		hs = make([]kafka.Header, 0, want)
 	}
 	hs = append(hs,
 		kafka.Header{Key: HeaderSpecVersion, Value: specVersionValue},
@@ -113,35 +120,116 @@ func (rb *recordBuilder) record(e *storedEvent) (kafka.Message, error) {
 	if e.payload != nil {
 		hs = append(hs, kafka.Header{Key: HeaderContentType, Value: contentTypeValue})
 	}
-	// Application headers (traceparent, ...) follow in a stable order; they
-	// never replace the CloudEvents attributes above.
-	keys := make([]string, 0, len(extra))
-	for k := range extra {
-		switch k {
+	// Application headers (ce_processorversion, traceparent, ...) follow,
+	// sorted by key; they never replace the CloudEvents attributes above.
+	std := len(hs)
+	for _, h := range extra {
+		switch h.Key {
 		case HeaderSpecVersion, HeaderID, HeaderSource, HeaderType, HeaderSubject, HeaderTime,
 			HeaderAggregateVersion, HeaderAggregateType, HeaderContentType:
 			continue
 		}
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		hs = append(hs, kafka.Header{Key: k, Value: []byte(extra[k])})
+		hs = append(hs, h)
+		for i := len(hs) - 1; i > std && hs[i].Key < hs[i-1].Key; i-- { // a few keys: insertion sort
+			hs[i], hs[i-1] = hs[i-1], hs[i]
+		}
 	}
 	return kafka.Message{Topic: e.topic, Key: e.aggregateID, Value: e.payload, Headers: hs}, nil
 }
 
-// extraHeaders parses the event's own headers; none (nil) for the column
-// default "{}", without a JSON parse.
-func (e *storedEvent) extraHeaders() (map[string]string, error) {
+// extraHeaders appends the event's own headers to dst: none for the column
+// default "{}"; the batcher's (a flat object of plain strings, as jsonb
+// prints it) without a JSON parse and without allocating, the values
+// sliced from e.headers; anything else through encoding/json.
+func (e *storedEvent) extraHeaders(dst []kafka.Header, keys map[string]string) ([]kafka.Header, error) {
 	if len(e.headers) == 0 || bytes.Equal(e.headers, emptyHeaders) {
-		return nil, nil
+		return dst, nil
+	}
+	if out, ok := flatHeaders(e.headers, dst, keys); ok {
+		return out, nil
 	}
 	var extra map[string]string
 	if err := json.Unmarshal(e.headers, &extra); err != nil {
-		return nil, fmt.Errorf("event %s: headers are not a JSON object of strings: %w", e.eventID, err)
+		return dst, fmt.Errorf("event %s: headers are not a JSON object of strings: %w", e.eventID, err)
 	}
-	return extra, nil
+	for k, v := range extra {
+		dst = append(dst, kafka.Header{Key: k, Value: []byte(v)})
+	}
+	return dst, nil
+}
+
+// flatHeaders parses b when it is a JSON object whose keys and values are
+// strings without escapes, appending one header per member to dst (keys
+// interned in keys, values sliced from b); ok is false for anything else,
+// and for a repeated key, which encoding/json then resolves.
+func flatHeaders(b []byte, dst []kafka.Header, keys map[string]string) (out []kafka.Header, ok bool) {
+	n := len(dst)
+	i := skipSpace(b, 0)
+	if i >= len(b) || b[i] != '{' {
+		return dst, false
+	}
+	i = skipSpace(b, i+1)
+	if i < len(b) && b[i] == '}' {
+		return dst, skipSpace(b, i+1) == len(b)
+	}
+	for {
+		key, j, ok := plainString(b, i)
+		if !ok {
+			return dst[:n], false
+		}
+		j = skipSpace(b, j)
+		if j >= len(b) || b[j] != ':' {
+			return dst[:n], false
+		}
+		val, k, ok := plainString(b, skipSpace(b, j+1))
+		if !ok {
+			return dst[:n], false
+		}
+		for _, h := range dst[n:] {
+			if h.Key == string(key) {
+				return dst[:n], false
+			}
+		}
+		name, seen := keys[string(key)]
+		if !seen {
+			name = string(key)
+			keys[name] = name
+		}
+		dst = append(dst, kafka.Header{Key: name, Value: val[:len(val):len(val)]})
+		i = skipSpace(b, k)
+		switch {
+		case i < len(b) && b[i] == ',':
+			i = skipSpace(b, i+1)
+		case i < len(b) && b[i] == '}':
+			return dst, skipSpace(b, i+1) == len(b)
+		default:
+			return dst[:n], false
+		}
+	}
+}
+
+// plainString reads the JSON string at b[i:] when it has no escape and no
+// control character: its contents and the index after its closing quote.
+func plainString(b []byte, i int) (s []byte, next int, ok bool) {
+	if i >= len(b) || b[i] != '"' {
+		return nil, i, false
+	}
+	for j := i + 1; j < len(b); j++ {
+		switch c := b[j]; {
+		case c == '"':
+			return b[i+1 : j], j + 1, true
+		case c == '\\' || c < 0x20:
+			return nil, i, false
+		}
+	}
+	return nil, i, false
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
 }
 
 // intern returns prefix+s as bytes, made once per batch.
