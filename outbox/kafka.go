@@ -45,7 +45,7 @@ type recordBuilder struct {
 	aggs   map[string][]byte // aggregate type → its bytes
 	values arena
 	slab   []kafka.Header
-	extra  []kafka.Header     // the event's own headers, reused per record
+	extra  []kafka.Header    // the event's own headers, reused per record
 	keys   map[string]string // their keys, made once
 }
 
