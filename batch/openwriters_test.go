@@ -38,7 +38,7 @@ func TestRunStartsWhenTheOpenWriterEnds(t *testing.T) {
 	// The run is waiting for the writer (its prepare transaction is open).
 	require.Eventually(t, func() bool {
 		var waiting int
-		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction' AND query LIKE '%unnest($1::int[], $2::text[])%'`).Scan(&waiting)
+		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction' AND query LIKE '%l.virtualtransaction = ANY%'`).Scan(&waiting)
 		return waiting > 0
 	}, 20*time.Second, 20*time.Millisecond, "the run waits for the open writer")
 	require.NoError(t, writer.Commit(ctx))
