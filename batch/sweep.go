@@ -224,6 +224,13 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 			if cause := context.Cause(ctx); cause != nil && errors.Is(cause, ErrLeaseLost) {
 				err = cause
 			}
+			if isIdleTimeout(err) {
+				// The server ended the chunk's session because this worker
+				// sent nothing for a lease TTL (stopped, starved): the
+				// lease is another worker's to take, the sweep is not
+				// failed.
+				err = fmt.Errorf("%w: the sweep of %s/%s: this worker stalled past its lease: %w", ErrLeaseLost, job, run, err)
+			}
 			switch {
 			case errors.Is(err, ErrLeaseLost):
 				log.Error("sweep lease lost; stopping without writing", slog.String("error", err.Error()))
