@@ -86,7 +86,7 @@ func TestMissingTopicIsDeadLetteredNotCreated(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, dls, keys+1)
 
-	res, err := outbox.EnsureTopics(ctx, brokers, []outbox.TopicSpec{
+	res, err := outbox.EnsureTopics(ctx, nil, brokers, []outbox.TopicSpec{
 		{Name: typo, Partitions: 4, ReplicationFactor: 1},
 		{Name: good, Partitions: 3, ReplicationFactor: 1},
 	})

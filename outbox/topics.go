@@ -41,7 +41,10 @@ var ErrTopicMismatch = errors.New("topic exists with another partition count")
 // run this (`publisher topics ensure`) when a deployment adds a topic. It
 // returns an error only when the brokers cannot be asked at all; per-topic
 // problems are in the results.
-func EnsureTopics(ctx context.Context, brokers []string, specs []TopicSpec) ([]TopicResult, error) {
+//
+// transport carries TLS and SASL (kafkaconn's Security.Transport); nil is
+// a plaintext connection.
+func EnsureTopics(ctx context.Context, transport kafka.RoundTripper, brokers []string, specs []TopicSpec) ([]TopicResult, error) {
 	for _, s := range specs {
 		switch {
 		case s.Name == "":
@@ -52,7 +55,7 @@ func EnsureTopics(ctx context.Context, brokers []string, specs []TopicSpec) ([]T
 			return nil, fmt.Errorf("topic %s: replication factor %d: must be > 0", s.Name, s.ReplicationFactor)
 		}
 	}
-	client := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
+	client := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second, Transport: transport}
 	req := &kafka.CreateTopicsRequest{}
 	for _, s := range specs {
 		req.Topics = append(req.Topics, kafka.TopicConfig{Topic: s.Name, NumPartitions: s.Partitions, ReplicationFactor: s.ReplicationFactor})

@@ -500,11 +500,11 @@ func (ix *Indexer) commit(ctx context.Context, batches []resolvedBatch) {
 // TopicPartitions; when it may not (no permission), it waits for whoever
 // may, and says so, within RetryMaxElapsed.
 func (ix *Indexer) awaitTopic(ctx context.Context) error {
-	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout}
+	c := &kafka.Client{Addr: kafka.TCP(ix.cfg.Brokers...), Timeout: ix.cfg.SessionTimeout, Transport: ix.cfg.kafkaTransport()}
 	created := false
 	return backoff.RetryNotify(func() error {
 		if !created {
-			err := ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.Topic, ix.cfg.TopicPartitions)
+			err := ensureTopicVia(ctx, ix.cfg.kafkaTransport(), ix.cfg.Brokers, ix.cfg.Topic, ix.cfg.TopicPartitions)
 			if err == nil {
 				created = true
 			} else if ctx.Err() == nil {

@@ -5,11 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"strings"
 	"text/tabwriter"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/outbox"
+	"github.com/segmentio/kafka-go"
 )
 
 func topicsEnsureCommand(stdout io.Writer) cli.Command {
@@ -24,6 +27,8 @@ func topicsEnsureCommand(stdout io.Writer) cli.Command {
 			fs.String(&topics, "topics", "TOPICS", "", "comma-separated topic names (required)")
 			fs.Int(&partitions, "partitions", "TOPIC_PARTITIONS", 0, "partition count of new topics (required; changing it later moves keys)")
 			fs.Int(&replication, "replication-factor", "TOPIC_REPLICATION_FACTOR", 0, "replication factor of new topics (required; 3 on a production cluster)")
+			var ks kafkaconn.Settings
+			ks.Register(fs)
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
@@ -49,7 +54,18 @@ func topicsEnsureCommand(stdout io.Writer) cli.Command {
 			case replication <= 0:
 				return cli.UsageError("--replication-factor=%d: must be > 0", replication)
 			}
-			results, err := outbox.EnsureTopics(ctx, brokerList, specs)
+			sec, err := ks.Build(slog.Default())
+			if err != nil {
+				return err
+			}
+			if err := sec.Probe(ctx, brokerList); err != nil {
+				return err
+			}
+			var transport kafka.RoundTripper
+			if sec != nil && (sec.TLS != nil || sec.SASL != nil) {
+				transport = sec.Transport(&kafka.Transport{})
+			}
+			results, err := outbox.EnsureTopics(ctx, transport, brokerList, specs)
 			if err != nil {
 				return err
 			}
