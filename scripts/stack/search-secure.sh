@@ -127,7 +127,26 @@ EOF
 
 running() { [[ -f $PIDFILE ]] && kill -0 "$(<"$PIDFILE")" 2>/dev/null; }
 
+# ensure_installed installs Debian's nginx and openssl when missing, as
+# postgres.sh installs PostgreSQL: make test sets up what it needs. The
+# package's own nginx service is not started (a policy-rc.d denies it
+# during the install); ours runs on private loopback ports.
+ensure_installed() {
+	if [[ -x $NGINX ]] && command -v openssl >/dev/null; then return 0; fi
+	log "nginx or openssl not found; installing Debian's nginx and openssl packages"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq >&2
+	local own_policy=false
+	if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+		printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && own_policy=true
+	fi
+	apt-get install -y -qq --no-install-recommends nginx openssl >&2 || { $own_policy && rm -f /usr/sbin/policy-rc.d; die "installing nginx failed"; }
+	$own_policy && rm -f /usr/sbin/policy-rc.d
+	NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+}
+
 cmd_start() {
+	ensure_installed
 	[[ -x $NGINX ]] || die "nginx not found (apt-get install nginx)"
 	command -v openssl >/dev/null || die "openssl not found"
 	mkdir -p "$STACK_DIR"
