@@ -35,13 +35,17 @@ func env(url string, extra ...string) []string {
 }
 
 // waitFor polls cond (on a fresh query each time) until it holds.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+// waitFor waits for cond; on a timeout it prints the stderr of procs.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool, procs ...*testproc.Proc) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for !cond() {
 		if time.Now().After(deadline) {
+			for i, p := range procs {
+				t.Logf("process %d stderr:\n%s", i, p.Stderr())
+			}
 			t.Fatalf("timed out after %s waiting for %s", timeout, what)
 		}
 		<-tick.C
@@ -192,7 +196,7 @@ func TestTwoWorkersShareAndFence(t *testing.T) {
 	waitFor(t, time.Minute, "A working on a partition", func() bool {
 		err := pool.QueryRow(context.Background(), `SELECT partition_key FROM batch_runs WHERE lease_owner LIKE 'A/%' AND state = 'running' AND processed_count > 0`).Scan(&frozen)
 		return err == nil
-	})
+	}, a, b)
 	require.NoError(t, a.Signal(syscall.SIGSTOP))
 	t.Logf("A frozen holding partition %s", frozen)
 	require.Equal(t, int64(4), queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE job = 'records' AND logical_run_id = 'r1'`))
