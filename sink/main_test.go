@@ -289,3 +289,10 @@ func headerMap(m kafka.Message) map[string]string {
 	}
 	return out
 }
+
+// ensureTopic is ensureTopicVia over a plaintext connection, for tests on
+// the stack's plaintext broker. Code that runs against a user's cluster
+// passes Config.kafkaTransport, so it has no plaintext shortcut to reach for.
+func ensureTopic(ctx context.Context, brokers []string, topic string, partitions int, configs ...kafka.ConfigEntry) error {
+	return ensureTopicVia(ctx, kafka.DefaultTransport, brokers, topic, partitions, configs...)
+}

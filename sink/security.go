@@ -2,14 +2,12 @@ package sink
 
 import (
 	"context"
-
 	"time"
 
+	"github.com/segmentio/kafka-go"
 	"github.com/segmentio/kafka-go/sasl"
 	"github.com/twmb/franz-go/pkg/kgo"
 	kgosasl "github.com/twmb/franz-go/pkg/sasl"
-
-	"github.com/segmentio/kafka-go"
 )
 
 // kafkaTransport is the transport of the indexer's Kafka clients and

@@ -14,14 +14,10 @@ import (
 // The Kafka topic helpers: creating a topic and reading its partitions and
 // offsets (status, replay, tests).
 
-// ensureTopic creates topic with the broker's default replication and the
+// ensureTopicVia creates topic through rt (the configured TLS and SASL:
+// Config.kafkaTransport) with the broker's default replication and the
 // given topic configs when it does not exist. An existing topic is left as
 // it is.
-func ensureTopic(ctx context.Context, brokers []string, topic string, partitions int, configs ...kafka.ConfigEntry) error {
-	return ensureTopicVia(ctx, kafka.DefaultTransport, brokers, topic, partitions, configs...)
-}
-
-// ensureTopicVia is ensureTopic through rt (TLS, SASL).
 func ensureTopicVia(ctx context.Context, rt kafka.RoundTripper, brokers []string, topic string, partitions int, configs ...kafka.ConfigEntry) error {
 	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second, Transport: rt}
 	res, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
