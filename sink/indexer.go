@@ -307,9 +307,10 @@ func (ix *Indexer) consumeGeneration(ctx context.Context, gen *kafka.Generation,
 // function of the generation that returns ends it.
 //
 // It reads with franz-go rather than kafka-go: kafka-go asks for
-// read_committed but then hands over aborted records and the transaction
-// markers themselves as messages, while other producers may write into the
-// topic in transactions; franz-go drops both.
+// read_committed but then hands over aborted records as messages, while
+// other producers may write into the topic in transactions; franz-go drops
+// them. Transaction markers are kept, as skipped documents, only to have
+// their offsets committed.
 func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.PartitionAssignment, bl *backlog) {
 	if len(assigned) == 0 {
 		<-ctx.Done() // more members than partitions
@@ -330,6 +331,10 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 		kgo.SeedBrokers(ix.cfg.Brokers...),
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{ix.cfg.Topic: offsets}),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		// Transaction markers come through as records so that their offsets
+		// are committed: a partition that ends with one would otherwise
+		// keep a lag of 1 or more for good. Aborted records are still dropped.
+		kgo.KeepControlRecords(),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), // a committed offset the retention removed
 		kgo.FetchMaxWait(250 * time.Millisecond),
 		kgo.FetchMaxPartitionBytes(16 << 20),
@@ -356,7 +361,12 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 				if stopped {
 					return
 				}
-				d := ix.rules.parse(kafkaMessage(r, fp.HighWatermark))
+				var d *doc
+				if r.Attrs.IsControl() {
+					d = &doc{msg: kafkaMessage(r, fp.HighWatermark), skip: SkipTxnMarker}
+				} else {
+					d = ix.rules.parse(kafkaMessage(r, fp.HighWatermark))
+				}
 				d.gen = g
 				stopped = bl.put(ctx, d) != nil
 			}

@@ -42,7 +42,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"code"}),
 		skipped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "indexer_skipped_total",
-			Help: "Messages the deployment does not index (committed, never sent), by reason: aggregate_type (AGGREGATE_TYPES), event_type (SKIP_EVENT_TYPES), null_value (NULL_VALUES=ignore).",
+			Help: "Messages the deployment does not index (committed, never sent), by reason: aggregate_type (AGGREGATE_TYPES), event_type (SKIP_EVENT_TYPES), null_value (NULL_VALUES=ignore), txn_marker (another producer's transaction marker: no message, only an offset to commit).",
 		}, []string{"reason"}),
 		bulkSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "indexer_bulk_duration_seconds",

@@ -81,6 +81,7 @@ const (
 	SkipAggregateType = "aggregate_type" // not in Config.AggregateTypes
 	SkipEventType     = "event_type"     // in Config.SkipEventTypes
 	SkipNullValue     = "null_value"     // Config.NullValues "ignore"
+	SkipTxnMarker     = "txn_marker"     // another producer's transaction commit or abort marker
 )
 
 var (
