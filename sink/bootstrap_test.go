@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"strings"
 	"sync"
 	"testing"
 
@@ -64,4 +65,45 @@ func TestFirstGenerationKeepsAnEventWrittenDuringTheTakeover(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 1, res.TotalHits(), "the application's document is searchable after the takeover")
 	require.EqualValues(t, 4, *res.Hits.Hits[0].Version, "with its external version")
+}
+
+// Two indexers start at once on a new alias. The other one creates the
+// index, with both aliases in one call, right after this one looked its
+// first alias up: this one must find the index created, not a read alias
+// without a write alias (TestPipelineChaos: "indexer-1 exited: write alias
+// missing").
+func TestEnsureIndexLosesTheCreateRaceCleanly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	es := stack.ElasticsearchURL(t)
+	direct, err := NewClient(es)
+	require.NoError(t, err)
+	cfg := Config{URL: es, Alias: stack.UniqueName("race")}.withDefaults()
+	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
+
+	// In front of the engine: the first alias lookup is answered, then the
+	// other indexer's create goes through before this one's next request.
+	target, err := url.Parse(es)
+	require.NoError(t, err)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var once sync.Once
+	var other string
+	var otherErr error
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		proxy.ServeHTTP(w, r)
+		if r.Method == http.MethodGet && strings.HasPrefix(r.URL.Path, "/_alias/") {
+			once.Do(func() { other, otherErr = EnsureIndex(r.Context(), direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping) })
+		}
+	}))
+	t.Cleanup(srv.Close)
+	client, err := NewClient(srv.URL)
+	require.NoError(t, err)
+
+	index, err := EnsureIndex(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	require.NoError(t, otherErr)
+	require.NoError(t, err, "the loser of the race finds the index the winner created")
+	require.Equal(t, other, index)
+	write, err := AliasTargets(ctx, direct, cfg.WriteAlias)
+	require.NoError(t, err)
+	require.Equal(t, []string{index}, write)
 }

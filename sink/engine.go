@@ -251,7 +251,17 @@ var ErrWriteAliasMissing = errors.New("write alias missing")
 // refuses with [ErrWriteAliasMissing]: after a reindex to "<alias>_v2",
 // pointing the write alias at "<alias>_v1" again would send the writes to
 // the old generation and make the read alias span two.
+//
+// The read alias is looked up before the write alias: both appear in one
+// call and every later move changes both in one call, so a read alias seen
+// first has its write alias by the second lookup, even when another
+// indexer created them in between. (The other order saw "no write alias"
+// before that indexer's create and "a read alias" after it, and refused.)
 func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias string, mapping []byte) (string, error) {
+	read, err := AliasTargets(ctx, client, alias)
+	if err != nil {
+		return "", err
+	}
 	targets, err := AliasTargets(ctx, client, writeAlias)
 	if err != nil {
 		return "", err
@@ -261,10 +271,6 @@ func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias 
 	}
 	if len(targets) > 1 {
 		return "", fmt.Errorf("write alias %s points at %d indices %v; want one", writeAlias, len(targets), targets)
-	}
-	read, err := AliasTargets(ctx, client, alias)
-	if err != nil {
-		return "", err
 	}
 	if len(read) > 0 {
 		return "", writeAliasMissing(alias, writeAlias, read)
