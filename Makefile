@@ -57,7 +57,7 @@ bench-batcher: ## batcher throughput vs a raw COPY baseline (1M rows)
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/batcher/
 
 .PHONY: bench-publisher
-bench-publisher: ## publisher throughput vs raw kafka-go produce, and latency
+bench-publisher: ## publisher throughput vs raw Client.Produce (its own Kafka path), latency, NOTIFY on/off with 16 writers
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/publisher/
 
 .PHONY: bench-indexer
