@@ -150,7 +150,7 @@ func (c Config) withDefaults() Config {
 func (c Config) validate() error {
 	switch {
 	case len(c.Brokers) == 0 || c.Brokers[0] == "":
-		return fmt.Errorf("KAFKA_BROKERS is empty: set --kafka-brokers or KAFKA_BROKERS (e.g. localhost:9092)")
+		return fmt.Errorf("KAFKA_BROKERS is empty (e.g. localhost:9092)")
 	case c.LeaseTTL < 300*time.Millisecond:
 		return fmt.Errorf("LEASE_TTL=%s: must be at least 300ms", c.LeaseTTL)
 	case c.PollInterval < 0:

@@ -9,7 +9,6 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -71,23 +70,24 @@ func runCommand() cli.Command {
 					cfg.Brokers = append(cfg.Brokers, b)
 				}
 			}
+			if len(cfg.Brokers) == 0 {
+				return cli.UsageError("KAFKA_BROKERS is empty: set --kafka-brokers or KAFKA_BROKERS (e.g. localhost:9092)")
+			}
 			sec, err := ks.Build(logger)
 			if err != nil {
 				return err
 			}
 			cfg.TLS, cfg.SASL = sec.TLS, sec.SASL
-			if len(cfg.Brokers) > 0 {
-				// Fail at start, in one line, on a wrong password or CA.
-				if err := sec.Probe(ctx, cfg.Brokers); err != nil {
-					return err
-				}
+			// Fail at start, in one line, on a wrong password or CA.
+			if err := sec.Probe(ctx, cfg.Brokers); err != nil {
+				return err
 			}
 			soft, hard, stop := shutdown.Contexts(ctx, grace, logger)
 			defer stop()
 			// The pool serves the start checks, polling, the backlog gauge
 			// and cleanup, one query at a time; the shard lanes, heartbeats
 			// and LISTEN open connections of their own from its settings.
-			pool, err := pgconn.Open(hard, c.DatabaseURL, 1)
+			pool, err := c.OpenDB(hard, 1)
 			if err != nil {
 				return err
 			}
