@@ -178,6 +178,10 @@ func lingerMetrics(soft context.Context, d time.Duration, logger *slog.Logger) {
 }
 
 func classify(err error) error {
+	var incompatible *batch.IncompatibleError
+	if errors.As(err, &incompatible) {
+		return &cli.ExitError{Code: cli.ExitConflict, Err: errors.New(incompatible.Message("--restart", "--resume"))}
+	}
 	if errors.Is(err, batch.ErrCheckpointIncompatible) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
 	}
