@@ -6,7 +6,11 @@ GO        ?= go
 STACK     := scripts/stack/stack.sh
 # Each target that needs servers starts the local stack (idempotent) and
 # exports DATABASE_URL, KAFKA_BROKERS, ELASTICSEARCH_URL and ELASTICSEARCH7_URL for its command.
-WITH_STACK = eval "$$($(STACK) up)" &&
+# The servers outlive make, so they are started with every descriptor above stderr
+# closed: otherwise they inherit the one of `flock /tmp/bench.lock make bench-x` and
+# hold the lock until the stack stops.
+CLOSE_FDS  = for fd in /proc/$$BASHPID/fd/*; do fd=$${fd\#\#*/}; if (( fd > 2 )); then eval "exec $$fd>&-"; fi; done;
+WITH_STACK = eval "$$($(CLOSE_FDS) $(STACK) up)" &&
 TEST_FLAGS ?= -race -count=1 -timeout 50m
 BENCH_FLAGS ?= -run '^$$' -bench . -benchtime 1x -timeout 60m -v
 
@@ -53,7 +57,7 @@ bench-batcher: ## batcher throughput vs a raw COPY baseline (1M rows)
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/batcher/
 
 .PHONY: bench-publisher
-bench-publisher: ## publisher throughput vs raw kafka-go produce, and latency
+bench-publisher: ## publisher throughput vs raw Client.Produce (its own Kafka path), latency, NOTIFY on/off with 16 writers
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/publisher/
 
 .PHONY: bench-indexer

@@ -39,6 +39,30 @@ var (
 	ErrIdleTimeout = errors.New("PostgreSQL ended the chunk's transaction: idle for the lease TTL")
 )
 
+// IncompatibleError is a refusal to go on with a stored run; it wraps
+// [ErrCheckpointIncompatible]. Error names the [StartOptions] that would let
+// the job go on (Restart, Resume); a front end that calls them something
+// else (the batcher's --restart and --resume) prints [IncompatibleError.Message].
+type IncompatibleError struct {
+	// Problem says what differs from the stored run.
+	Problem string
+	// remedy says what to do, given the names of StartOptions.Restart and
+	// StartOptions.Resume.
+	remedy func(restart, resume string) string
+}
+
+func (e *IncompatibleError) Error() string {
+	return e.Message("StartOptions.Restart", "StartOptions.Resume")
+}
+
+// Message is Error with restart and resume as the names of
+// StartOptions.Restart and StartOptions.Resume.
+func (e *IncompatibleError) Message(restart, resume string) string {
+	return ErrCheckpointIncompatible.Error() + ": " + e.Problem + "; " + e.remedy(restart, resume)
+}
+
+func (e *IncompatibleError) Unwrap() error { return ErrCheckpointIncompatible }
+
 // errPaused stops a partition whose run was paused by an operator.
 var errPaused = errors.New("partition paused")
 

@@ -130,7 +130,7 @@ func LoadJobSpec(ctx context.Context, db querier, job string) (Spec, error) {
 	var raw []byte
 	if err := db.QueryRow(ctx, `SELECT spec - '`+documentsByPVKey+`' FROM batch_jobs WHERE job = $1`, job).Scan(&raw); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
-			return Spec{}, fmt.Errorf("%w: job %s has never run (pass --spec)", ErrNotFound, job)
+			return Spec{}, fmt.Errorf("%w: job %s has never run (no spec stored)", ErrNotFound, job)
 		}
 		return Spec{}, err
 	}
@@ -165,7 +165,7 @@ type CheckpointMoved struct {
 // The partition must not be leased by a live worker: pause it first.
 func SetCheckpoint(ctx context.Context, db *pgxpool.Pool, m CheckpointMove) (*CheckpointMoved, error) {
 	if m.Reason == "" {
-		return nil, fmt.Errorf("a reason is required (--reason)")
+		return nil, fmt.Errorf("CheckpointMove.Reason is required (stored in checkpoint_audit)")
 	}
 	m.Actor = cmpOr(m.Actor, actor())
 	spec, err := LoadJobSpec(ctx, db, m.Job)

@@ -149,12 +149,12 @@ func TestIncompatibleRunsRefused(t *testing.T) {
 		want []string
 	}{
 		{name: "processor version", mut: func(s *batch.Spec) { s.ProcessorVersion = "v2" },
-			want: []string{"processor version v1, the spec has v2", "--restart"}},
+			want: []string{"processor version v1, the spec has v2", "rerun with StartOptions.Restart"}},
 		{name: "processor version not declared compatible", mut: func(s *batch.Spec) { s.ProcessorVersion = "v2" }, opts: batch.StartOptions{Resume: true},
 			want: []string{"declare v1 in compatible_versions"}},
 		{name: "filter", mut: func(s *batch.Spec) {
 			s.Source.Filter = []batch.Condition{{Column: "tenant_id", Op: "=", Value: "t1"}}
-		}, want: []string{"scope", `"filter":[{"column":"tenant_id","op":"=","value":"t1"}]`, "--restart"}},
+		}, want: []string{"scope", `"filter":[{"column":"tenant_id","op":"=","value":"t1"}]`, "rerun with StartOptions.Restart"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -164,6 +164,11 @@ func TestIncompatibleRunsRefused(t *testing.T) {
 			for _, w := range tt.want {
 				require.ErrorContains(t, err, w)
 			}
+			// The library names its options; the batcher prints its flags.
+			require.NotContains(t, err.Error(), "--")
+			var ie *batch.IncompatibleError
+			require.ErrorAs(t, err, &ie)
+			require.Contains(t, ie.Message("--restart", "--resume"), "rerun with --restart")
 		})
 	}
 

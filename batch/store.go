@@ -129,20 +129,26 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 	if len(parts) > 0 {
 		p := parts[0]
 		if p.scopeHash != scope.Hash() {
-			return "", fmt.Errorf("%w: run %s of job %s was started with scope %s, the spec now gives %s; "+
-				"a checkpoint cannot be reused for another scope: rerun with --restart to start a new run from the beginning, or restore the spec",
-				ErrCheckpointIncompatible, runID, s.Job, compactJSON(p.scope), scope.JSON())
+			return "", &IncompatibleError{
+				Problem: fmt.Sprintf("run %s of job %s was started with scope %s, the spec now gives %s", runID, s.Job, compactJSON(p.scope), scope.JSON()),
+				remedy: func(restart, _ string) string {
+					return "a checkpoint cannot be reused for another scope: rerun with " + restart + " to start a new run from the beginning, or restore the spec"
+				},
+			}
 		}
 		if p.pv != s.ProcessorVersion {
 			if !opts.Resume || !slices.Contains(s.CompatibleVersions, p.pv) {
-				hint := "rerun with --restart to start a new run from the beginning"
-				if slices.Contains(s.CompatibleVersions, p.pv) {
-					hint += ", or with --resume to continue it (the spec declares " + p.pv + " compatible)"
-				} else {
-					hint += ", or declare " + p.pv + " in compatible_versions and pass --resume if its results stay valid"
+				compatible, pv := slices.Contains(s.CompatibleVersions, p.pv), p.pv
+				return "", &IncompatibleError{
+					Problem: fmt.Sprintf("run %s of job %s was made with processor version %s, the spec has %s", runID, s.Job, p.pv, s.ProcessorVersion),
+					remedy: func(restart, resume string) string {
+						hint := "rerun with " + restart + " to start a new run from the beginning"
+						if compatible {
+							return hint + ", or with " + resume + " to continue it (the spec declares " + pv + " compatible)"
+						}
+						return hint + ", or declare " + pv + " in compatible_versions and pass " + resume + " if its results stay valid"
+					},
 				}
-				return "", fmt.Errorf("%w: run %s of job %s was made with processor version %s, the spec has %s; %s",
-					ErrCheckpointIncompatible, runID, s.Job, p.pv, s.ProcessorVersion, hint)
 			}
 			if _, err := tx.Exec(ctx, `UPDATE batch_runs SET processor_version = $3, updated_at = now() WHERE job = $1 AND logical_run_id = $2`, s.Job, runID, s.ProcessorVersion); err != nil {
 				return "", err
@@ -247,7 +253,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 's
 // checkDocumentUnchanged refuses a changed document section under the
 // processor version the job last ran with: the upsert guard would see the
 // same source and processor version for every row and write nothing, so
-// the change would silently never reach the index. --resume declares the
+// the change would silently never reach the index. StartOptions.Resume declares the
 // change compatible (existing documents stay as they are), and is audited.
 //
 // The document each processor version last ran with is kept beside the
@@ -273,10 +279,13 @@ func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOp
 	}
 	changes := DocumentChanges(*ranWith, s.Document)
 	if !opts.Resume {
-		return fmt.Errorf("%w: the document section of job %s changed but processor_version is still %s (%s); "+
-			"rows already normalized would not be rebuilt: bump processor_version to rebuild every document into a new index generation, "+
-			"or rerun with --resume to declare the change compatible (existing documents stay as they are)",
-			ErrCheckpointIncompatible, s.Job, s.ProcessorVersion, strings.Join(changes, "; "))
+		return &IncompatibleError{
+			Problem: fmt.Sprintf("the document section of job %s changed but processor_version is still %s (%s)", s.Job, s.ProcessorVersion, strings.Join(changes, "; ")),
+			remedy: func(_, resume string) string {
+				return "rows already normalized would not be rebuilt: bump processor_version to rebuild every document into a new index generation, " +
+					"or rerun with " + resume + " to declare the change compatible (existing documents stay as they are)"
+			},
+		}
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, '', '', $2, $3, 'document-compatible')`,
 		s.Job, actor(), "document changed under processor version "+s.ProcessorVersion+", declared compatible: "+strings.Join(changes, "; ")); err != nil {

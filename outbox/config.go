@@ -88,6 +88,14 @@ type Config struct {
 	// later events until the topic works again. Topics are never created by
 	// the publisher (see EnsureTopics). Default 30s.
 	TopicWait time.Duration
+	// Topics, when set, lists the only topics the publisher writes to
+	// (PUBLISHER_TOPICS, parsed by [ParseTopicSpecs]): an event of any other
+	// topic is treated as one whose topic is missing, so it waits TopicWait
+	// and then goes to outbox_dead_letters, even when the broker has that
+	// topic (a typo that someone's auto-creation made real). The partition
+	// counts and replication factors are what EnsureTopics creates. Default
+	// nil: every topic the broker has.
+	Topics []TopicSpec
 	// Retention keeps published rows in outbox_published this long before
 	// they are deleted in batches. 0 (default) deletes them at once.
 	Retention time.Duration
@@ -142,7 +150,7 @@ func (c Config) withDefaults() Config {
 func (c Config) validate() error {
 	switch {
 	case len(c.Brokers) == 0 || c.Brokers[0] == "":
-		return fmt.Errorf("KAFKA_BROKERS is empty: set --kafka-brokers or KAFKA_BROKERS (e.g. localhost:9092)")
+		return fmt.Errorf("KAFKA_BROKERS is empty (e.g. localhost:9092)")
 	case c.LeaseTTL < 300*time.Millisecond:
 		return fmt.Errorf("LEASE_TTL=%s: must be at least 300ms", c.LeaseTTL)
 	case c.PollInterval < 0:
@@ -161,6 +169,9 @@ func (c Config) validate() error {
 		return fmt.Errorf("TOPIC_WAIT=%s: must be >= 0", c.TopicWait)
 	case c.Retention < 0:
 		return fmt.Errorf("RETENTION=%s: must be >= 0 (0 deletes published events at once)", c.Retention)
+	}
+	if err := validateTopicSpecs(c.Topics); err != nil {
+		return fmt.Errorf("PUBLISHER_TOPICS: %w", err)
 	}
 	return nil
 }

@@ -183,7 +183,9 @@
 // TOPIC_AUTHORIZATION_FAILED) fails its own events only. They are retried
 // for Config.TopicWait, then dead-lettered with the error; while the topic
 // stays unavailable its later events are dead-lettered at once, and the
-// shard's other topics are not held up.
+// shard's other topics are not held up. With Config.Topics set
+// (PUBLISHER_TOPICS), a topic that is not on the list is treated the same
+// way, whether or not the broker has it ([ErrTopicNotListed]).
 //
 // # Kafka record
 //

@@ -357,11 +357,16 @@ func IsPermanent(err error) bool {
 
 // topicUnavailable reports whether err says the topic does not exist or the
 // publisher may not write to it. Both can heal (a topic being created, an
-// ACL being granted, metadata catching up), so an event waits TopicWait
+// ACL being granted, metadata catching up, a topic list being extended), so an event waits TopicWait
 // for its topic before it is dead-lettered.
 func topicUnavailable(err error) bool {
-	return errors.Is(err, kafka.UnknownTopicOrPartition) || errors.Is(err, kafka.TopicAuthorizationFailed)
+	return errors.Is(err, kafka.UnknownTopicOrPartition) || errors.Is(err, kafka.TopicAuthorizationFailed) || errors.Is(err, ErrTopicNotListed)
 }
+
+// ErrTopicNotListed is the error of an event whose topic is not in
+// Config.Topics when that list is set. It waits TopicWait like a missing
+// topic (the list may be on its way), then it is dead-lettered.
+var ErrTopicNotListed = errors.New("the topic is not in PUBLISHER_TOPICS (add it there, create it with `publisher topics ensure`, restart the publishers)")
 
 // errorCode extracts the Kafka error code of err, 0 if it has none.
 func errorCode(err error) int32 {

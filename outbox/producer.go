@@ -33,6 +33,8 @@ type producer struct {
 	// unavailable is when each topic was first found missing or forbidden
 	// (topicUnavailable) since it last worked.
 	unavailable map[string]time.Time
+	// listed is Config.Topics by name; nil allows every topic.
+	listed map[string]bool
 }
 
 type topicParts struct {
@@ -45,14 +47,21 @@ type topicParts struct {
 // transport's cache (itself refreshed every MetadataTTL) is asked again.
 const partsTTL = time.Second
 
-func newProducer(transport *kafka.Transport, brokers []string) *producer {
-	return &producer{
+func newProducer(transport *kafka.Transport, brokers []string, topics []TopicSpec) *producer {
+	pr := &producer{
 		client:   &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport},
 		balancer: kafkakey.Balancer(),
 		parts:    map[string]topicParts{},
 
 		unavailable: map[string]time.Time{},
 	}
+	if len(topics) > 0 {
+		pr.listed = map[string]bool{}
+		for _, t := range topics {
+			pr.listed[t.Name] = true
+		}
+	}
+	return pr
 }
 
 // partitions returns the partition count of each topic of msgs; a topic
@@ -65,6 +74,12 @@ func (pr *producer) partitions(ctx context.Context, msgs []kafka.Message) (map[s
 	for i := range msgs {
 		t := msgs[i].Topic
 		if _, ok := out[t]; ok {
+			continue
+		}
+		if pr.listed != nil && !pr.listed[t] {
+			// Not asked for: the broker may have it, the deployment does not.
+			out[t] = topicParts{err: ErrTopicNotListed, fetched: now}
+			pr.noteLocked(t, ErrTopicNotListed, now)
 			continue
 		}
 		tp, ok := pr.parts[t]

@@ -104,7 +104,7 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 			SASL:        cfg.SASL,
 		},
 	}
-	p.producer = newProducer(p.transport, cfg.Brokers)
+	p.producer = newProducer(p.transport, cfg.Brokers, cfg.Topics)
 	return p, nil
 }
 

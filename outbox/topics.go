@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/segmentio/kafka-go"
@@ -45,15 +47,8 @@ var ErrTopicMismatch = errors.New("topic exists with another partition count")
 // transport carries TLS and SASL (kafkaconn's Security.Transport); nil is
 // a plaintext connection.
 func EnsureTopics(ctx context.Context, transport kafka.RoundTripper, brokers []string, specs []TopicSpec) ([]TopicResult, error) {
-	for _, s := range specs {
-		switch {
-		case s.Name == "":
-			return nil, fmt.Errorf("topic name is empty")
-		case s.Partitions <= 0:
-			return nil, fmt.Errorf("topic %s: partitions=%d: must be > 0", s.Name, s.Partitions)
-		case s.ReplicationFactor <= 0:
-			return nil, fmt.Errorf("topic %s: replication factor %d: must be > 0", s.Name, s.ReplicationFactor)
-		}
+	if err := validateTopicSpecs(specs); err != nil {
+		return nil, err
 	}
 	client := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second, Transport: transport}
 	req := &kafka.CreateTopicsRequest{}
@@ -116,4 +111,51 @@ func allPresent(meta *kafka.MetadataResponse, names []string) bool {
 		}
 	}
 	return found == len(names)
+}
+
+// ParseTopicSpecs parses a topic list such as "orders:12:3,users:6:3"
+// (name:partitions:replication factor, comma-separated), the form of
+// Config.Topics in PUBLISHER_TOPICS. "" is nil: no list.
+func ParseTopicSpecs(s string) ([]TopicSpec, error) {
+	var specs []TopicSpec
+	for _, item := range strings.Split(s, ",") {
+		if item = strings.TrimSpace(item); item == "" {
+			continue
+		}
+		f := strings.Split(item, ":")
+		if len(f) != 3 {
+			return nil, fmt.Errorf("%q is not name:partitions:replication (e.g. orders:12:3)", item)
+		}
+		spec := TopicSpec{Name: strings.TrimSpace(f[0])}
+		var err error
+		if spec.Partitions, err = strconv.Atoi(strings.TrimSpace(f[1])); err != nil {
+			return nil, fmt.Errorf("%q: partitions %q is not a number", item, f[1])
+		}
+		if spec.ReplicationFactor, err = strconv.Atoi(strings.TrimSpace(f[2])); err != nil {
+			return nil, fmt.Errorf("%q: replication factor %q is not a number", item, f[2])
+		}
+		specs = append(specs, spec)
+	}
+	if err := validateTopicSpecs(specs); err != nil {
+		return nil, err
+	}
+	return specs, nil
+}
+
+func validateTopicSpecs(specs []TopicSpec) error {
+	seen := map[string]bool{}
+	for _, s := range specs {
+		switch {
+		case s.Name == "":
+			return fmt.Errorf("topic name is empty")
+		case seen[s.Name]:
+			return fmt.Errorf("topic %s is listed twice", s.Name)
+		case s.Partitions <= 0:
+			return fmt.Errorf("topic %s: partitions=%d: must be > 0", s.Name, s.Partitions)
+		case s.ReplicationFactor <= 0:
+			return fmt.Errorf("topic %s: replication factor %d: must be > 0", s.Name, s.ReplicationFactor)
+		}
+		seen[s.Name] = true
+	}
+	return nil
 }

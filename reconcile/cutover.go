@@ -165,7 +165,7 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 	opts.Poll = cmp.Or(opts.Poll, 2*time.Second)
 	var res CutoverResult
 	if opts.DB == nil || opts.Job == "" {
-		return res, &sink.ConfigError{Err: errors.New("cutover needs DATABASE_URL and --job")}
+		return res, &sink.ConfigError{Err: errors.New("CutoverOptions.DB and CutoverOptions.Job are required")}
 	}
 	j, err := LoadJob(ctx, opts.DB, opts.Job)
 	if err != nil {

@@ -31,7 +31,7 @@ func LoadJob(ctx context.Context, db *pgxpool.Pool, job string) (Job, error) {
 	var j Job
 	err := db.QueryRow(ctx, `SELECT spec FROM batch_jobs WHERE job = $1`, job).Scan(&j)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return j, fmt.Errorf("%w %q: no spec in batch_jobs (run it once with batcher run --spec)", ErrUnknownJob, job)
+		return j, fmt.Errorf("%w %q: no spec in batch_jobs (the job has never run)", ErrUnknownJob, job)
 	}
 	if err != nil {
 		return j, fmt.Errorf("load spec of job %s: %w", job, err)

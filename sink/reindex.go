@@ -58,10 +58,10 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 	res := ReindexResult{Into: opts.Into}
 	start := time.Now()
 	if opts.Into == "" {
-		return res, &ConfigError{Err: fmt.Errorf("--into is required (the new index, e.g. %s_v1_m2)", cfg.Alias)}
+		return res, &ConfigError{Err: fmt.Errorf("ReindexOptions.Into is required (the new index, e.g. %s_v1_m2)", cfg.Alias)}
 	}
 	if opts.Into == cfg.Alias || opts.Into == cfg.WriteAlias {
-		return res, &ConfigError{Err: fmt.Errorf("--into=%q: must not be an alias name", opts.Into)}
+		return res, &ConfigError{Err: fmt.Errorf("ReindexOptions.Into=%q: must not be an alias name", opts.Into)}
 	}
 	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -12,7 +11,6 @@ import (
 	"time"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
 	"github.com/outboxrelay/outboxrelay/manifest"
 )
@@ -24,26 +22,23 @@ func manifestCommands() []cli.Command {
 
 func manifestCommandsTo(stdout io.Writer, stdin io.Reader) []cli.Command {
 	return []cli.Command{
-		{Name: "manifest register", Summary: "freeze an approved list of items as a manifest job (idempotent; conflict exits 3)", Run: func(ctx context.Context, args []string) error {
-			return manifestRegister(ctx, args, stdout, stdin)
-		}},
+		manifestRegisterCommand(stdout, stdin),
 		{Name: "manifest drain", Summary: "apply the next chunks of a manifest job, one verified transaction per chunk", Run: func(ctx context.Context, args []string) error {
 			return manifestDrain(ctx, args, stdout)
 		}},
-		{Name: "manifest report", Summary: "approved, committed and unprocessed ids of a manifest job and the current state of each", Run: func(ctx context.Context, args []string) error {
-			return manifestReport(ctx, args, stdout)
-		}},
-		{Name: "manifest status", Summary: "list manifest jobs with state and progress", Run: func(ctx context.Context, args []string) error {
-			return manifestStatus(ctx, args, stdout)
-		}},
+		manifestReportCommand(stdout),
+		manifestStatusCommand(stdout),
 	}
 }
 
-func manifestRegister(ctx context.Context, args []string, stdout io.Writer, stdin io.Reader) error {
-	var c cli.Common
+func manifestRegisterCommand(stdout io.Writer, stdin io.Reader) cli.Command {
 	var file string
 	var asJSON bool
-	fs := cli.NewFlagSet("batcher manifest register", `Registers the approved list in a manifest file (JSON) as a frozen job. Items are sorted
+	var spec manifest.Spec
+	return cli.DBCommand{
+		Name:    "manifest register",
+		Summary: "freeze an approved list of items as a manifest job (idempotent; conflict exits 3)",
+		Synopsis: `Registers the approved list in a manifest file (JSON) as a frozen job. Items are sorted
 by id. The same job id with the same content (in any order) is the same job: nothing
 changes, exit 0. The same job id with other content is refused with exit code 3.
 
@@ -53,54 +48,54 @@ File format:
               "revision_column": "revision", "status_column": "status", "match_fields": ["qty"]},
    "transition": {"from": "pending", "to": "cancelled"},
    "chunk_size": 10, "topic": "outboxrelay.orders",
-   "items": [{"id": 15, "revision": 1, "fields": {"qty": 2}}, ...]}`)
-	c.RegisterDatabase(fs)
-	c.RegisterLogging(fs)
-	fs.String(&file, "file", "MANIFEST_FILE", "", `the manifest file ("-" = standard input) (required)`)
-	fs.Bool(&asJSON, "json", "", false, "print the registered job as JSON")
-	if _, err := fs.Parse(args); err != nil {
-		return err
-	}
-	if file == "" {
-		return cli.UsageError("--file is required (the approved manifest, JSON)")
-	}
-	var r io.Reader = stdin
-	if file != "-" {
-		f, err := os.Open(file)
-		if err != nil {
-			return cli.UsageError("--file: %v", err)
-		}
-		defer f.Close()
-		r = f
-	}
-	spec, err := manifest.Parse(r)
-	if err != nil {
-		return cli.UsageError("%s: %v", file, err)
-	}
-	pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	reg, err := manifest.Register(ctx, pool, spec)
-	if errors.Is(err, manifest.ErrRegistrationConflict) {
-		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
-	}
-	if err != nil {
-		return err
-	}
-	if asJSON {
-		return manifestWriteJSON(stdout, reg)
-	}
-	j := reg.Job
-	if reg.Created {
-		fmt.Fprintf(stdout, "registered manifest job %s: %d items, chunk size %d, tenant %s, %s.%s %s → %s\n",
-			j.JobID, j.ItemCount, j.ChunkSize, j.Tenant, j.Target.Table, j.Target.StatusColumn, j.Transition.From, j.Transition.To)
-		return nil
-	}
-	fmt.Fprintf(stdout, "manifest job %s is already registered with the same content (%d items, state %s, next_index %d); nothing changed\n",
-		j.JobID, j.ItemCount, j.State, j.NextIndex)
-	return nil
+   "items": [{"id": 15, "revision": 1, "fields": {"qty": 2}}, ...]}`,
+		Logging: true,
+		Flags: func(fs *cli.FlagSet) {
+			fs.String(&file, "file", "MANIFEST_FILE", "", `the manifest file ("-" = standard input) (required)`)
+			fs.Bool(&asJSON, "json", "", false, "print the registered job as JSON")
+		},
+		// The file is read and checked before anything connects.
+		Check: func() error {
+			if file == "" {
+				return cli.UsageError("--file is required (the approved manifest, JSON)")
+			}
+			var r io.Reader = stdin
+			if file != "-" {
+				f, err := os.Open(file)
+				if err != nil {
+					return cli.UsageError("--file: %v", err)
+				}
+				defer f.Close()
+				r = f
+			}
+			var err error
+			if spec, err = manifest.Parse(r); err != nil {
+				return cli.UsageError("%s: %v", file, err)
+			}
+			return nil
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			reg, err := manifest.Register(ctx, db.Pool, spec)
+			if errors.Is(err, manifest.ErrRegistrationConflict) {
+				return &cli.ExitError{Code: cli.ExitConflict, Err: err}
+			}
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return cli.WriteJSON(stdout, reg)
+			}
+			j := reg.Job
+			if reg.Created {
+				fmt.Fprintf(stdout, "registered manifest job %s: %d items, chunk size %d, tenant %s, %s.%s %s → %s\n",
+					j.JobID, j.ItemCount, j.ChunkSize, j.Tenant, j.Target.Table, j.Target.StatusColumn, j.Transition.From, j.Transition.To)
+				return nil
+			}
+			fmt.Fprintf(stdout, "manifest job %s is already registered with the same content (%d items, state %s, next_index %d); nothing changed\n",
+				j.JobID, j.ItemCount, j.State, j.NextIndex)
+			return nil
+		},
+	}.Command("batcher")
 }
 
 func manifestDrain(ctx context.Context, args []string, stdout io.Writer) error {
@@ -139,7 +134,7 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 	}
 	soft, hard, stop := shutdown.Contexts(ctx, grace, logger)
 	defer stop()
-	pool, err := pgconn.Open(hard, c.DatabaseURL, 2)
+	pool, err := c.OpenDB(hard, 2)
 	if err != nil {
 		return err
 	}
@@ -153,7 +148,7 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 	}
 	res, err := manifest.Drain(hard, pool, job, opts)
 	if asJSON && res.JobID != "" {
-		if werr := manifestWriteJSON(stdout, res); werr != nil && err == nil {
+		if werr := cli.WriteJSON(stdout, res); werr != nil && err == nil {
 			err = werr
 		}
 	} else if res.JobID != "" && res.Stopped != "" {
@@ -166,78 +161,71 @@ SIGINT/SIGTERM: finish the chunk in flight, then exit 0; a second signal aborts 
 	return err
 }
 
-func manifestReport(ctx context.Context, args []string, stdout io.Writer) error {
-	var c cli.Common
+func manifestReportCommand(stdout io.Writer) cli.Command {
 	var job string
 	var asJSON bool
-	fs := cli.NewFlagSet("batcher manifest report", `Prints the approved, committed and unprocessed ids of a manifest job and, for each
+	return cli.DBCommand{
+		Name:    "manifest report",
+		Summary: "approved, committed and unprocessed ids of a manifest job and the current state of each",
+		Synopsis: `Prints the approved, committed and unprocessed ids of a manifest job and, for each
 committed id, whether its row is matching (as the chunk left it), drifted (changed since)
 or missing (deleted). Progress, audit and rows are read in one snapshot (a REPEATABLE READ
-read-only transaction), so a drain committing meanwhile cannot make it disagree with itself.`)
-	c.RegisterDatabase(fs)
-	fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
-	fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
-	if _, err := fs.Parse(args); err != nil {
-		return err
-	}
-	if job == "" {
-		return cli.UsageError("--job is required")
-	}
-	pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	rep, err := manifest.ReadReport(ctx, pool, job)
-	if err != nil {
-		return err
-	}
-	if asJSON {
-		return manifestWriteJSON(stdout, rep)
-	}
-	_, err = io.WriteString(stdout, rep.String())
-	return err
+read-only transaction), so a drain committing meanwhile cannot make it disagree with itself.`,
+		Flags: func(fs *cli.FlagSet) {
+			fs.String(&job, "job", "MANIFEST_JOB", "", "the manifest job id (required)")
+			fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
+		},
+		Check: func() error {
+			if job == "" {
+				return cli.UsageError("--job is required")
+			}
+			return nil
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			rep, err := manifest.ReadReport(ctx, db.Pool, job)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return cli.WriteJSON(stdout, rep)
+			}
+			_, err = io.WriteString(stdout, rep.String())
+			return err
+		},
+	}.Command("batcher")
 }
 
-func manifestStatus(ctx context.Context, args []string, stdout io.Writer) error {
-	var c cli.Common
+func manifestStatusCommand(stdout io.Writer) cli.Command {
 	var asJSON bool
-	fs := cli.NewFlagSet("batcher manifest status", "Lists manifest jobs: state, progress, chunks done, last change.")
-	c.RegisterDatabase(fs)
-	fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
-	if _, err := fs.Parse(args); err != nil {
-		return err
-	}
-	pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	jobs, err := manifest.ListJobs(ctx, pool)
-	if err != nil {
-		return err
-	}
-	if asJSON {
-		if jobs == nil {
-			jobs = []manifest.Job{}
-		}
-		return manifestWriteJSON(stdout, jobs)
-	}
-	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "JOB\tTENANT\tSTATE\tPROGRESS\tCHUNK\tCHUNKS DONE\tUPDATED\tCONFLICT")
-	for _, j := range jobs {
-		conflict := ""
-		if j.Conflict != nil {
-			conflict = j.Conflict.String()
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d/%d\t%d\t%d\t%s\t%s\n", j.JobID, j.Tenant, j.State, j.NextIndex, j.ItemCount,
-			j.ChunkSize, j.ChunksDone, j.UpdatedAt.UTC().Format(time.RFC3339), strings.ReplaceAll(conflict, "\t", " "))
-	}
-	return tw.Flush()
-}
-
-func manifestWriteJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
+	return cli.DBCommand{
+		Name:     "manifest status",
+		Summary:  "list manifest jobs with state and progress",
+		Synopsis: "Lists manifest jobs: state, progress, chunks done, last change.",
+		Flags: func(fs *cli.FlagSet) {
+			fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			jobs, err := manifest.ListJobs(ctx, db.Pool)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if jobs == nil {
+					jobs = []manifest.Job{}
+				}
+				return cli.WriteJSON(stdout, jobs)
+			}
+			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+			fmt.Fprintln(tw, "JOB\tTENANT\tSTATE\tPROGRESS\tCHUNK\tCHUNKS DONE\tUPDATED\tCONFLICT")
+			for _, j := range jobs {
+				conflict := ""
+				if j.Conflict != nil {
+					conflict = j.Conflict.String()
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d/%d\t%d\t%d\t%s\t%s\n", j.JobID, j.Tenant, j.State, j.NextIndex, j.ItemCount,
+					j.ChunkSize, j.ChunksDone, j.UpdatedAt.UTC().Format(time.RFC3339), strings.ReplaceAll(conflict, "\t", " "))
+			}
+			return tw.Flush()
+		},
+	}.Command("batcher")
 }

@@ -26,12 +26,12 @@ import (
 func scanCommands(stdout io.Writer) []cli.Command {
 	return []cli.Command{
 		{Name: "run", Summary: "run a scan job (resumes its unfinished run, or starts a new one)", Run: func(ctx context.Context, args []string) error { return runCmd(ctx, args, stdout) }},
-		{Name: "status", Summary: "show runs: state, cursor, processed, rate, checkpoint age, quarantined", Run: func(ctx context.Context, args []string) error { return statusCmd(ctx, args, stdout) }},
-		{Name: "pause", Summary: "pause a run (workers roll back the chunk in flight and let go)", Run: func(ctx context.Context, args []string) error { return stateCmd(ctx, args, stdout, "paused") }},
-		{Name: "resume", Summary: "make a paused run claimable again", Run: func(ctx context.Context, args []string) error { return stateCmd(ctx, args, stdout, "pending") }},
-		{Name: "checkpoint set", Summary: "move a checkpoint by hand (audited; backwards = a new run)", Run: func(ctx context.Context, args []string) error { return checkpointSetCmd(ctx, args, stdout) }},
-		{Name: "quarantine list", Summary: "list rows set aside by the quarantine policy", Run: func(ctx context.Context, args []string) error { return quarantineListCmd(ctx, args, stdout) }},
-		{Name: "quarantine retry", Summary: "reprocess quarantined rows with the job's stored spec", Run: func(ctx context.Context, args []string) error { return quarantineRetryCmd(ctx, args, stdout) }},
+		statusCommand(stdout),
+		stateCommand(stdout, "paused"),
+		stateCommand(stdout, "pending"),
+		checkpointSetCommand(stdout),
+		quarantineListCommand(stdout),
+		quarantineRetryCommand(stdout),
 	}
 }
 
@@ -178,6 +178,10 @@ func lingerMetrics(soft context.Context, d time.Duration, logger *slog.Logger) {
 }
 
 func classify(err error) error {
+	var incompatible *batch.IncompatibleError
+	if errors.As(err, &incompatible) {
+		return &cli.ExitError{Code: cli.ExitConflict, Err: errors.New(incompatible.Message("--restart", "--resume"))}
+	}
 	if errors.Is(err, batch.ErrCheckpointIncompatible) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
 	}
@@ -198,42 +202,40 @@ func loadSpec(ctx context.Context, pool *pgxpool.Pool, file, job string) (batch.
 		}
 		return s, nil
 	}
-	return batch.LoadJobSpec(ctx, pool, job)
-}
-
-func openDB(ctx context.Context, args []string, name, synopsis string, bind func(*cli.FlagSet)) (*pgxpool.Pool, error) {
-	var c cli.Common
-	fs := cli.NewFlagSet("batcher "+name, synopsis)
-	c.RegisterDatabase(fs)
-	bind(fs)
-	if _, err := fs.Parse(args); err != nil {
-		return nil, err
+	s, err := batch.LoadJobSpec(ctx, pool, job)
+	if errors.Is(err, batch.ErrNotFound) {
+		return s, fmt.Errorf("%w: pass --spec FILE", err)
 	}
-	return pgconn.Open(ctx, c.DatabaseURL, 2)
+	return s, err
 }
 
-func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
+func statusCommand(stdout io.Writer) cli.Command {
 	var job string
 	var runs int
 	var asJSON bool
-	pool, err := openDB(ctx, args, "status", "Shows the newest runs of each job, one line per partition, read from batch_runs.", func(fs *cli.FlagSet) {
-		fs.String(&job, "job", "BATCH_JOB", "", "only this job")
-		fs.Int(&runs, "runs", "", 3, "runs per job to show")
-		fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
-	})
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	st, err := batch.Status(ctx, pool, job, runs)
-	if err != nil {
-		return err
-	}
-	if asJSON {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(st)
-	}
+	return cli.DBCommand{
+		Name:     "status",
+		Summary:  "show runs: state, cursor, processed, rate, checkpoint age, quarantined",
+		Synopsis: "Shows the newest runs of each job, one line per partition, read from batch_runs.",
+		Flags: func(fs *cli.FlagSet) {
+			fs.String(&job, "job", "BATCH_JOB", "", "only this job")
+			fs.Int(&runs, "runs", "", 3, "runs per job to show")
+			fs.Bool(&asJSON, "json", "", false, "print JSON instead of a table")
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			st, err := batch.Status(ctx, db.Pool, job, runs)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return cli.WriteJSON(stdout, st)
+			}
+			return printStatus(ctx, stdout, db.Pool, st, job, runs)
+		},
+	}.Command("batcher")
+}
+
+func printStatus(ctx context.Context, stdout io.Writer, pool *pgxpool.Pool, st []batch.RunStatus, job string, runs int) error {
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSTATE\tCURSOR\tPROCESSED\tRATE\tCKPT AGE\tQUARANTINED\tRETRIES\tATTEMPTS\tOWNER\tLAST ERROR")
 	for _, s := range st {
@@ -276,116 +278,145 @@ func statusCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	return tw.Flush()
 }
 
-func stateCmd(ctx context.Context, args []string, stdout io.Writer, to string) error {
+// stateCommand is `pause` (to = paused) and `resume` (to = pending).
+func stateCommand(stdout io.Writer, to string) cli.Command {
 	var job, run, partition string
 	verb := map[string]string{"paused": "pause", "pending": "resume"}[to]
-	pool, err := openDB(ctx, args, verb, "Sets the partitions of a run to "+to+".", func(fs *cli.FlagSet) {
-		fs.String(&job, "job", "BATCH_JOB", "", "job name (required)")
-		fs.String(&run, "run-id", "BATCH_RUN_ID", "", "run (default: the job's newest)")
-		fs.String(&partition, "partition", "BATCH_PARTITION", "", "only this partition")
-	})
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if job == "" {
-		return cli.UsageError("--job is required")
-	}
-	n, err := batch.SetState(ctx, pool, job, run, partition, to)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(stdout, "%d partition(s) of job %s set to %s\n", n, job, to)
-	return nil
+	summary := map[string]string{
+		"paused":  "pause a run (workers roll back the chunk in flight and let go)",
+		"pending": "make a paused run claimable again",
+	}[to]
+	return cli.DBCommand{
+		Name:     verb,
+		Summary:  summary,
+		Synopsis: "Sets the partitions of a run to " + to + ".",
+		Flags: func(fs *cli.FlagSet) {
+			fs.String(&job, "job", "BATCH_JOB", "", "job name (required)")
+			fs.String(&run, "run-id", "BATCH_RUN_ID", "", "run (default: the job's newest)")
+			fs.String(&partition, "partition", "BATCH_PARTITION", "", "only this partition")
+		},
+		Check: func() error {
+			if job == "" {
+				return cli.UsageError("--job is required")
+			}
+			return nil
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			n, err := batch.SetState(ctx, db.Pool, job, run, partition, to)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "%d partition(s) of job %s set to %s\n", n, job, to)
+			return nil
+		},
+	}.Command("batcher")
 }
 
-func checkpointSetCmd(ctx context.Context, args []string, stdout io.Writer) error {
+func checkpointSetCommand(stdout io.Writer) cli.Command {
 	var m batch.CheckpointMove
 	var cursor string
-	pool, err := openDB(ctx, args, "checkpoint set", "Moves a checkpoint by hand and writes checkpoint_audit. Forward skips rows (they will not be\nprocessed by this run); backwards starts a new run at that position.", func(fs *cli.FlagSet) {
-		fs.String(&m.Job, "job", "BATCH_JOB", "", "job name (required)")
-		fs.String(&m.RunID, "run-id", "BATCH_RUN_ID", "", "run (required)")
-		fs.String(&m.Partition, "partition", "BATCH_PARTITION", "", "partition (\"\" for a job without partitions)")
-		fs.String(&cursor, "cursor", "", "", `new cursor: the cursor columns' values, comma-separated or a JSON array, e.g. '["2024-01-01 00:00:00+00","42"]' (required)`)
-		fs.String(&m.Reason, "reason", "", "", "why (required; stored in the audit)")
-		fs.String(&m.Actor, "actor", "USER", "", "who (stored in the audit)")
-	})
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if m.Job == "" || m.RunID == "" || cursor == "" || m.Reason == "" {
-		return cli.UsageError("--job, --run-id, --cursor and --reason are required")
-	}
-	if strings.HasPrefix(strings.TrimSpace(cursor), "[") {
-		if err := json.Unmarshal([]byte(cursor), &m.Cursor); err != nil {
-			return cli.UsageError("--cursor %s: %v", cursor, err)
-		}
-	} else {
-		m.Cursor = strings.Split(cursor, ",")
-	}
-	res, err := batch.SetCheckpoint(ctx, pool, m)
-	if err != nil {
-		return err
-	}
-	if res.NewRunID != "" {
-		fmt.Fprintf(stdout, "moved back from %v to %v: new run %s (run %s superseded)\n", res.Before, res.After, res.NewRunID, m.RunID)
-	} else {
-		fmt.Fprintf(stdout, "moved forward from %v to %v\n", res.Before, res.After)
-	}
-	return nil
+	return cli.DBCommand{
+		Name:    "checkpoint set",
+		Summary: "move a checkpoint by hand (audited; backwards = a new run)",
+		Synopsis: "Moves a checkpoint by hand and writes checkpoint_audit. Forward skips rows (they will not be\n" +
+			"processed by this run); backwards starts a new run at that position.",
+		Flags: func(fs *cli.FlagSet) {
+			fs.String(&m.Job, "job", "BATCH_JOB", "", "job name (required)")
+			fs.String(&m.RunID, "run-id", "BATCH_RUN_ID", "", "run (required)")
+			fs.String(&m.Partition, "partition", "BATCH_PARTITION", "", "partition (\"\" for a job without partitions)")
+			fs.String(&cursor, "cursor", "", "", `new cursor: the cursor columns' values, comma-separated or a JSON array, e.g. '["2024-01-01 00:00:00+00","42"]' (required)`)
+			fs.String(&m.Reason, "reason", "", "", "why (required; stored in the audit)")
+			fs.String(&m.Actor, "actor", "USER", "", "who (stored in the audit)")
+		},
+		Check: func() error {
+			if m.Job == "" || m.RunID == "" || cursor == "" || m.Reason == "" {
+				return cli.UsageError("--job, --run-id, --cursor and --reason are required")
+			}
+			m.Cursor = nil
+			if strings.HasPrefix(strings.TrimSpace(cursor), "[") {
+				if err := json.Unmarshal([]byte(cursor), &m.Cursor); err != nil {
+					return cli.UsageError("--cursor %s: %v", cursor, err)
+				}
+			} else {
+				m.Cursor = strings.Split(cursor, ",")
+			}
+			return nil
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			res, err := batch.SetCheckpoint(ctx, db.Pool, m)
+			if err != nil {
+				return err
+			}
+			if res.NewRunID != "" {
+				fmt.Fprintf(stdout, "moved back from %v to %v: new run %s (run %s superseded)\n", res.Before, res.After, res.NewRunID, m.RunID)
+			} else {
+				fmt.Fprintf(stdout, "moved forward from %v to %v\n", res.Before, res.After)
+			}
+			return nil
+		},
+	}.Command("batcher")
 }
 
-func quarantineListCmd(ctx context.Context, args []string, stdout io.Writer) error {
+func quarantineListCommand(stdout io.Writer) cli.Command {
 	var job string
 	var all bool
-	pool, err := openDB(ctx, args, "quarantine list", "Lists quarantined rows: id and error, never the payload.", func(fs *cli.FlagSet) {
-		fs.String(&job, "job", "BATCH_JOB", "", "only this job")
-		fs.Bool(&all, "all", "", false, "include resolved rows")
-	})
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	rows, err := batch.ListQuarantine(ctx, pool, job, all)
-	if err != nil {
-		return err
-	}
-	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSOURCE ID\tCODE\tMESSAGE\tATTEMPTS\tLAST SEEN\tRESOLVED")
-	for _, q := range rows {
-		resolved := "-"
-		if q.ResolvedAt != nil {
-			resolved = q.ResolvedAt.Format(time.RFC3339)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", q.Job, q.RunID, orDash(q.Partition), q.SourceID, q.Code, q.Message, q.Attempts, q.LastSeen.Format(time.RFC3339), resolved)
-	}
-	return tw.Flush()
+	return cli.DBCommand{
+		Name:     "quarantine list",
+		Summary:  "list rows set aside by the quarantine policy",
+		Synopsis: "Lists quarantined rows: id and error, never the payload.",
+		Flags: func(fs *cli.FlagSet) {
+			fs.String(&job, "job", "BATCH_JOB", "", "only this job")
+			fs.Bool(&all, "all", "", false, "include resolved rows")
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			rows, err := batch.ListQuarantine(ctx, db.Pool, job, all)
+			if err != nil {
+				return err
+			}
+			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+			fmt.Fprintln(tw, "JOB\tRUN\tPARTITION\tSOURCE ID\tCODE\tMESSAGE\tATTEMPTS\tLAST SEEN\tRESOLVED")
+			for _, q := range rows {
+				resolved := "-"
+				if q.ResolvedAt != nil {
+					resolved = q.ResolvedAt.Format(time.RFC3339)
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", q.Job, q.RunID, orDash(q.Partition), q.SourceID, q.Code, q.Message, q.Attempts, q.LastSeen.Format(time.RFC3339), resolved)
+			}
+			return tw.Flush()
+		},
+	}.Command("batcher")
 }
 
-func quarantineRetryCmd(ctx context.Context, args []string, stdout io.Writer) error {
+func quarantineRetryCommand(stdout io.Writer) cli.Command {
 	var job, specFile string
-	pool, err := openDB(ctx, args, "quarantine retry", "Reprocesses the job's open quarantined rows from the source table; rows that now normalize\nare upserted, enqueued and marked resolved in one transaction per 1000 ids.", func(fs *cli.FlagSet) {
-		fs.String(&job, "job", "BATCH_JOB", "", "job name (required unless --spec)")
-		fs.String(&specFile, "spec", "BATCH_SPEC", "", "use this spec instead of the stored one (e.g. a fixed normalizer)")
-	})
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if job == "" && specFile == "" {
-		return cli.UsageError("--job or --spec is required")
-	}
-	spec, err := loadSpec(ctx, pool, specFile, job)
-	if err != nil {
-		return err
-	}
-	res, err := batch.RetryQuarantine(ctx, pool, spec, nil)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(stdout, "retried %d quarantined row(s) of job %s: %d resolved, %d still bad\n", res.Retried, spec.Job, res.Resolved, res.StillBad)
-	return nil
+	return cli.DBCommand{
+		Name:    "quarantine retry",
+		Summary: "reprocess quarantined rows with the job's stored spec",
+		Synopsis: "Reprocesses the job's open quarantined rows from the source table; rows that now normalize\n" +
+			"are upserted, enqueued and marked resolved in one transaction per 1000 ids.",
+		Flags: func(fs *cli.FlagSet) {
+			fs.String(&job, "job", "BATCH_JOB", "", "job name (required unless --spec)")
+			fs.String(&specFile, "spec", "BATCH_SPEC", "", "use this spec instead of the stored one (e.g. a fixed normalizer)")
+		},
+		Check: func() error {
+			if job == "" && specFile == "" {
+				return cli.UsageError("--job or --spec is required")
+			}
+			return nil
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			spec, err := loadSpec(ctx, db.Pool, specFile, job)
+			if err != nil {
+				return err
+			}
+			res, err := batch.RetryQuarantine(ctx, db.Pool, spec, nil)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "retried %d quarantined row(s) of job %s: %d resolved, %d still bad\n", res.Retried, spec.Job, res.Resolved, res.StillBad)
+			return nil
+		},
+	}.Command("batcher")
 }
 
 func orDash(s string) string {

@@ -14,7 +14,6 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/esconn"
 	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
@@ -215,7 +214,7 @@ func statusCommand(stdout io.Writer) cli.Command {
 			if s.common.DatabaseURL != "" && len(st.Generations) > 0 {
 				// The progress of building generations is extra: without
 				// it the status is still whole.
-				if pool, err := pgconn.Open(ctx, s.common.DatabaseURL, 2); err != nil {
+				if pool, err := s.common.OpenDB(ctx, 2); err != nil {
 					logger.Warn("no generation progress: DATABASE_URL", slog.String("error", err.Error()))
 				} else {
 					defer pool.Close()
@@ -272,6 +271,9 @@ func reindexCommand(stdout io.Writer) cli.Command {
 			fs.Duration(&opts.Settle, "settle", "", 5*time.Second, "wait after moving the write alias, for bulk requests already routed to the old index")
 			if _, err := fs.Parse(args); err != nil {
 				return err
+			}
+			if opts.Into == "" {
+				return cli.UsageError("--into is required (the new index, e.g. %s_v1_m2)", s.cfg.Alias)
 			}
 			s.noKafka = true // reindex does not talk to Kafka
 			if _, err := s.load(ctx, true); err != nil {

@@ -8,14 +8,16 @@ import (
 	"time"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 // conflictIfUnsafe maps a refused move (and an unknown job) to exit 3.
 func conflictIfUnsafe(err error) error {
-	if errors.Is(err, sink.ErrUnsafeMove) || errors.Is(err, reconcile.ErrUnknownJob) {
+	if errors.Is(err, reconcile.ErrUnknownJob) {
+		return &cli.ExitError{Code: cli.ExitConflict, Err: fmt.Errorf("%w: run it once with batcher run --spec", err)}
+	}
+	if errors.Is(err, sink.ErrUnsafeMove) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
 	}
 	return usageIfConfig(err)
@@ -53,7 +55,7 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
-			pool, err := pgconn.Open(ctx, s.common.DatabaseURL, 4)
+			pool, err := s.common.OpenDB(ctx, 4)
 			if err != nil {
 				return err
 			}

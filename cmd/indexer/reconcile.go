@@ -3,7 +3,6 @@ package main
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/esconn"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
@@ -67,7 +65,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				// and all "extra", and --repair would delete the index.
 				return cli.UsageError("ID_FORMAT=%s: reconcile compares normalized_records ids with _id and needs ID_FORMAT=%s", idFormat, sink.IDFormatID)
 			}
-			pool, err := pgconn.Open(ctx, common.DatabaseURL, 4)
+			pool, err := common.OpenDB(ctx, 4)
 			if err != nil {
 				return err
 			}
@@ -135,9 +133,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				fixed = &res
 			}
 			if asJSON {
-				enc := json.NewEncoder(stdout)
-				enc.SetIndent("", "  ")
-				if err := enc.Encode(struct {
+				if err := cli.WriteJSON(stdout, struct {
 					reconcile.Report
 					Repair *reconcile.RepairResult `json:"repair,omitempty"`
 				}{rep, fixed}); err != nil {

@@ -3,25 +3,26 @@ package main
 
 import (
 	"context"
+	"io"
 	"os"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 )
 
 func main() {
-	cli.Main(context.Background(), "publisher", "drains the transactional outbox to Kafka, at-least-once and ordered per key", commands())
+	cli.Main(context.Background(), "publisher", "drains the transactional outbox to Kafka, at-least-once and ordered per key", commands(os.Stdout))
 }
 
-func commands() []cli.Command {
+func commands(stdout io.Writer) []cli.Command {
 	return []cli.Command{
-		cli.MigrateCommand("publisher", os.Stdout),
+		cli.MigrateCommand("publisher", stdout),
 		runCommand(),
-		statusCommand(os.Stdout),
-		deadLetterListCommand(os.Stdout),
-		deadLetterRetryCommand(os.Stdout),
-		topicsEnsureCommand(os.Stdout),
-		notifyCommand(os.Stdout, "on"),
-		notifyCommand(os.Stdout, "off"),
-		notifyCommand(os.Stdout, "status"),
+		statusCommand(stdout),
+		deadLetterListCommand(stdout),
+		deadLetterRetryCommand(stdout),
+		topicsEnsureCommand(stdout),
+		notifyCommand(stdout, "on"),
+		notifyCommand(stdout, "off"),
+		notifyCommand(stdout, "status"),
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"io"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
@@ -19,27 +18,20 @@ func notifyCommand(stdout io.Writer, verb string) cli.Command {
 		"off":    "turn the outbox NOTIFY trigger off (writers commit without the global notify lock; publishers poll)",
 		"status": "print whether the outbox NOTIFY trigger is on",
 	}[verb]
-	return cli.Command{
+	return cli.DBCommand{
 		Name:    "notify " + verb,
 		Summary: summary,
-		Run: func(ctx context.Context, args []string) error {
-			var c cli.Common
-			fs := cli.NewFlagSet("publisher notify "+verb, "NOTIFY takes PostgreSQL's global notify lock from each commit that writes the outbox until\nthe commit is flushed, so many concurrent writers commit one after another. Off, publishers\nfind idle shards by polling every POLL_INTERVAL instead (set it to about 100ms).")
-			c.RegisterDatabase(fs)
-			if _, err := fs.Parse(args); err != nil {
-				return err
-			}
-			pool, err := pgconn.Open(ctx, c.DatabaseURL, 1)
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
+		Synopsis: "NOTIFY takes PostgreSQL's global notify lock from each commit that writes the outbox until\n" +
+			"the commit is flushed, so many concurrent writers commit one after another. Off, publishers\n" +
+			"find idle shards by polling every POLL_INTERVAL instead (set it to about 100ms).",
+		Conns: 1,
+		Run: func(ctx context.Context, db cli.DB) error {
 			if verb != "status" {
-				if err := outbox.SetNotify(ctx, pool, verb == "on"); err != nil {
+				if err := outbox.SetNotify(ctx, db.Pool, verb == "on"); err != nil {
 					return err
 				}
 			}
-			on, err := outbox.NotifyEnabled(ctx, pool)
+			on, err := outbox.NotifyEnabled(ctx, db.Pool)
 			if err != nil {
 				return err
 			}
@@ -50,5 +42,5 @@ func notifyCommand(stdout io.Writer, verb string) cli.Command {
 			fmt.Fprintf(stdout, "outbox NOTIFY trigger: %s\n", state)
 			return nil
 		},
-	}
+	}.Command("publisher")
 }

@@ -9,7 +9,6 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -28,6 +27,7 @@ func runCommand() cli.Command {
 				listen   bool
 				grace    time.Duration
 				ks       kafkaconn.Settings
+				topics   string
 			)
 			fs := cli.NewFlagSet("publisher run", "Leases outbox shards, sends their events to Kafka (acks=all, key = aggregate id),\nthen deletes them, fenced by the lease epoch. Several publishers share the 64 shards.")
 			c.RegisterDatabase(fs)
@@ -44,12 +44,17 @@ func runCommand() cli.Command {
 			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "timeout of one produce attempt (also cut to the shard's lease deadline)")
 			fs.Duration(&cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", outbox.DefaultRetryMaxElapsed, "time budget of one retry loop before the shard starts over from the database")
 			fs.Duration(&cfg.TopicWait, "topic-wait", "TOPIC_WAIT", outbox.DefaultTopicWait, "how long an event waits for a missing or forbidden topic before it is dead-lettered (topics are never auto-created: see topics ensure)")
+			fs.String(&topics, "publisher-topics", "PUBLISHER_TOPICS", "", publisherTopicsUsage)
 			fs.Duration(&cfg.Retention, "retention", "RETENTION", 0, "keep published events in outbox_published this long (0 deletes them at once)")
 			fs.Duration(&cfg.BacklogInterval, "backlog-interval", "BACKLOG_INTERVAL", outbox.DefaultBacklogInterval, "refresh interval of the backlog metrics")
 			fs.String(&cfg.Source, "ce-source", "CE_SOURCE", outbox.DefaultSource, "CloudEvents ce_source header")
 			fs.Int(&maxConns, "database-max-conns", "DATABASE_MAX_CONNS", outbox.DefaultMaxConns, "PostgreSQL connections for shard work (one per lane, 64/N shards to a lane, each opened when first needed); the publisher holds at most this + 4: 2 for heartbeats, 1 for polling/backlog/cleanup, 1 to LISTEN")
 			fs.Duration(&grace, "shutdown-grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first SIGTERM/SIGINT, how long to finish batches in flight before exiting anyway")
 			if _, err := fs.Parse(args); err != nil {
+				return err
+			}
+			var err error
+			if cfg.Topics, err = parsePublisherTopics(topics); err != nil {
 				return err
 			}
 			ep, err := m.Endpoint()
@@ -65,23 +70,24 @@ func runCommand() cli.Command {
 					cfg.Brokers = append(cfg.Brokers, b)
 				}
 			}
+			if len(cfg.Brokers) == 0 {
+				return cli.UsageError("KAFKA_BROKERS is empty: set --kafka-brokers or KAFKA_BROKERS (e.g. localhost:9092)")
+			}
 			sec, err := ks.Build(logger)
 			if err != nil {
 				return err
 			}
 			cfg.TLS, cfg.SASL = sec.TLS, sec.SASL
-			if len(cfg.Brokers) > 0 {
-				// Fail at start, in one line, on a wrong password or CA.
-				if err := sec.Probe(ctx, cfg.Brokers); err != nil {
-					return err
-				}
+			// Fail at start, in one line, on a wrong password or CA.
+			if err := sec.Probe(ctx, cfg.Brokers); err != nil {
+				return err
 			}
 			soft, hard, stop := shutdown.Contexts(ctx, grace, logger)
 			defer stop()
 			// The pool serves the start checks, polling, the backlog gauge
 			// and cleanup, one query at a time; the shard lanes, heartbeats
 			// and LISTEN open connections of their own from its settings.
-			pool, err := pgconn.Open(hard, c.DatabaseURL, 1)
+			pool, err := c.OpenDB(hard, 1)
 			if err != nil {
 				return err
 			}

@@ -10,29 +10,20 @@ import (
 	"time"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
 func statusCommand(stdout io.Writer) cli.Command {
-	return cli.Command{
-		Name:    "status",
-		Summary: "print backlog per shard, oldest unpublished event, leases and owners, publishers, dead letters",
-		Run: func(ctx context.Context, args []string) error {
-			var c cli.Common
-			var all bool
-			fs := cli.NewFlagSet("publisher status", "Reads the outbox, lease and dead-letter tables (the database is the source of truth).")
-			c.RegisterDatabase(fs)
+	var all bool
+	return cli.DBCommand{
+		Name:     "status",
+		Summary:  "print backlog per shard, oldest unpublished event, leases and owners, publishers, dead letters",
+		Synopsis: "Reads the outbox, lease and dead-letter tables (the database is the source of truth).",
+		Flags: func(fs *cli.FlagSet) {
 			fs.Bool(&all, "all-shards", "", false, "list every shard, not only those with a backlog or an owner")
-			if _, err := fs.Parse(args); err != nil {
-				return err
-			}
-			pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			r, err := outbox.Status(ctx, pool)
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			r, err := outbox.Status(ctx, db.Pool)
 			if err != nil {
 				return err
 			}
@@ -62,7 +53,7 @@ func statusCommand(stdout io.Writer) cli.Command {
 			}
 			return tw.Flush()
 		},
-	}
+	}.Command("publisher")
 }
 
 func dash(s string) string {
@@ -73,24 +64,16 @@ func dash(s string) string {
 }
 
 func deadLetterListCommand(stdout io.Writer) cli.Command {
-	return cli.Command{
-		Name:    "dead-letter list",
-		Summary: "list events the broker rejected permanently (oldest first)",
-		Run: func(ctx context.Context, args []string) error {
-			var c cli.Common
-			var limit int
-			fs := cli.NewFlagSet("publisher dead-letter list", "Lists outbox_dead_letters: the event, its size and the broker's error.")
-			c.RegisterDatabase(fs)
+	var limit int
+	return cli.DBCommand{
+		Name:     "dead-letter list",
+		Summary:  "list events the broker rejected permanently (oldest first)",
+		Synopsis: "Lists outbox_dead_letters: the event, its size and the broker's error.",
+		Flags: func(fs *cli.FlagSet) {
 			fs.Int(&limit, "limit", "", 100, "most rows to print")
-			if _, err := fs.Parse(args); err != nil {
-				return err
-			}
-			pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			dls, err := outbox.ListDeadLetters(ctx, pool, limit)
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			dls, err := outbox.ListDeadLetters(ctx, db.Pool, limit)
 			if err != nil {
 				return err
 			}
@@ -102,25 +85,24 @@ func deadLetterListCommand(stdout io.Writer) cli.Command {
 			}
 			return tw.Flush()
 		},
-	}
+	}.Command("publisher")
 }
 
 func deadLetterRetryCommand(stdout io.Writer) cli.Command {
-	return cli.Command{
+	var idList string
+	var all bool
+	var ids []int64
+	return cli.DBCommand{
 		Name:    "dead-letter retry",
 		Summary: "move dead letters back into the outbox (--ids 1,2,3 or --all)",
-		Run: func(ctx context.Context, args []string) error {
-			var c cli.Common
-			var idList string
-			var all bool
-			fs := cli.NewFlagSet("publisher dead-letter retry", "Re-enqueues dead letters into outbox_events (after fixing the cause, e.g. raising\nmessage.max.bytes). They are published after the events already queued for their key.")
-			c.RegisterDatabase(fs)
+		Synopsis: "Re-enqueues dead letters into outbox_events (after fixing the cause, e.g. raising\n" +
+			"message.max.bytes). They are published after the events already queued for their key.",
+		Flags: func(fs *cli.FlagSet) {
 			fs.String(&idList, "ids", "", "", "comma-separated dead-letter ids (see dead-letter list)")
 			fs.Bool(&all, "all", "", false, "retry every dead letter")
-			if _, err := fs.Parse(args); err != nil {
-				return err
-			}
-			var ids []int64
+		},
+		Check: func() error {
+			ids = nil
 			for _, s := range strings.Split(idList, ",") {
 				if s = strings.TrimSpace(s); s == "" {
 					continue
@@ -134,17 +116,15 @@ func deadLetterRetryCommand(stdout io.Writer) cli.Command {
 			if all == (len(ids) > 0) {
 				return cli.UsageError("give exactly one of --ids or --all")
 			}
-			pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			n, err := outbox.RetryDeadLetters(ctx, pool, ids)
+			return nil
+		},
+		Run: func(ctx context.Context, db cli.DB) error {
+			n, err := outbox.RetryDeadLetters(ctx, db.Pool, ids)
 			if err != nil {
 				return err
 			}
 			fmt.Fprintf(stdout, "%d dead letter(s) moved back to the outbox\n", n)
 			return nil
 		},
-	}
+	}.Command("publisher")
 }

@@ -20,19 +20,29 @@ func topicsEnsureCommand(stdout io.Writer) cli.Command {
 		Name:    "topics ensure",
 		Summary: "create the topics the outbox writes to, with an explicit partition count and replication",
 		Run: func(ctx context.Context, args []string) error {
-			var brokers, topics string
+			var brokers, topics, list string
 			var partitions, replication int
-			fs := cli.NewFlagSet("publisher topics ensure", "Creates the given topics when they do not exist and checks the partition count of those that do.\nThe publisher never creates topics: an event for a missing topic waits TOPIC_WAIT, then\ngoes to the dead letters.")
+			fs := cli.NewFlagSet("publisher topics ensure", "Creates the topics of PUBLISHER_TOPICS (each with its own partition count and replication),\n"+
+				"or the --topics given with --partitions and --replication-factor, when they do not exist, and checks\n"+
+				"the partition count of those that do. The publisher never creates topics: an event for a missing\n"+
+				"topic (or one not in PUBLISHER_TOPICS, when set) waits TOPIC_WAIT, then goes to the dead letters.")
 			fs.String(&brokers, "kafka-brokers", "KAFKA_BROKERS", "", "Kafka bootstrap brokers, comma-separated host:port (required)")
-			fs.String(&topics, "topics", "TOPICS", "", "comma-separated topic names (required)")
-			fs.Int(&partitions, "partitions", "TOPIC_PARTITIONS", 0, "partition count of new topics (required; changing it later moves keys)")
-			fs.Int(&replication, "replication-factor", "TOPIC_REPLICATION_FACTOR", 0, "replication factor of new topics (required; 3 on a production cluster)")
+			fs.String(&list, "publisher-topics", "PUBLISHER_TOPICS", "", `the topics to create, name:partitions:replication comma-separated, e.g. "orders:12:3,users:6:3" (the publisher's list; instead of --topics)`)
+			fs.String(&topics, "topics", "TOPICS", "", "comma-separated topic names (instead of PUBLISHER_TOPICS)")
+			fs.Int(&partitions, "partitions", "TOPIC_PARTITIONS", 0, "partition count of the --topics (required with them; changing it later moves keys)")
+			fs.Int(&replication, "replication-factor", "TOPIC_REPLICATION_FACTOR", 0, "replication factor of the --topics (required with them; 3 on a production cluster)")
 			var ks kafkaconn.Settings
 			ks.Register(fs)
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			var specs []outbox.TopicSpec
+			specs, err := parsePublisherTopics(list)
+			if err != nil {
+				return err
+			}
+			if specs != nil && strings.TrimSpace(topics) != "" {
+				return cli.UsageError("PUBLISHER_TOPICS and TOPICS (--topics) are both set: give one")
+			}
 			for _, t := range strings.Split(topics, ",") {
 				if t = strings.TrimSpace(t); t != "" {
 					specs = append(specs, outbox.TopicSpec{Name: t, Partitions: partitions, ReplicationFactor: replication})
@@ -48,10 +58,10 @@ func topicsEnsureCommand(stdout io.Writer) cli.Command {
 			case len(brokerList) == 0:
 				return cli.UsageError("KAFKA_BROKERS is empty: set --kafka-brokers or KAFKA_BROKERS")
 			case len(specs) == 0:
-				return cli.UsageError("--topics is empty: name the topics to create")
-			case partitions <= 0:
+				return cli.UsageError("no topics: set PUBLISHER_TOPICS, or --topics with --partitions and --replication-factor")
+			case list == "" && partitions <= 0:
 				return cli.UsageError("--partitions=%d: must be > 0", partitions)
-			case replication <= 0:
+			case list == "" && replication <= 0:
 				return cli.UsageError("--replication-factor=%d: must be > 0", replication)
 			}
 			sec, err := ks.Build(slog.Default())
@@ -88,4 +98,15 @@ func topicsEnsureCommand(stdout io.Writer) cli.Command {
 			return errors.Join(errs...)
 		},
 	}
+}
+
+const publisherTopicsUsage = `the only topics to write to, name:partitions:replication comma-separated, e.g. "orders:12:3,users:6:3" (what topics ensure creates); an event of another topic is dead-lettered after TOPIC_WAIT ("" = any topic the broker has)`
+
+// parsePublisherTopics parses PUBLISHER_TOPICS; "" is nil (no list).
+func parsePublisherTopics(s string) ([]outbox.TopicSpec, error) {
+	specs, err := outbox.ParseTopicSpecs(s)
+	if err != nil {
+		return nil, cli.UsageError("PUBLISHER_TOPICS=%q: %v", s, err)
+	}
+	return specs, nil
 }

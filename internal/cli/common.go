@@ -9,7 +9,6 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/internal/logging"
 	"github.com/outboxrelay/outboxrelay/internal/migrate"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 )
 
 // Common holds the settings every binary shares.
@@ -45,32 +44,18 @@ func (c *Common) Logger() (*slog.Logger, error) {
 
 // MigrateCommand is the `migrate` sub-command every binary has.
 func MigrateCommand(binary string, stdout io.Writer) Command {
-	return Command{
-		Name:    "migrate",
-		Summary: "apply the embedded SQL migrations (safe to run from several processes at once)",
-		Run: func(ctx context.Context, args []string) error {
-			var c Common
-			fs := NewFlagSet(binary+" migrate", "Applies every migration not yet recorded in outboxrelay_migrations, each in its own\ntransaction, under an advisory lock.")
-			c.RegisterDatabase(fs)
-			c.RegisterLogging(fs)
-			if _, err := fs.Parse(args); err != nil {
-				return err
-			}
-			logger, err := c.Logger()
-			if err != nil {
-				return err
-			}
-			pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			res, err := migrate.Up(ctx, pool, logger)
+	return DBCommand{
+		Name:     "migrate",
+		Summary:  "apply the embedded SQL migrations (safe to run from several processes at once)",
+		Synopsis: "Applies every migration not yet recorded in outboxrelay_migrations, each in its own\ntransaction, under an advisory lock.",
+		Logging:  true,
+		Run: func(ctx context.Context, db DB) error {
+			res, err := migrate.Up(ctx, db.Pool, db.Logger)
 			if err != nil {
 				return err
 			}
 			fmt.Fprintf(stdout, "schema at version %d (%d migration(s) applied now)\n", res.Current, len(res.Applied))
 			return nil
 		},
-	}
+	}.Command(binary)
 }

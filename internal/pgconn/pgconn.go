@@ -18,7 +18,7 @@ import (
 // default.
 func Open(ctx context.Context, url string, maxConns int) (*pgxpool.Pool, error) {
 	if url == "" {
-		return nil, fmt.Errorf("DATABASE_URL is empty: set --database-url or DATABASE_URL (e.g. postgres://user:pass@localhost:5432/db)")
+		return nil, fmt.Errorf("DATABASE_URL is empty (e.g. postgres://user:pass@localhost:5432/db)")
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
