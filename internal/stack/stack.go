@@ -19,8 +19,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -28,6 +30,7 @@ import (
 // Main runs the tests of a package and stops every server this test binary
 // started. Use it as: func TestMain(m *testing.M) { stack.Main(m) }.
 func Main(m *testing.M) {
+	closeInheritedOnExec()
 	code := m.Run()
 	stopAll()
 	os.Exit(code)
@@ -238,4 +241,21 @@ func UniqueName(prefix string) string {
 	var b [6]byte
 	_, _ = rand.Read(b[:])
 	return prefix + "-" + hex.EncodeToString(b[:])
+}
+
+// closeInheritedOnExec marks the descriptors this process inherited
+// above stderr close-on-exec, so that the servers it starts do not hold
+// them: `flock /tmp/bench.lock make bench-x` would otherwise stay locked
+// for as long as a server the benchmark left behind runs. (Go opens its
+// own descriptors close-on-exec; inherited ones stay open across exec.)
+func closeInheritedOnExec() {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return // not Linux: nothing to do that matters here
+	}
+	for _, e := range entries {
+		if fd, err := strconv.Atoi(e.Name()); err == nil && fd > 2 {
+			syscall.CloseOnExec(fd)
+		}
+	}
 }
