@@ -26,7 +26,7 @@ import (
 
 // randomSeedEnv replays TestRandomizedRunsMatchTheModel with a seed it
 // printed; randomDurationEnv sets how long its chaos phase lasts (Go
-// duration, default 25s; the whole test takes about twice that).
+// duration, default 20s; the whole test takes about twice that).
 const (
 	randomSeedEnv     = "OUTBOXRELAY_RANDOM_SEED"
 	randomDurationEnv = "OUTBOXRELAY_RANDOM_DURATION"
@@ -105,8 +105,11 @@ type randSnap struct {
 // them inside a BEFORE INSERT trigger after nextval() and before they have
 // a transaction id; chunks are forced to roll back and retry (failpoint
 // batch.chunk_error); processes are SIGKILLed at failpoints and at random
-// moments; the full job often changes its processor version, so that every
-// row must be written again by the next run.
+// moments; while changes go on, the full job often changes its processor
+// version, so that every row must be written again by the next run. Each
+// iteration runs one full process and, meanwhile, incremental processes
+// one after another (short runs, which pass a slow writer's change_seq
+// before it commits unless they waited for it).
 //
 // The model is the source table itself, read by the test:
 //   - every full run that succeeded (partition and sweep) holds at its
@@ -131,7 +134,7 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 		seed, err = strconv.ParseUint(v, 10, 64)
 		require.NoError(t, err, randomSeedEnv)
 	}
-	chaosFor := 25 * time.Second
+	chaosFor := 20 * time.Second
 	if v := os.Getenv(randomDurationEnv); v != "" {
 		var err error
 		chaosFor, err = time.ParseDuration(v)
@@ -151,9 +154,9 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	_, err := pool.Exec(ctx, randSchema)
 	require.NoError(t, err)
 
-	fullSize, incrSize := 4+rng.IntN(20), 4+rng.IntN(30)
+	fullSize, incrSize := 5+rng.IntN(16), 5+rng.IntN(25)
 	m := &mutator{pool: pool, rng: rand.New(rand.NewPCG(seed, 2)), ahead: fullSize}
-	require.NoError(t, m.insert(ctx, 600+rng.IntN(600), false))
+	require.NoError(t, m.insert(ctx, 400+rng.IntN(400), false))
 
 	errs := batch.ErrorPolicy{Policy: batch.PolicyStrict, MaxRetries: 10, InitialBackoff: batch.Duration(100 * time.Millisecond), MaxBackoff: batch.Duration(400 * time.Millisecond)}
 	doc := batch.Document{Fields: []batch.Field{{Name: "id"}, {Name: "title", Transforms: []string{"trim"}}}}
@@ -187,18 +190,39 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	iterate := func(final bool) {
 		t.Helper()
 		fp := full.plan(rng, final)
-		ip := incr.plan(rng, final)
-		pv := full.nextPV(t, pool, rng)
+		// Incremental processes one after another while the full one
+		// runs: short runs, which pass a slow writer's change_seq before
+		// it commits unless they waited for it.
+		ips := make([]randProcess, 8)
+		for i := range ips {
+			ips[i] = incr.plan(rng, final)
+		}
+		pv := full.nextPV(t, pool, rng, !final)
 		snap := readSnap(t, pool)
 		snaps = append(snaps, snap)
 		specFile := writeSpec(t, full.withPV(pv))
 		var wg sync.WaitGroup
 		var ferr, ierr error
+		fullDone := make(chan struct{})
 		wg.Add(2)
-		go func() { defer wg.Done(); ferr = fp.run(t, bin, url, specFile) }()
-		go func() { defer wg.Done(); ierr = ip.run(t, bin, url, incr.file(t)) }()
+		go func() { defer wg.Done(); defer close(fullDone); ferr = fp.run(t, bin, url, specFile) }()
+		var nIncr int
+		go func() {
+			defer wg.Done()
+			for _, ip := range ips {
+				nIncr++
+				if ierr = ip.run(t, bin, url, incr.file(t)); ierr != nil {
+					return
+				}
+				select {
+				case <-fullDone:
+					return
+				default:
+				}
+			}
+		}()
 		wg.Wait()
-		processes += 2
+		processes += 1 + nIncr
 		require.NoError(t, errors.Join(ferr, ierr))
 		checkFullRuns(t, pool, snaps, checkedFull)
 		checkIncrRuns(t, pool)
@@ -275,9 +299,10 @@ func (j *randJob) withPV(pv string) batch.Spec {
 
 // nextPV is the processor version of the full job's next process: the
 // newest run's while it is not over (a checkpoint is not resumed under
-// another version), else a new one half of the time, so the next run must
-// write every row again (a row it skips stays at the old version).
-func (j *randJob) nextPV(t *testing.T, pool *pgxpool.Pool, rng *rand.Rand) string {
+// another version), else, when change is set, a new one half of the
+// time, so the next run must write every row again (a row it skips stays
+// at the old version).
+func (j *randJob) nextPV(t *testing.T, pool *pgxpool.Pool, rng *rand.Rand, change bool) string {
 	t.Helper()
 	var pv string
 	var done bool
@@ -290,7 +315,7 @@ WHERE r.job = $1 GROUP BY r.logical_run_id, r.processor_version ORDER BY max(r.c
 		return "v1"
 	}
 	require.NoError(t, err)
-	if done && rng.IntN(2) == 0 {
+	if done && rng.IntN(2) == 0 && change {
 		j.pvs++
 		return "v" + strconv.Itoa(j.pvs)
 	}
@@ -683,9 +708,9 @@ func (m *mutator) run(ctx context.Context, late bool) <-chan error {
 			}
 			at := m.key() // a random place in the key order
 			n := 1 + m.intN(5)
-			hold := time.Duration(m.intN(30)) * time.Millisecond
+			hold := time.Duration(5+m.intN(35)) * time.Millisecond
 			if late {
-				hold += 20 * time.Millisecond // fewer new rows: the last runs stay short
+				hold += 80 * time.Millisecond // fewer new rows: the last runs stay short
 			}
 			err := pgx.BeginFunc(context.WithoutCancel(ctx), m.pool, func(tx pgx.Tx) error {
 				var err error
@@ -745,8 +770,13 @@ func (m *mutator) slowWriter(ctx context.Context, late bool) <-chan error {
 	done := make(chan error, 1)
 	go func() {
 		for ctx.Err() == nil {
-			id, slowMS := m.key(), 50+m.intN(400)
-			hold := time.Duration(m.intN(600)) * time.Millisecond
+			// Half of them wait long in the trigger (no transaction id
+			// yet), the others after the INSERT.
+			id, slowMS := m.key(), 300+m.intN(1200)
+			hold := time.Duration(m.intN(200)) * time.Millisecond
+			if m.intN(2) == 0 {
+				slowMS, hold = 50+m.intN(200), time.Duration(300+m.intN(1200))*time.Millisecond
+			}
 			update := !late && m.intN(2) == 0
 			at := m.key()
 			err := pgx.BeginFunc(context.WithoutCancel(ctx), m.pool, func(tx pgx.Tx) error {
