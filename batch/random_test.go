@@ -230,9 +230,11 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	}
 
 	// Chaos: changes everywhere while runs come and go.
+	t.Logf("%s: set up (the batcher built)", time.Since(began).Round(time.Second))
 	mctx, stopChanges := context.WithCancel(ctx)
 	changes := m.run(mctx, false)
-	slow := m.slowWriter(mctx, false)
+	// Two slow writers: a run start often finds one inside its trigger.
+	slow, slow2 := m.slowWriter(mctx, false), m.slowWriter(mctx, false)
 	t.Cleanup(stopChanges)
 	for deadline := time.Now().Add(chaosFor); time.Now().Before(deadline); {
 		iterate(false)
@@ -240,7 +242,9 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	stopChanges()
 	require.NoError(t, <-changes)
 	require.NoError(t, <-slow)
+	require.NoError(t, <-slow2)
 	quiet := readSnap(t, pool)
+	t.Logf("%s: changes stopped after %d processes", time.Since(began).Round(time.Second), processes)
 
 	// Then only new rows arrive (many of them right ahead of the running
 	// cursor, inside the ranges of chunks in flight, some from slow
