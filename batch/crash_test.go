@@ -189,17 +189,21 @@ func TestTwoWorkersShareAndFence(t *testing.T) {
 		s.Chunk = batch.ChunkSettings{Size: 100, Min: 100, Max: 100}
 	}))
 	args := []string{"run", "--spec", specFile, "--run-id", "r1", "--lease-ttl", "2s"}
+	// A first, alone: started together, B could claim every partition
+	// before a slow A (a loaded machine) claimed one, or take A's
+	// partition over when A's lease looked stale, and A would never be
+	// seen working. B starts once A is frozen holding a partition.
 	a := testproc.Start(t, bin, env(url, "WORKER_ID=A"), args...)
-	b := testproc.Start(t, bin, env(url, "WORKER_ID=B"), args...)
-
-	var frozen string
 	waitFor(t, time.Minute, "A working on a partition", func() bool {
-		err := pool.QueryRow(context.Background(), `SELECT partition_key FROM batch_runs WHERE lease_owner LIKE 'A/%' AND state = 'running' AND processed_count > 0`).Scan(&frozen)
-		return err == nil
-	}, a, b)
+		return queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE lease_owner LIKE 'A/%' AND state = 'running' AND processed_count > 0`) > 0
+	}, a)
 	require.NoError(t, a.Signal(syscall.SIGSTOP))
+	// Read after the freeze: A may have moved on to the next partition.
+	var frozen string
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT partition_key FROM batch_runs WHERE lease_owner LIKE 'A/%' AND state = 'running'`).Scan(&frozen))
 	t.Logf("A frozen holding partition %s", frozen)
 	require.Equal(t, int64(4), queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE job = 'records' AND logical_run_id = 'r1'`))
+	b := testproc.Start(t, bin, env(url, "WORKER_ID=B"), args...)
 
 	waitFor(t, 2*time.Minute, "B to take over A's partition", func() bool {
 		return queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE partition_key = $1 AND (lease_owner LIKE 'B/%' OR state = 'succeeded')`, frozen) == 1

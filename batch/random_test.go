@@ -2,9 +2,11 @@ package batch_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,31 +21,108 @@ import (
 	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
+	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
 // randomSeedEnv replays TestRandomizedRunsMatchTheModel with a seed it
 // printed; randomDurationEnv sets how long its chaos phase lasts (Go
-// duration, default 20s).
+// duration, default 20s; the whole test takes about twice that).
 const (
 	randomSeedEnv     = "OUTBOXRELAY_RANDOM_SEED"
 	randomDurationEnv = "OUTBOXRELAY_RANDOM_DURATION"
 )
 
+// The two jobs over rand_records, each with its own source name (so each
+// has its own normalized_records rows and its own sweep) and aggregate
+// type (so its events can be told apart).
+const (
+	randFull = "rand_full" // full runs by the random text key, filter hidden = false, vanished rows swept
+	randIncr = "rand_incr" // incremental runs by change_seq, no filter
+)
+
+const randSchema = `
+CREATE SEQUENCE rand_change_seq; -- CACHE 1, as the incremental mode requires
+CREATE TABLE rand_records (
+    id text PRIMARY KEY,
+    version bigint NOT NULL DEFAULT 1,
+    change_seq bigint NOT NULL DEFAULT nextval('rand_change_seq') UNIQUE,
+    deleted boolean NOT NULL DEFAULT false,
+    hidden boolean NOT NULL DEFAULT false,
+    title text NOT NULL,
+    late boolean NOT NULL DEFAULT false,
+    slow_ms int NOT NULL DEFAULT 0
+);
+-- Hard-deleted ids: never inserted again.
+CREATE TABLE rand_graveyard (id text PRIMARY KEY);
+CREATE FUNCTION rand_records_bump() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW IS DISTINCT FROM OLD THEN
+        NEW.version := OLD.version + 1;
+        NEW.change_seq := nextval('rand_change_seq');
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER rand_records_bump BEFORE UPDATE ON rand_records FOR EACH ROW EXECUTE FUNCTION rand_records_bump();
+-- A slow BEFORE INSERT trigger: the row holds its change_seq (the DEFAULT
+-- ran first) while its transaction has no transaction id yet.
+CREATE FUNCTION rand_records_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.slow_ms > 0 THEN PERFORM pg_sleep(NEW.slow_ms / 1000.0); END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER rand_records_slow BEFORE INSERT ON rand_records FOR EACH ROW EXECUTE FUNCTION rand_records_slow();
+CREATE FUNCTION rand_records_gone() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO rand_graveyard (id) VALUES (OLD.id) ON CONFLICT DO NOTHING;
+    RETURN OLD;
+END $$;
+CREATE TRIGGER rand_records_gone AFTER DELETE ON rand_records FOR EACH ROW EXECUTE FUNCTION rand_records_gone();
+`
+
+// randRow is a source row as the model sees it.
 type randRow struct {
 	version int64
 	deleted bool
+	hidden  bool
 	title   string
 }
 
-// Many short runs of the real batcher over a table with random text keys,
-// while rows are inserted, updated and soft-deleted at random places (also
-// below the cursor and the boundary), with chunks forced to roll back and
-// retry (failpoint batch.chunk_error) and processes killed at failpoints
-// or at random moments. Then the changes stop, and runs (still under
-// chaos, while new rows keep arriving) go on until one that started after
-// the last change has succeeded: normalized_records must then hold every
-// row at its last version with the document a model computes in Go from
-// the source rows, and the outbox one event per (row, version).
+// randSnap is the source table read in one snapshot at `at` (the server's
+// clock, after the snapshot was taken): every row and every hard-deleted id.
+type randSnap struct {
+	at   time.Time
+	rows map[string]randRow
+	gone map[string]bool
+}
+
+// Many short runs of the real batcher, two jobs at once over one table
+// with random text keys: a full job by the key (with a filter rows leave,
+// and the sweep of vanished rows) and an incremental job by a change
+// sequence. Meanwhile rows are inserted (many right inside the ranges of
+// the full job's chunks in flight), updated, soft-deleted, hidden and
+// hard-deleted at random places (also below the cursor and the boundary);
+// slow writers keep transactions open across the runs' starts, some of
+// them inside a BEFORE INSERT trigger after nextval() and before they have
+// a transaction id; chunks are forced to roll back and retry (failpoint
+// batch.chunk_error); processes are SIGKILLed at failpoints and at random
+// moments; while changes go on, the full job often changes its processor
+// version, so that every row must be written again by the next run. Each
+// iteration runs one full process and, meanwhile, incremental processes
+// one after another (short runs, which pass a slow writer's change_seq
+// before it commits unless they waited for it).
+//
+// The model is the source table itself, read by the test:
+//   - every full run that succeeded (partition and sweep) holds at its
+//     boundary: each row of a snapshot read before the run was created is
+//     normalized under the run's processor version at that version or a
+//     later one, and rows that were hidden or hard-deleted are tombstones;
+//   - every incremental run that succeeded holds at its boundary: each row
+//     whose change_seq is at or below it is normalized at its version;
+//   - no two events for one (row, version, processor version), and every
+//     normalized row has its event;
+//   - once the changes stop, runs go on (still under chaos, while new rows
+//     arrive) until three of each job that started after the last change
+//     have succeeded: normalized_records then equals the model exactly.
 //
 // The choices come from a seed it prints; set OUTBOXRELAY_RANDOM_SEED to
 // replay them (the timing of the processes still varies).
@@ -67,185 +146,501 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 			t.Logf("FAILED with seed %d: replay with %s=%d", seed, randomSeedEnv, seed)
 		}
 	})
+	began := time.Now()
 	rng := rand.New(rand.NewPCG(seed, 1))
 	ctx := context.Background()
 	bin := testproc.Build(t, "batcher")
 	url, pool := newDB(t)
-	_, err := pool.Exec(ctx, `CREATE TABLE rand_records (id text PRIMARY KEY, version bigint NOT NULL DEFAULT 1, deleted boolean NOT NULL DEFAULT false, title text NOT NULL, late boolean NOT NULL DEFAULT false)`)
+	_, err := pool.Exec(ctx, randSchema)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `CREATE FUNCTION rand_records_bump() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW IS DISTINCT FROM OLD THEN NEW.version := OLD.version + 1; END IF;
-    RETURN NEW;
-END $$`)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `CREATE TRIGGER rand_records_bump BEFORE UPDATE ON rand_records FOR EACH ROW EXECUTE FUNCTION rand_records_bump()`)
-	require.NoError(t, err)
-	size := 20 + rng.IntN(60)
-	m := &mutator{pool: pool, rng: rand.New(rand.NewPCG(seed, 2)), ahead: size}
-	require.NoError(t, m.insert(ctx, 1500, false))
 
-	s := batch.Spec{
-		Job:              "random",
-		ProcessorVersion: "v1",
-		Source:           batch.Source{Table: "rand_records", Cursor: []string{"id"}, ID: "id", Version: "version", Deleted: "deleted"},
-		Document:         batch.Document{Fields: []batch.Field{{Name: "id"}, {Name: "title", Transforms: []string{"trim"}}}},
-		Chunk:            batch.ChunkSettings{Size: size, Min: size, Max: size, Pipeline: 1 + rng.IntN(3), LockTimeout: batch.Duration(time.Second)},
-		Errors:           batch.ErrorPolicy{Policy: batch.PolicyStrict, MaxRetries: 10, InitialBackoff: batch.Duration(100 * time.Millisecond), MaxBackoff: batch.Duration(500 * time.Millisecond)},
-	}
-	t.Logf("chunk size %d, pipeline %d", s.Chunk.Size, s.Chunk.Pipeline)
-	specFile := writeSpec(t, s)
+	fullSize, incrSize := 5+rng.IntN(16), 5+rng.IntN(25)
+	m := &mutator{pool: pool, rng: rand.New(rand.NewPCG(seed, 2)), ahead: fullSize}
+	require.NoError(t, m.insert(ctx, 400+rng.IntN(400), false))
 
-	// One batcher process under chaos; it returns once the process ended.
-	points := []string{"batch.before_tx", "batch.after_upsert", "batch.after_checkpoint", "batch.after_commit"}
-	process := func(final bool) {
+	errs := batch.ErrorPolicy{Policy: batch.PolicyStrict, MaxRetries: 10, InitialBackoff: batch.Duration(100 * time.Millisecond), MaxBackoff: batch.Duration(400 * time.Millisecond)}
+	doc := batch.Document{Fields: []batch.Field{{Name: "id"}, {Name: "title", Transforms: []string{"trim"}}}}
+	full := &randJob{name: randFull, spec: batch.Spec{
+		Job: randFull, ProcessorVersion: "v1", SourceName: randFull, AggregateType: randFull,
+		Source: batch.Source{Table: "rand_records", Cursor: []string{"id"}, ID: "id", Version: "version", Deleted: "deleted",
+			Filter: []batch.Condition{{Column: "hidden", Op: "=", Value: "false"}}},
+		Document: doc,
+		// Pipelined: the ranges of the chunks after the first are planned
+		// before they run, and rows arrive inside them.
+		Chunk:    batch.ChunkSettings{Size: fullSize, Min: fullSize, Max: fullSize, Pipeline: 2 + rng.IntN(2), LockTimeout: batch.Duration(time.Second)},
+		Errors:   errs,
+		Vanished: batch.VanishedDelete,
+	}}
+	incr := &randJob{name: randIncr, spec: batch.Spec{
+		Job: randIncr, Mode: batch.ModeIncremental, ProcessorVersion: "v1", SourceName: randIncr, AggregateType: randIncr,
+		Source:   batch.Source{Table: "rand_records", Cursor: []string{"change_seq"}, ID: "id", Version: "version", Deleted: "deleted"},
+		Document: doc,
+		Chunk:    batch.ChunkSettings{Size: incrSize, Min: incrSize, Max: incrSize, Pipeline: 1 + rng.IntN(3), LockTimeout: batch.Duration(time.Second)},
+		Errors:   errs,
+		Vanished: batch.VanishedKeep,
+	}}
+	t.Logf("full job: chunk size %d, pipeline %d; incremental job: chunk size %d, pipeline %d",
+		fullSize, full.spec.Chunk.Pipeline, incrSize, incr.spec.Chunk.Pipeline)
+
+	// One iteration: a process of each job at once, under chaos; then the
+	// checks of every run that succeeded meanwhile.
+	var snaps []randSnap
+	checkedFull := map[string]bool{}
+	processes := 0
+	iterate := func(final bool) {
 		t.Helper()
-		var fp []string
-		var killAfter time.Duration
-		if final {
-			// Retries while rows arrive inside the chunks' ranges.
-			for range 3 {
-				fp = append(fp, fmt.Sprintf("batch.chunk_error@%d", 1+rng.IntN(20)))
+		fp := full.plan(rng, final)
+		// Incremental processes one after another while the full one
+		// runs: short runs, which pass a slow writer's change_seq before
+		// it commits unless they waited for it.
+		ips := make([]randProcess, 8)
+		for i := range ips {
+			ips[i] = incr.plan(rng, final)
+		}
+		pv := full.nextPV(t, pool, rng, !final)
+		snap := readSnap(t, pool)
+		snaps = append(snaps, snap)
+		specFile := writeSpec(t, full.withPV(pv))
+		var wg sync.WaitGroup
+		var ferr, ierr error
+		fullDone := make(chan struct{})
+		wg.Add(2)
+		go func() { defer wg.Done(); defer close(fullDone); ferr = fp.run(t, bin, url, specFile) }()
+		var nIncr int
+		go func() {
+			defer wg.Done()
+			for _, ip := range ips {
+				nIncr++
+				if ierr = ip.run(t, bin, url, incr.file(t)); ierr != nil {
+					return
+				}
+				select {
+				case <-fullDone:
+					return
+				default:
+				}
 			}
-		}
-		switch rng.IntN(4) {
-		case 0: // a clean process
-		case 1:
-			for range 1 + rng.IntN(3) {
-				fp = append(fp, fmt.Sprintf("batch.chunk_error@%d", 1+rng.IntN(6)))
-			}
-		case 2:
-			fp = append(fp, fmt.Sprintf("%s@%d", points[rng.IntN(len(points))], 1+rng.IntN(6)))
-			if rng.IntN(2) == 0 {
-				fp = append(fp, fmt.Sprintf("batch.chunk_error@%d", 1+rng.IntN(3)))
-			}
-		case 3:
-			killAfter = time.Duration(50+rng.IntN(700)) * time.Millisecond
-		}
-		p := testproc.Start(t, bin, env(url, failpoint.EnvVar+"="+strings.Join(fp, ","), crashLease), "run", "--spec", specFile)
-		if killAfter > 0 {
-			select {
-			case <-p.Done():
-			case <-time.After(killAfter): // a kill at a random moment
-				_ = p.Signal(syscall.SIGKILL)
-			}
-		}
-		if err := p.Wait(2 * time.Minute); err != nil && !p.Killed() && p.ExitCode() < 0 {
-			t.Fatalf("batcher did not end: %v\nstderr:\n%s", err, p.Stderr())
-		}
-		if !p.Killed() {
-			require.Equal(t, 0, p.ExitCode(), "failpoints %v; stderr:\n%s", fp, p.Stderr())
-		}
+		}()
+		wg.Wait()
+		processes += 1 + nIncr
+		require.NoError(t, errors.Join(ferr, ierr))
+		checkFullRuns(t, pool, snaps, checkedFull)
+		checkIncrRuns(t, pool)
+		checkEvents(t, pool)
 	}
 
 	// Chaos: changes everywhere while runs come and go.
+	t.Logf("%s: set up (the batcher built)", time.Since(began).Round(time.Second))
 	mctx, stopChanges := context.WithCancel(ctx)
 	changes := m.run(mctx, false)
+	// Two slow writers: a run start often finds one inside its trigger.
+	slow, slow2 := m.slowWriter(mctx, false), m.slowWriter(mctx, false)
 	t.Cleanup(stopChanges)
-	processes := 0
-	for deadline := time.Now().Add(chaosFor); time.Now().Before(deadline); processes++ {
-		process(false)
+	for deadline := time.Now().Add(chaosFor); time.Now().Before(deadline); {
+		iterate(false)
 	}
 	stopChanges()
 	require.NoError(t, <-changes)
-	var quiet time.Time
-	require.NoError(t, pool.QueryRow(ctx, `SELECT now()`).Scan(&quiet))
-	model := map[string]randRow{}
-	rows, err := pool.Query(ctx, `SELECT id, version, deleted, title FROM rand_records`)
-	require.NoError(t, err)
-	var (
-		id string
-		r  randRow
-	)
-	_, err = pgx.ForEachRow(rows, []any{&id, &r.version, &r.deleted, &r.title}, func() error { model[id] = r; return nil })
-	require.NoError(t, err)
+	require.NoError(t, <-slow)
+	require.NoError(t, <-slow2)
+	quiet := readSnap(t, pool)
+	t.Logf("%s: changes stopped after %d processes", time.Since(began).Round(time.Second), processes)
 
 	// Then only new rows arrive (many of them right ahead of the running
-	// cursor, inside the ranges of chunks in flight), and the runs go on
-	// until three that started after the last change succeeded; each of
-	// them must leave the model's rows complete.
+	// cursor, inside the ranges of chunks in flight, some from slow
+	// writers), and the runs go on until three of each job created after
+	// the last change succeeded.
 	lctx, stopLate := context.WithCancel(ctx)
 	late := m.run(lctx, true)
+	lateSlow := m.slowWriter(lctx, true)
 	t.Cleanup(stopLate)
-	for i, checked := 0, int64(0); checked < 3; i++ {
-		require.Less(t, i, 60, "three runs started after the changes stopped have not succeeded")
-		process(true)
-		processes++
-		if n := queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE job = 'random' AND state = 'succeeded' AND created_at > $1`, quiet); n > checked {
-			checked = n
-			checkModel(t, pool, model)
+	for i := 0; ; i++ {
+		nf := queryInt(t, pool, `SELECT count(*) FROM (SELECT 1 FROM batch_runs r JOIN batch_sweeps w USING (job, logical_run_id) WHERE r.job = $1 AND w.state = 'succeeded'
+GROUP BY logical_run_id HAVING bool_and(r.state = 'succeeded') AND min(r.created_at) > $2) x`, randFull, quiet.at)
+		ni := queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE job = $1 AND state = 'succeeded' AND created_at > $2`, randIncr, quiet.at)
+		if nf >= 3 && ni >= 3 {
+			break
 		}
+		require.Less(t, i, 40, "three runs of each job started after the changes stopped have not succeeded (full %d, incremental %d)", nf, ni)
+		iterate(true)
 	}
 	stopLate()
 	require.NoError(t, <-late)
-	t.Logf("%d processes, %d runs, %d chunk retries, %d rows (%d late)", processes, queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs`),
-		queryInt(t, pool, `SELECT COALESCE(sum(retries), 0) FROM batch_runs`),
-		queryInt(t, pool, `SELECT count(*) FROM rand_records`), queryInt(t, pool, `SELECT count(*) FROM rand_records WHERE late`))
+	require.NoError(t, <-lateSlow)
 
-	checkModel(t, pool, model)
+	checkFinal(t, pool, quiet)
+	t.Logf("%s: %d processes, %d full runs (%d processor versions), %d incremental runs, %d chunk retries, %d sweep tombstones, %d rows (%d late, %d hidden, %d deleted, %d hard-deleted)",
+		time.Since(began).Round(time.Second), processes,
+		queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs WHERE job = $1`, randFull), full.pvs,
+		queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs WHERE job = $1`, randIncr),
+		queryInt(t, pool, `SELECT COALESCE(sum(retries), 0) FROM batch_runs`),
+		queryInt(t, pool, `SELECT COALESCE(sum(deleted_count), 0) FROM batch_sweeps`),
+		queryInt(t, pool, `SELECT count(*) FROM rand_records`), queryInt(t, pool, `SELECT count(*) FROM rand_records WHERE late`),
+		queryInt(t, pool, `SELECT count(*) FROM rand_records WHERE hidden`), queryInt(t, pool, `SELECT count(*) FROM rand_records WHERE deleted`),
+		queryInt(t, pool, `SELECT count(*) FROM rand_graveyard`))
 }
 
-// checkModel compares normalized_records and the outbox with the model:
-// every row of it at its version, deleted flag and document (trimmed
-// title); late rows, if already processed, at version 1; nothing else; one
-// event per (row, version), and one for every normalized row's version.
-func checkModel(t *testing.T, pool *pgxpool.Pool, model map[string]randRow) {
+// randJob is one of the test's two jobs.
+type randJob struct {
+	name string
+	spec batch.Spec
+	pvs  int // processor versions the full job went through
+	path string
+}
+
+func (j *randJob) file(t *testing.T) string {
+	if j.path == "" {
+		j.path = writeSpec(t, j.spec)
+	}
+	return j.path
+}
+
+func (j *randJob) withPV(pv string) batch.Spec {
+	s := j.spec
+	s.ProcessorVersion = pv
+	return s
+}
+
+// nextPV is the processor version of the full job's next process: the
+// newest run's while it is not over (a checkpoint is not resumed under
+// another version), else, when change is set, a new one half of the
+// time, so the next run must write every row again (a row it skips stays
+// at the old version).
+func (j *randJob) nextPV(t *testing.T, pool *pgxpool.Pool, rng *rand.Rand, change bool) string {
+	t.Helper()
+	var pv string
+	var done bool
+	err := pool.QueryRow(context.Background(), `
+SELECT r.processor_version, bool_and(r.state = 'succeeded') AND COALESCE(bool_and(w.state = 'succeeded'), true)
+FROM batch_runs r LEFT JOIN batch_sweeps w USING (job, logical_run_id)
+WHERE r.job = $1 GROUP BY r.logical_run_id, r.processor_version ORDER BY max(r.created_at) DESC LIMIT 1`, j.name).Scan(&pv, &done)
+	if errors.Is(err, pgx.ErrNoRows) {
+		j.pvs = 1
+		return "v1"
+	}
+	require.NoError(t, err)
+	if done && rng.IntN(2) == 0 && change {
+		j.pvs++
+		return "v" + strconv.Itoa(j.pvs)
+	}
+	return pv
+}
+
+// randProcess is the plan of one batcher process: its failpoints, or a
+// SIGKILL after a random time.
+type randProcess struct {
+	job       string
+	fp        []string
+	killAfter time.Duration
+}
+
+// plan draws a process: clean, with forced chunk retries (often, and
+// always in the final phase: rows arrive inside the planned ranges while
+// the chunk backs off), killed at a failpoint, or killed at a random moment.
+func (j *randJob) plan(rng *rand.Rand, final bool) randProcess {
+	p := randProcess{job: j.name}
+	retries := func(n, upTo int) {
+		for range n {
+			p.fp = append(p.fp, fmt.Sprintf("batch.chunk_error@%d", 1+rng.IntN(upTo)))
+		}
+	}
+	if final {
+		retries(3, 30)
+	}
+	points := []string{"batch.before_tx", "batch.after_upsert", "batch.after_checkpoint", "batch.after_commit", "batch.sweep_after_delete", "batch.sweep_after_commit"}
+	switch rng.IntN(5) {
+	case 0: // a clean process
+	case 1, 2:
+		retries(2+rng.IntN(4), 40)
+	case 3:
+		p.fp = append(p.fp, fmt.Sprintf("%s@%d", points[rng.IntN(len(points))], 1+rng.IntN(8)))
+		retries(rng.IntN(3), 10)
+	case 4:
+		p.killAfter = time.Duration(50+rng.IntN(1500)) * time.Millisecond
+		retries(rng.IntN(3), 10)
+	}
+	return p
+}
+
+// run runs the process to its end; a process that was not killed must
+// exit 0.
+func (p randProcess) run(t *testing.T, bin, url, specFile string) error {
+	proc := testproc.Start(t, bin, env(url, failpoint.EnvVar+"="+strings.Join(p.fp, ","), crashLease), "run", "--spec", specFile)
+	if p.killAfter > 0 {
+		select {
+		case <-proc.Done():
+		case <-time.After(p.killAfter): // a kill at a random moment
+			_ = proc.Signal(syscall.SIGKILL)
+		}
+	}
+	if err := proc.Wait(2 * time.Minute); err != nil && !proc.Killed() && proc.ExitCode() < 0 {
+		return fmt.Errorf("%s: batcher did not end: %w\nstderr:\n%s", p.job, err, proc.Stderr())
+	}
+	if !proc.Killed() && proc.ExitCode() != 0 {
+		return fmt.Errorf("%s: batcher exited %d (failpoints %v); stderr:\n%s", p.job, proc.ExitCode(), p.fp, proc.Stderr())
+	}
+	return nil
+}
+
+// readSnap reads the source in one snapshot.
+func readSnap(t *testing.T, pool *pgxpool.Pool) randSnap {
 	t.Helper()
 	ctx := context.Background()
-	lateRows := map[string]string{}
-	rows, err := pool.Query(ctx, `SELECT id, title FROM rand_records WHERE late`)
-	require.NoError(t, err)
-	var id, title string
-	_, err = pgx.ForEachRow(rows, []any{&id, &title}, func() error { lateRows[id] = title; return nil })
-	require.NoError(t, err)
-
-	type got struct {
-		version  int64
-		deleted  bool
-		docID    *string
-		docTitle *string
-	}
-	norm := map[string]got{}
-	rows, err = pool.Query(ctx, `SELECT source_id, source_version, deleted, document->>'id', document->>'title' FROM normalized_records WHERE source = 'rand_records'`)
-	require.NoError(t, err)
-	var g got
-	_, err = pgx.ForEachRow(rows, []any{&id, &g.version, &g.deleted, &g.docID, &g.docTitle}, func() error { norm[id] = g; return nil })
-	require.NoError(t, err)
-
-	var problems []string
-	for id, want := range model {
-		g, ok := norm[id]
-		switch {
-		case !ok:
-			problems = append(problems, fmt.Sprintf("row %s (version %d) never normalized", id, want.version))
-		case g.version != want.version || g.deleted != want.deleted:
-			problems = append(problems, fmt.Sprintf("row %s: normalized at version %d deleted %v, source has %d deleted %v", id, g.version, g.deleted, want.version, want.deleted))
-		case !want.deleted && (g.docID == nil || *g.docID != id || g.docTitle == nil || *g.docTitle != strings.TrimSpace(want.title)):
-			problems = append(problems, fmt.Sprintf("row %s: document id %v title %v, want %q", id, deref(g.docID), deref(g.docTitle), strings.TrimSpace(want.title)))
+	s := randSnap{rows: map[string]randRow{}, gone: map[string]bool{}}
+	err := pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		// The snapshot is taken at the first statement; the clock is read
+		// after it, so every row it sees committed before s.at.
+		if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&s.at); err != nil {
+			return err
 		}
+		rows, _ := tx.Query(ctx, `SELECT id, version, deleted, hidden, title FROM rand_records`)
+		var (
+			id string
+			r  randRow
+		)
+		if _, err := pgx.ForEachRow(rows, []any{&id, &r.version, &r.deleted, &r.hidden, &r.title}, func() error { s.rows[id] = r; return nil }); err != nil {
+			return err
+		}
+		rows, _ = tx.Query(ctx, `SELECT id FROM rand_graveyard`)
+		_, err := pgx.ForEachRow(rows, []any{&id}, func() error { s.gone[id] = true; return nil })
+		return err
+	})
+	require.NoError(t, err)
+	return s
+}
+
+// normRow is a normalized_records row.
+type normRow struct {
+	version  int64
+	deleted  bool
+	pv       string
+	docID    *string
+	docTitle *string
+}
+
+func readNormalized(t *testing.T, pool *pgxpool.Pool, source string) map[string]normRow {
+	t.Helper()
+	out := map[string]normRow{}
+	rows, err := pool.Query(context.Background(), `SELECT source_id, source_version, deleted, processor_version, document->>'id', document->>'title' FROM normalized_records WHERE source = $1`, source)
+	require.NoError(t, err)
+	var (
+		id string
+		n  normRow
+	)
+	_, err = pgx.ForEachRow(rows, []any{&id, &n.version, &n.deleted, &n.pv, &n.docID, &n.docTitle}, func() error { out[id] = n; return nil })
+	require.NoError(t, err)
+	return out
+}
+
+// matches says what is wrong with n as the normalized form of r at r's
+// version, or "".
+func matches(id string, n normRow, r randRow) string {
+	switch {
+	case n.deleted != r.deleted:
+		return fmt.Sprintf("row %s version %d: normalized deleted %v, source deleted %v", id, r.version, n.deleted, r.deleted)
+	case !r.deleted && (n.docID == nil || *n.docID != id || n.docTitle == nil || *n.docTitle != strings.TrimSpace(r.title)):
+		return fmt.Sprintf("row %s version %d: document id %v title %v, want %q", id, r.version, deref(n.docID), deref(n.docTitle), strings.TrimSpace(r.title))
 	}
-	for id, g := range norm {
-		if _, ok := model[id]; ok {
+	return ""
+}
+
+// checkFullRuns checks every full run that succeeded since the last call
+// against the snapshot read last before it was created: each visible row
+// of it normalized under the run's processor version at its version (or,
+// changed since, a later one) or, if it left the scope since, maybe a
+// tombstone; each row hidden or hard-deleted then a tombstone of the
+// run's version, or never normalized.
+func checkFullRuns(t *testing.T, pool *pgxpool.Pool, snaps []randSnap, checked map[string]bool) {
+	t.Helper()
+	type run struct {
+		ID, PV  string
+		Created time.Time
+	}
+	rows, err := pool.Query(context.Background(), `
+SELECT r.logical_run_id, min(r.processor_version), min(r.created_at) FROM batch_runs r JOIN batch_sweeps w USING (job, logical_run_id)
+WHERE r.job = $1 AND w.state = 'succeeded' GROUP BY r.logical_run_id HAVING bool_and(r.state = 'succeeded') ORDER BY 3`, randFull)
+	require.NoError(t, err)
+	runs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[run])
+	require.NoError(t, err)
+	for _, r := range runs {
+		if checked[r.ID] {
 			continue
 		}
-		title, ok := lateRows[id]
-		switch {
-		case !ok:
-			problems = append(problems, fmt.Sprintf("normalized row %s is not in the source", id))
-		case g.version != 1 || g.deleted || g.docTitle == nil || *g.docTitle != strings.TrimSpace(title):
-			problems = append(problems, fmt.Sprintf("late row %s: version %d deleted %v title %v", id, g.version, g.deleted, deref(g.docTitle)))
+		checked[r.ID] = true
+		i := slices.IndexFunc(snaps, func(s randSnap) bool { return !s.at.Before(r.Created) }) - 1
+		if i == -2 {
+			i = len(snaps) - 1
+		}
+		require.GreaterOrEqual(t, i, 0, "run %s created at %s before the first snapshot", r.ID, r.Created)
+		now := readSnap(t, pool)
+		problems := fullProblems(snaps[i], now, readNormalized(t, pool, randFull), r.PV, false)
+		requireNoProblems(t, problems, "full run %s (processor version %s) succeeded but normalized_records does not hold the rows of the snapshot of %s, before it started",
+			r.ID, r.PV, snaps[i].at.Format(time.RFC3339Nano))
+	}
+}
+
+// fullProblems compares the full job's normalized rows with a snapshot
+// (and, for rows that left the scope after it, the source now). exact: no
+// change happened since the snapshot but new rows (late), which may or
+// may not be normalized yet.
+func fullProblems(snap, now randSnap, norm map[string]normRow, pv string, exact bool) []string {
+	var problems []string
+	left := func(id string) bool {
+		r, ok := now.rows[id]
+		return now.gone[id] || (ok && r.hidden)
+	}
+	isTombstone := func(id string) bool {
+		n, ok := norm[id]
+		return !ok || (n.deleted && n.pv == pv)
+	}
+	tombstone := func(id string) {
+		if n := norm[id]; !isTombstone(id) {
+			problems = append(problems, fmt.Sprintf("row %s left the scope: normalized deleted %v processor version %s, want a tombstone of %s", id, n.deleted, n.pv, pv))
 		}
 	}
-	if len(problems) > 10 {
-		problems = append(problems[:10], fmt.Sprintf("... and %d more", len(problems)-10))
+	for id, r := range snap.rows {
+		n, ok := norm[id]
+		switch {
+		case r.hidden:
+			tombstone(id)
+		case left(id) && isTombstone(id):
+			// It left after the snapshot, before the run read it.
+		case !ok:
+			problems = append(problems, fmt.Sprintf("row %s (version %d) never normalized", id, r.version))
+		case n.pv != pv:
+			problems = append(problems, fmt.Sprintf("row %s (version %d): normalized under processor version %s at version %d, want %s", id, r.version, n.pv, n.version, pv))
+		case n.version < r.version || (exact && n.version != r.version):
+			problems = append(problems, fmt.Sprintf("row %s: normalized at version %d, source had %d", id, n.version, r.version))
+		case n.version == r.version:
+			if p := matches(id, n, r); p != "" {
+				problems = append(problems, p)
+			}
+		}
 	}
-	require.Empty(t, problems, "normalized_records differs from the model")
+	for id := range snap.gone {
+		tombstone(id)
+	}
+	if exact {
+		for id, n := range norm {
+			if _, ok := snap.rows[id]; ok || snap.gone[id] {
+				continue
+			}
+			problems = append(problems, lateProblem(id, n, now)...)
+		}
+	}
+	return problems
+}
 
-	require.Zero(t, queryInt(t, pool, `SELECT count(*) - count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`), "one event per (row, version)")
-	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM normalized_records n LEFT JOIN outbox_events e ON e.aggregate_id = n.source_id AND e.aggregate_version = n.source_version WHERE e.id IS NULL`),
-		"every normalized version has its event")
-	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events e JOIN normalized_records n ON n.source_id = e.aggregate_id AND n.source_version = e.aggregate_version
-WHERE (e.event_type = 'delete') <> n.deleted`), "delete events for deleted rows, upserts for the others")
+// lateProblem checks a normalized row that is not in the final model: it
+// must be a late row (inserted after the changes stopped) at version 1.
+func lateProblem(id string, n normRow, now randSnap) []string {
+	r, ok := now.rows[id]
+	switch {
+	case !ok:
+		return []string{fmt.Sprintf("normalized row %s is not in the source", id)}
+	case n.version != 1:
+		return []string{fmt.Sprintf("late row %s normalized at version %d", id, n.version)}
+	}
+	if p := matches(id, n, r); p != "" {
+		return []string{p}
+	}
+	return nil
+}
+
+// checkIncrRuns checks the incremental job at the highest boundary of its
+// succeeded runs: every row whose change_seq is at or below it (a change
+// gives a row a new, higher one) is normalized at its version.
+func checkIncrRuns(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	b := queryInt(t, pool, `SELECT COALESCE(max(boundary[1]::bigint), 0) FROM batch_runs WHERE job = $1 AND state = 'succeeded'`, randIncr)
+	requireNoProblems(t, incrProblems(t, pool, b), "incremental runs succeeded up to change_seq %d but normalized_records does not hold the rows below it", b)
+}
+
+func incrProblems(t *testing.T, pool *pgxpool.Pool, boundary int64) []string {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `
+SELECT s.id, s.version, s.deleted, s.title, s.change_seq, n.source_version, n.deleted, n.document->>'id', n.document->>'title'
+FROM rand_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.source_id = s.id
+WHERE s.change_seq <= $2`, randIncr, boundary)
+	require.NoError(t, err)
+	var (
+		problems []string
+		id       string
+		r        randRow
+		seq      int64
+		nv       *int64
+		nd       *bool
+		n        normRow
+	)
+	_, err = pgx.ForEachRow(rows, []any{&id, &r.version, &r.deleted, &r.title, &seq, &nv, &nd, &n.docID, &n.docTitle}, func() error {
+		switch {
+		case nv == nil:
+			problems = append(problems, fmt.Sprintf("row %s (version %d, change_seq %d) never normalized", id, r.version, seq))
+		case *nv != r.version:
+			problems = append(problems, fmt.Sprintf("row %s (change_seq %d): normalized at version %d, source has %d", id, seq, *nv, r.version))
+		default:
+			n.version, n.deleted = *nv, *nd
+			if p := matches(id, n, r); p != "" {
+				problems = append(problems, p)
+			}
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	return problems
+}
+
+// checkEvents: one event per (row, version, processor version) of each
+// job, and one for every normalized row's version and processor version,
+// a delete for a deleted row.
+func checkEvents(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	pvh := outbox.HeaderProcessorVersion
+	dups := queryInt(t, pool, `SELECT count(*) FROM (SELECT 1 FROM outbox_events GROUP BY aggregate_type, aggregate_id, aggregate_version, headers->>$1 HAVING count(*) > 1) d`, pvh)
+	require.Zero(t, dups, "(row, version, processor version) with more than one event")
+	missing := queryInt(t, pool, `SELECT count(*) FROM normalized_records n WHERE NOT EXISTS (
+  SELECT 1 FROM outbox_events e WHERE e.aggregate_type = n.source AND e.aggregate_id = n.source_id AND e.aggregate_version = n.source_version
+    AND e.headers->>$1 = n.processor_version AND (e.event_type = 'delete') = n.deleted)`, pvh)
+	require.Zero(t, missing, "normalized rows without their event (same version, processor version and kind)")
+}
+
+// checkFinal: after three runs of each job that started after the last
+// change, normalized_records equals the model.
+func checkFinal(t *testing.T, pool *pgxpool.Pool, model randSnap) {
+	t.Helper()
+	var pv string
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT processor_version FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1`, randFull).Scan(&pv))
+	now := readSnap(t, pool)
+	requireNoProblems(t, fullProblems(model, now, readNormalized(t, pool, randFull), pv, true), "full job: normalized_records differs from the model")
+
+	b := queryInt(t, pool, `SELECT COALESCE(max(boundary[1]::bigint), 0) FROM batch_runs WHERE job = $1 AND state = 'succeeded'`, randIncr)
+	problems := incrProblems(t, pool, b)
+	for id, n := range readNormalized(t, pool, randIncr) {
+		if _, ok := model.rows[id]; ok || model.gone[id] || now.gone[id] {
+			continue // an incremental run does not see hard deletes
+		}
+		problems = append(problems, lateProblem(id, n, now)...)
+	}
+	for id, r := range model.rows {
+		if _, ok := now.rows[id]; !ok {
+			problems = append(problems, fmt.Sprintf("row %s (version %d) of the model is gone from the source", id, r.version))
+		}
+	}
+	requireNoProblems(t, problems, "incremental job: normalized_records differs from the model")
+	checkEvents(t, pool)
+}
+
+func requireNoProblems(t *testing.T, problems []string, msg string, args ...any) {
+	t.Helper()
+	if len(problems) == 0 {
+		return
+	}
+	slices.Sort(problems)
+	n := len(problems)
+	if n > 10 {
+		problems = append(problems[:10], fmt.Sprintf("... and %d more", n-10))
+	}
+	t.Fatalf("%s (%d problems):\n%s", fmt.Sprintf(msg, args...), n, strings.Join(problems, "\n"))
 }
 
 func deref(s *string) any {
@@ -256,8 +651,9 @@ func deref(s *string) any {
 }
 
 // mutator changes rand_records at random places: inserts with random text
-// keys, title updates and soft deletes of random rows, in short
-// transactions that sometimes stay open a moment.
+// keys (some right ahead of the full job's running cursor), title updates,
+// soft deletes, filter leaves (hidden) and hard deletes of random rows, in
+// short transactions that sometimes stay open a moment.
 type mutator struct {
 	pool  *pgxpool.Pool
 	ahead int // how far ahead of the running cursor to insert, in rows
@@ -292,44 +688,63 @@ func (m *mutator) insert(ctx context.Context, n int, late bool) error {
 	return err
 }
 
+// The mutator's operations; opsChaos weighs them.
+const (
+	opInsert = iota
+	opUpdate
+	opSoftDelete
+	opInsertAhead
+	opHide
+	opHardDelete
+)
+
+var opsChaos = []int{opInsert, opInsert, opUpdate, opUpdate, opUpdate, opSoftDelete, opInsertAhead, opInsertAhead, opInsertAhead, opHide, opHardDelete}
+
 // run changes rows until ctx ends (only inserts of late rows when late is
 // set) and sends the first error, or nil, once it stopped.
 func (m *mutator) run(ctx context.Context, late bool) <-chan error {
 	done := make(chan error, 1)
 	go func() {
 		for ctx.Err() == nil {
-			op := m.intN(4) // 0: insert at random places, 1: update, 2: soft delete, 3: insert next to a row
+			op := opsChaos[m.intN(len(opsChaos))]
 			if late {
-				op = []int{0, 3}[m.intN(2)]
+				op = []int{opInsert, opInsertAhead}[m.intN(2)]
 			}
 			at := m.key() // a random place in the key order
 			n := 1 + m.intN(5)
-			hold := time.Duration(m.intN(30)) * time.Millisecond
+			hold := time.Duration(5+m.intN(35)) * time.Millisecond
 			if late {
-				hold += 20 * time.Millisecond // fewer new rows: the last runs stay short
+				hold += 80 * time.Millisecond // fewer new rows: the last runs stay short
 			}
 			err := pgx.BeginFunc(context.WithoutCancel(ctx), m.pool, func(tx pgx.Tx) error {
 				var err error
 				switch op {
-				case 0:
+				case opInsert:
 					ids := make([]string, n)
 					for i := range ids {
 						ids[i] = m.key()
 					}
-					_, err = tx.Exec(ctx, `INSERT INTO rand_records (id, title, late) SELECT id, '  new ' || id || ' ', $2 FROM unnest($1::text[]) id ON CONFLICT DO NOTHING`, ids, late)
-				case 1:
+					_, err = tx.Exec(ctx, `INSERT INTO rand_records (id, title, late) SELECT u.k, '  new ' || u.k || ' ', $2 FROM unnest($1::text[]) u(k)
+WHERE NOT EXISTS (SELECT FROM rand_graveyard g WHERE g.id = u.k) ON CONFLICT DO NOTHING`, ids, late)
+				case opUpdate:
 					_, err = tx.Exec(ctx, `UPDATE rand_records SET title = '  edited ' || version || ' ' WHERE id IN (SELECT id FROM rand_records WHERE id >= $1 AND NOT late ORDER BY id LIMIT $2)`, at, n)
-				case 2:
+				case opSoftDelete:
 					_, err = tx.Exec(ctx, `UPDATE rand_records SET deleted = true WHERE id IN (SELECT id FROM rand_records WHERE id >= $1 AND NOT late ORDER BY id LIMIT $2)`, at, n)
-				case 3:
-					// Right ahead of the running cursor: inside the ranges of
-					// the chunks in flight, and of their retries.
+				case opHide:
+					_, err = tx.Exec(ctx, `UPDATE rand_records SET hidden = true WHERE id IN (SELECT id FROM rand_records WHERE id >= $1 AND NOT late ORDER BY id LIMIT $2)`, at, 1+n/3)
+				case opHardDelete:
+					_, err = tx.Exec(ctx, `DELETE FROM rand_records WHERE id IN (SELECT id FROM rand_records WHERE id >= $1 AND NOT late ORDER BY id LIMIT $2)`, at, 1+n/3)
+				case opInsertAhead:
+					// Right ahead of the full job's running cursor: inside
+					// the ranges of the chunks in flight, and of their
+					// retries.
 					_, err = tx.Exec(ctx, `INSERT INTO rand_records (id, title, late)
-SELECT r.id || '~' || lpad(g::text, 2, '0'), '  next to ' || r.id || ' ', $2
+SELECT k, '  next to ' || r.id || ' ', $2
 FROM (SELECT id FROM rand_records
-      WHERE id > COALESCE((SELECT cursor[1] FROM batch_runs WHERE job = 'random' AND state = 'running' ORDER BY created_at DESC LIMIT 1), '')
-      ORDER BY id OFFSET $3 LIMIT 1) r, generate_series(1, $1::int) g
-ON CONFLICT DO NOTHING`, 3*n, late, m.intN(3*m.ahead))
+      WHERE id > COALESCE((SELECT cursor[1] FROM batch_runs WHERE job = $4 AND state = 'running' ORDER BY created_at DESC LIMIT 1), '')
+      ORDER BY id OFFSET $3 LIMIT 1) r, generate_series(1, $1::int) g, LATERAL (SELECT r.id || '~' || lpad(g::text, 2, '0') AS k) x
+WHERE NOT EXISTS (SELECT FROM rand_graveyard gy WHERE gy.id = x.k)
+ON CONFLICT DO NOTHING`, 3*n, late, m.intN(3*m.ahead), randFull)
 				}
 				if err == nil && hold > 0 {
 					select { // a writer that stays open a moment
@@ -342,6 +757,55 @@ ON CONFLICT DO NOTHING`, 3*n, late, m.intN(3*m.ahead))
 			if err != nil && ctx.Err() == nil {
 				done <- err
 				return
+			}
+		}
+		done <- nil
+	}()
+	return done
+}
+
+// slowWriter keeps a write transaction open most of the time, across the
+// runs' starts: its INSERT takes a change_seq and then waits in the slow
+// BEFORE INSERT trigger before it has a transaction id, then the
+// transaction stays open a while (sometimes with an update of a random
+// row too) before it commits. The runs must wait for it: its row's
+// change_seq is below the rows committed meanwhile.
+func (m *mutator) slowWriter(ctx context.Context, late bool) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		for ctx.Err() == nil {
+			// Half of them wait long in the trigger (no transaction id
+			// yet), the others after the INSERT.
+			id, slowMS := m.key(), 300+m.intN(1200)
+			hold := time.Duration(m.intN(200)) * time.Millisecond
+			if m.intN(2) == 0 {
+				slowMS, hold = 50+m.intN(200), time.Duration(300+m.intN(1200))*time.Millisecond
+			}
+			update := !late && m.intN(2) == 0
+			at := m.key()
+			err := pgx.BeginFunc(context.WithoutCancel(ctx), m.pool, func(tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `INSERT INTO rand_records (id, title, late, slow_ms) SELECT $1::text, '  slow ' || $1::text || ' ', $2::boolean, $3::int
+WHERE NOT EXISTS (SELECT FROM rand_graveyard g WHERE g.id = $1::text) ON CONFLICT DO NOTHING`, id, late, slowMS); err != nil {
+					return err
+				}
+				if update {
+					if _, err := tx.Exec(ctx, `UPDATE rand_records SET title = '  slowly edited ' || version || ' ' WHERE id = (SELECT id FROM rand_records WHERE id >= $1 AND NOT late ORDER BY id LIMIT 1)`, at); err != nil {
+						return err
+					}
+				}
+				select {
+				case <-ctx.Done():
+				case <-time.After(hold):
+				}
+				return nil
+			})
+			if err != nil && ctx.Err() == nil {
+				done <- err
+				return
+			}
+			select { // a short pause: most run starts still find it open
+			case <-ctx.Done():
+			case <-time.After(time.Duration(m.intN(100)) * time.Millisecond):
 			}
 		}
 		done <- nil
