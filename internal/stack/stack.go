@@ -154,6 +154,9 @@ func (s *Server) Start() error {
 // Stop stops the server and keeps its data.
 func (s *Server) Stop() error { return s.run("stop") }
 
+// Purge stops the server and removes its data.
+func (s *Server) Purge() error { return s.run("purge") }
+
 func (s *Server) run(verb string) error {
 	_, err := s.runOut(verb)
 	return err
