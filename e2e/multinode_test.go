@@ -47,10 +47,24 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	// Both clusters at once, while the binaries build: each takes a minute
 	// or more on a busy machine.
 	var kc, sc *stack.Server
+	var kOK, sOK bool
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); kc = startCluster(t, "kafka-cluster") }()
-	go func() { defer wg.Done(); sc = startCluster(t, "search-cluster") }()
+	go func() { defer wg.Done(); kOK = startCluster(t, "kafka-cluster", &kc) }()
+	go func() { defer wg.Done(); sOK = startCluster(t, "search-cluster", &sc) }()
+	t.Cleanup(func() {
+		wg.Wait() // a start still under way when the test failed
+		// Both at once (a purge waits for each JVM to exit), then the state
+		// dirs, through which the scripts find their processes.
+		var purge sync.WaitGroup
+		for _, c := range []*stack.Server{kc, sc} {
+			if c != nil {
+				purge.Add(1)
+				go func() { defer purge.Done(); _ = c.Purge(); _ = os.RemoveAll(c.Dir) }()
+			}
+		}
+		purge.Wait()
+	})
 	p := newPipeline(t, pipelineOptions{
 		TopicPartitions: 1,
 		// Small chunks: the run publishes for a while, in many commits.
@@ -60,7 +74,7 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	require.NoError(t, demo.Seed(ctx, p.pool, demo.SeedOptions{Rows: rows}))
 	phase("binaries built, source seeded")
 	wg.Wait()
-	require.False(t, kc == nil || sc == nil, "a cluster did not start")
+	require.True(t, kOK && sOK, "a cluster did not start")
 	brokers := strings.Split(kc.Env, ",")
 	require.Len(t, sink.SplitURLs(sc.Env), 2, "search cluster URLs")
 	clustersUp := time.Since(started)
@@ -174,8 +188,7 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 
 	s := p.waitSettled(ctx, 3*time.Minute, procs)
 	phase("settled: outbox drained, no lag, reconcile clean")
-	waitGreen(ctx, t, p.es, "", 2*time.Minute)
-	phase("cluster green")
+	// Node 2's copy recovers while the checks read (green is waited on last).
 	live := p.assertIndexEqualsSource(ctx)
 	require.EqualValues(t, rows-deleted, live)
 	pubDL, ixDL := p.deadLetters(ctx)
@@ -185,6 +198,8 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	require.Len(t, order.seen, rows, "keys on the topic")
 	conflicts := scrapeCounter(ctx, metrics, "indexer_docs_total", "conflict")
 	phase("checked")
+	waitGreen(ctx, t, p.es, "", 2*time.Minute)
+	phase("cluster green")
 
 	report(t, "broker %d SIGKILLed with %d events in the outbox, publishing resumed %s later; search node 2 (primary) SIGKILLed with %d messages unindexed, indexing resumed %s later; "+
 		"%d duplicate records on the topic, %.0f stale or duplicate writes absorbed by the index; settled %s after the last run; clusters up in %s, test %s",
@@ -193,27 +208,22 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	require.Zerof(t, len(order.backwards), "versions first seen after a newer one; first: %s", strings.Join(order.backwards[:min(5, len(order.backwards))], "; "))
 }
 
-// startCluster starts a private cluster (kafka-cluster or search-cluster),
-// purged when the test ends. It returns nil after reporting an error, so
-// it may run on another goroutine.
-func startCluster(t *testing.T, kind string) *stack.Server {
+// startCluster starts a private cluster (kafka-cluster or search-cluster)
+// into *srv (set before the start, so that the caller can purge a half
+// started one). It reports an error and returns false instead of failing
+// the test, so it may run on another goroutine.
+func startCluster(t *testing.T, kind string, srv **stack.Server) bool {
 	dir, err := os.MkdirTemp("", "outboxrelay-"+kind+"-")
 	if err != nil {
 		t.Errorf("%s: %v", kind, err)
-		return nil
+		return false
 	}
-	srv := &stack.Server{Kind: kind, Dir: dir}
-	t.Cleanup(func() {
-		// Purge first: the scripts find their processes through the state
-		// dirs.
-		_ = srv.Purge()
-		_ = os.RemoveAll(dir)
-	})
-	if err := srv.Start(); err != nil {
+	*srv = &stack.Server{Kind: kind, Dir: dir}
+	if err := (*srv).Start(); err != nil {
 		t.Errorf("start %s: %v", kind, err)
-		return nil
+		return false
 	}
-	return srv
+	return true
 }
 
 // killPidFile SIGKILLs the process whose pid the file holds.
