@@ -35,7 +35,7 @@ func Main(m *testing.M) {
 
 // Server is one server started from a script with its own STACK_DIR.
 type Server struct {
-	Kind string   // postgres, kafka or opensearch
+	Kind string   // the script: postgres, kafka, opensearch, elasticsearch, kafka-cluster, search-cluster, …
 	Dir  string   // STACK_DIR
 	Env  string   // the value printed by the script, e.g. 127.0.0.1:9092
 	Vars []string // extra environment of the script ("K=V")
