@@ -31,7 +31,9 @@ func TestPublisherSurvivesLeaderFailover(t *testing.T) {
 	require.NoError(t, err)
 	cluster := &stack.Server{Kind: "kafka-cluster", Dir: dir}
 	require.NoError(t, cluster.Start())
-	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	// Purge before removing the state dirs: the scripts find their JVMs
+	// through them (removed first, the brokers outlived the test binary).
+	t.Cleanup(func() { _ = cluster.Purge(); _ = os.RemoveAll(dir) })
 	brokers := strings.Split(cluster.Env, ",")
 
 	p := newPipeline(t, pipelineOptions{TopicPartitions: 1})

@@ -70,7 +70,9 @@ type Config struct {
 	// max.message.bytes. Default MaxDocumentBytes + 1 MiB.
 	DeadLetterMaxBytes int
 
-	// URL is the search engine's HTTP address (ELASTICSEARCH_URL). Required.
+	// URL is the search engine's HTTP address (ELASTICSEARCH_URL), or the
+	// addresses of several nodes of one cluster, comma-separated; see
+	// [NewClient] for how requests spread over them. Required.
 	URL string
 	// HTTPClient sends the engine requests (credentials, TLS; internal/esconn
 	// builds it). nil: a plain client.

@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/olivere/elastic/v7"
@@ -22,10 +23,16 @@ import (
 //go:embed mapping.json
 var DefaultMapping []byte
 
-// NewClient returns an olivere/elastic client for one engine address.
+// NewClient returns an olivere/elastic client for an engine address, or for
+// several nodes of one cluster as a comma-separated list
+// ("http://node1:9200,http://node2:9200").
 // Sniffing and the health checker are off: they assume a cluster whose node
 // addresses are reachable from here, which a single loopback node, a proxy
-// or a managed service behind a load balancer are not.
+// or a managed service behind a load balancer are not. With several
+// addresses, requests go to the listed nodes in turn; a node that gives no
+// HTTP answer is marked dead and skipped until every listed node is, then all
+// are tried again (the request that found a node dead fails, and the caller's
+// retry goes to the next node).
 func NewClient(rawURL string) (*elastic.Client, error) { return NewClientWith(rawURL, nil) }
 
 // NewClientWith is NewClient sending its requests through hc (credentials,
@@ -37,7 +44,7 @@ func NewClientWith(rawURL string, hc *http.Client) (*elastic.Client, error) {
 		hc = &http.Client{Transport: tr}
 	}
 	c, err := elastic.NewSimpleClient(
-		elastic.SetURL(rawURL),
+		elastic.SetURL(SplitURLs(rawURL)...),
 		elastic.SetSniff(false),
 		elastic.SetHealthcheck(false),
 		elastic.SetHttpClient(hc),
@@ -46,6 +53,19 @@ func NewClientWith(rawURL string, hc *http.Client) (*elastic.Client, error) {
 		return nil, fmt.Errorf("search engine client for ELASTICSEARCH_URL: %w", err)
 	}
 	return c, nil
+}
+
+// SplitURLs splits an ELASTICSEARCH_URL that lists several nodes
+// ("http://a:9200, http://b:9200") into its addresses; empty items are
+// dropped.
+func SplitURLs(rawURL string) []string {
+	var out []string
+	for _, u := range strings.Split(rawURL, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			out = append(out, u)
+		}
+	}
+	return out
 }
 
 // IsRetryable reports whether a failed request to the search engine may

@@ -68,20 +68,40 @@ func (s *Settings) Register(fs *cli.FlagSet) {
 
 // Conn is what the search engine client needs.
 type Conn struct {
-	// URL is ELASTICSEARCH_URL without its user info.
+	// URL is ELASTICSEARCH_URL without its user info: one address, or
+	// several nodes' addresses comma-separated (sink.NewClient takes both).
 	URL string
+	// urls are URL's addresses.
+	urls []string
 	// HTTP sends the credentials and uses the TLS settings.
 	HTTP *http.Client
 	// describe names the authentication for errors, never a secret.
 	describe string
 }
 
-// Build validates the settings and returns the connection for rawURL.
-// Errors are usage errors that name the setting; none shows a secret.
+// Build validates the settings and returns the connection for rawURL, one
+// address or a comma-separated list of a cluster's nodes. Errors are usage
+// errors that name the setting; none shows a secret.
 func (s Settings) Build(rawURL string) (*Conn, error) {
-	u, err := url.Parse(rawURL)
-	if err != nil || u.Scheme == "" || u.Host == "" {
-		return nil, cli.UsageError("ELASTICSEARCH_URL=%q: want a URL such as https://127.0.0.1:9200", redact.URL(rawURL))
+	var (
+		urls     []*url.URL
+		userInfo *url.Userinfo
+		err      error
+	)
+	for _, raw := range strings.Split(rawURL, ",") {
+		raw = strings.TrimSpace(raw)
+		u, perr := url.Parse(raw)
+		if perr != nil || u.Scheme == "" || u.Host == "" {
+			return nil, cli.UsageError("ELASTICSEARCH_URL=%q: want a URL such as https://127.0.0.1:9200, or several nodes' URLs separated by commas", redact.URL(raw))
+		}
+		if u.User != nil {
+			if userInfo != nil && userInfo.String() != u.User.String() {
+				return nil, cli.UsageError("ELASTICSEARCH_URL lists nodes with different user info: give the credentials once (ELASTICSEARCH_USERNAME/PASSWORD)")
+			}
+			userInfo = u.User
+			u.User = nil
+		}
+		urls = append(urls, u)
 	}
 	user, pass := s.Username, s.Password
 	if s.PasswordFile != "" {
@@ -92,13 +112,12 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 			return nil, err
 		}
 	}
-	if u.User != nil {
+	if userInfo != nil {
 		if user != "" || pass != "" {
 			return nil, cli.UsageError("ELASTICSEARCH_URL has user info and ELASTICSEARCH_USERNAME/PASSWORD are set too: use one")
 		}
-		user = u.User.Username()
-		pass, _ = u.User.Password()
-		u.User = nil
+		user = userInfo.Username()
+		pass, _ = userInfo.Password()
 	}
 	apiKey := s.APIKey
 	if s.APIKeyFile != "" {
@@ -162,7 +181,12 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 	if auth != "" {
 		rt = &authTransport{next: tr, auth: auth}
 	}
-	return &Conn{URL: u.String(), HTTP: &http.Client{Transport: rt}, describe: describe}, nil
+	conn := &Conn{HTTP: &http.Client{Transport: rt}, describe: describe}
+	for _, u := range urls {
+		conn.urls = append(conn.urls, u.String())
+	}
+	conn.URL = strings.Join(conn.urls, ",")
+	return conn, nil
 }
 
 func readSecret(setting, file string) (string, error) {
@@ -202,18 +226,31 @@ func (e *ProbeError) Error() string {
 
 func (e *ProbeError) Unwrap() error { return e.Err }
 
-// Probe sends GET / once. 401/403 and certificate errors are returned (one
-// line naming the setting); an engine that is down or slow is logged and
-// left to the caller's retries.
+// Probe sends GET / once to each listed node. 401/403 and certificate
+// errors are returned (one line naming the setting); a node that is down or
+// slow is logged and left to the caller's retries.
 func (c *Conn) Probe(ctx context.Context, logger *slog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, ProbeLimit)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.URL, nil)
+	urls := c.urls
+	if len(urls) == 0 { // a Conn not made by Build
+		urls = []string{c.URL}
+	}
+	for _, u := range urls {
+		if err := c.probe(ctx, logger, u); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *Conn) probe(ctx context.Context, logger *slog.Logger, nodeURL string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, nodeURL, nil)
 	if err != nil {
 		return err
 	}
 	resp, err := c.HTTP.Do(req)
-	perr := &ProbeError{URL: redact.URL(c.URL), Auth: c.describe}
+	perr := &ProbeError{URL: redact.URL(nodeURL), Auth: c.describe}
 	if err == nil {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
 		resp.Body.Close()

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/esconn"
@@ -143,5 +144,60 @@ func TestSecuredSearchEndpoint(t *testing.T) {
 			require.NotContains(t, err.Error(), wrong)
 			require.NotContains(t, err.Error(), pass)
 		})
+	}
+}
+
+// ELASTICSEARCH_URL may list a cluster's nodes: user info given once
+// applies to all and leaves every URL, the probe asks every node (a wrong
+// password on the second is refused like on the first), and a list whose
+// nodes carry different credentials is refused.
+func TestBuildNodeList(t *testing.T) {
+	t.Parallel()
+	var got []string
+	ok := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got = append(got, r.Host+" "+r.Header.Get("Authorization"))
+		_, _ = w.Write([]byte(`{}`))
+	}))
+	defer ok.Close()
+	refusing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusUnauthorized)
+	}))
+	defer refusing.Close()
+	a, b := ok.Listener.Addr().String(), refusing.Listener.Addr().String()
+
+	conn, err := esconn.Settings{}.Build("http://u:s3cret@" + a + ", http://" + a + "/")
+	require.NoError(t, err)
+	require.Equal(t, "http://"+a+",http://"+a+"/", conn.URL)
+	require.NoError(t, conn.Probe(context.Background(), nil))
+	basic := "Basic " + base64.StdEncoding.EncodeToString([]byte("u:s3cret"))
+	require.Equal(t, []string{a + " " + basic, a + " " + basic}, got)
+
+	conn, err = esconn.Settings{}.Build("http://u:s3cret@" + a + ",http://u:s3cret@" + b)
+	require.NoError(t, err)
+	err = conn.Probe(context.Background(), nil)
+	require.Error(t, err)
+	require.Contains(t, err.Error(), b)
+	require.Contains(t, err.Error(), "401")
+
+	_, err = esconn.Settings{}.Build("http://u:s3cret@" + a + ",http://v:other@" + b)
+	require.ErrorContains(t, err, "different user info")
+	require.NotContains(t, err.Error(), "s3cret")
+	_, err = esconn.Settings{}.Build("http://" + a + ",not-a-url")
+	require.ErrorContains(t, err, "ELASTICSEARCH_URL")
+
+	// A client for a list whose first node is down: the request that finds
+	// it down fails, the next ones go to the live node.
+	down := httptest.NewServer(http.NotFoundHandler())
+	downURL := down.URL
+	down.Close()
+	client, err := sink.NewClient(downURL + "," + ok.URL)
+	require.NoError(t, err)
+	get := func() error {
+		_, err := client.PerformRequest(context.Background(), elastic.PerformRequestOptions{Method: http.MethodGet, Path: "/"})
+		return err
+	}
+	require.Error(t, get())
+	for range 3 {
+		require.NoError(t, get())
 	}
 }

@@ -38,7 +38,7 @@ func Main(m *testing.M) {
 
 // Server is one server started from a script with its own STACK_DIR.
 type Server struct {
-	Kind string   // postgres, kafka or opensearch
+	Kind string   // the script: postgres, kafka, opensearch, elasticsearch, kafka-cluster, search-cluster, …
 	Dir  string   // STACK_DIR
 	Env  string   // the value printed by the script, e.g. 127.0.0.1:9092
 	Vars []string // extra environment of the script ("K=V")
@@ -156,6 +156,9 @@ func (s *Server) Start() error {
 
 // Stop stops the server and keeps its data.
 func (s *Server) Stop() error { return s.run("stop") }
+
+// Purge stops the server and removes its data.
+func (s *Server) Purge() error { return s.run("purge") }
 
 func (s *Server) run(verb string) error {
 	_, err := s.runOut(verb)

@@ -1,338 +1,41 @@
 #!/usr/bin/env bash
-# Single-node OpenSearch for the outboxrelay test stack, from Maven Central jars (no Docker,
-# no tarball): scripts/stack/opensearch/pom.xml names the jars, Launcher.java starts a Node
-# with the module plugins on the classpath. See DESIGN.md, "Test stack".
+# Single-node OpenSearch for the outboxrelay test stack: search.sh with OpenSearch's
+# parameters (its header documents the commands, fetch|start|stop|purge|status|version).
+# The env line is ELASTICSEARCH_URL=http://127.0.0.1:<port>; node state in $STACK_DIR/opensearch.
 #
-# Usage: scripts/stack/opensearch.sh fetch|start|stop|purge|status|version
-#   fetch    download the jars (mvn dependency:copy-dependencies) and compile the launcher
-#            into $CACHE_DIR/opensearch-<version>/; a no-op (no mvn, no network) once done.
-#   start    fetch if needed, start the node (or find it already running) and wait until
-#            _cluster/health is yellow; prints exactly one line on stdout,
-#            ELASTICSEARCH_URL=http://127.0.0.1:<port>, also written to $STACK_DIR/opensearch/env.
-#            A state dir left by an earlier stopped node is restarted on the same ports with
-#            the same data.
-#   stop     SIGTERM, up to 30 s, then SIGKILL; data is kept.
-#   purge    stop, then remove $STACK_DIR/opensearch.
-#   status   exit 0 and print the env line if the node runs and answers, else exit 1.
-#   version  print the OpenSearch version in use.
-# Everything except the env line goes to stderr.
-#
-# Environment:
-#   CACHE_DIR                 jar/class cache, default <repo>/.cache
-#   STACK_DIR                 runtime state, default <repo>/.stack (node state in $STACK_DIR/opensearch)
-#   JAVA_HOME                 java/javac from $JAVA_HOME/bin, else from PATH
-#   OPENSEARCH_VERSION        default 2.19.6 (2.19.x is the newest line that runs on Java 17)
-#   OPENSEARCH_JAVA_OPTS      extra JVM flags, appended (e.g. -Xmx2g)
-#   OPENSEARCH_START_TIMEOUT  seconds to wait for yellow health, default 120
-#   OPENSEARCH_CLUSTER_NAME   default outboxrelay-test (only used when a node is first created)
+# Environment (besides search.sh's CACHE_DIR, STACK_DIR, JAVA_HOME, SEARCH_*):
+#   OPENSEARCH_VERSION        default 2.19.6 (2.19.x is the newest line that runs on Java 17;
+#                             its REST API is the Elasticsearch 7.10 API olivere/elastic v7 speaks)
+#   OPENSEARCH_JAVA_OPTS      extra JVM flags (SEARCH_JAVA_OPTS)
+#   OPENSEARCH_START_TIMEOUT  seconds to wait for yellow health (SEARCH_START_TIMEOUT), default 120
+#   OPENSEARCH_CLUSTER_NAME   SEARCH_CLUSTER_NAME
 set -euo pipefail
 
-SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO_DIR=$(cd "$SCRIPT_DIR/../.." && pwd)
-SRC_DIR=$SCRIPT_DIR/opensearch
-
 OPENSEARCH_VERSION=${OPENSEARCH_VERSION:-2.19.6}
-CACHE_DIR=$(realpath -m -- "${CACHE_DIR:-$REPO_DIR/.cache}")
-STACK_DIR=$(realpath -m -- "${STACK_DIR:-$REPO_DIR/.stack}")
-START_TIMEOUT=${OPENSEARCH_START_TIMEOUT:-120}
-STOP_TIMEOUT=30
-CLUSTER_NAME=${OPENSEARCH_CLUSTER_NAME:-outboxrelay-test}
 
-DIST_DIR=$CACHE_DIR/opensearch-$OPENSEARCH_VERSION
-LIBS_DIR=$DIST_DIR/libs
-CLASSES_DIR=$DIST_DIR/classes
-STATE_DIR=$STACK_DIR/opensearch
-PID_FILE=$STATE_DIR/opensearch.pid
-PORTS_FILE=$STATE_DIR/ports
-ENV_FILE=$STATE_DIR/env
-OUT_FILE=$STATE_DIR/launcher.out
-# Marks our JVM's command line, so that pid files are never trusted blindly.
-MARK="-Doutboxrelay.stack.opensearch=$STATE_DIR"
-
-if [[ -n "${JAVA_HOME:-}" ]]; then
-  JAVA=$JAVA_HOME/bin/java
-  JAVAC=$JAVA_HOME/bin/javac
-else
-  JAVA=java
-  JAVAC=javac
-fi
-
-log() { printf 'opensearch.sh: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-
-# ---------------------------------------------------------------------------------- fetch
-
-libs_hash() { { echo "$OPENSEARCH_VERSION"; cat "$SRC_DIR/pom.xml"; } | sha256sum | cut -d' ' -f1; }
-classes_hash() { { echo "$OPENSEARCH_VERSION"; cat "$SRC_DIR/Launcher.java"; } | sha256sum | cut -d' ' -f1; }
-
-is_fetched() {
-  [[ -f $DIST_DIR/.libs-ok && -f $DIST_DIR/.classes-ok ]] &&
-    [[ $(<"$DIST_DIR/.libs-ok") == "$(libs_hash)" && $(<"$DIST_DIR/.classes-ok") == "$(classes_hash)" ]] &&
-    [[ -f $CLASSES_DIR/Launcher.class && -d $LIBS_DIR ]]
-}
-
-do_fetch() {
-  is_fetched && return 0
-  mkdir -p "$DIST_DIR"
-  # Serialise concurrent fetches of the same version (e.g. parallel test packages).
-  exec 8>"$DIST_DIR/.lock"
-  flock -w 900 8 || die "timed out waiting for another fetch ($DIST_DIR/.lock)"
-  if [[ ! -f $DIST_DIR/.libs-ok || $(<"$DIST_DIR/.libs-ok") != "$(libs_hash)" ]]; then
-    command -v mvn >/dev/null || die "mvn not found (needed once to fetch the OpenSearch jars)"
-    log "fetching OpenSearch $OPENSEARCH_VERSION jars from Maven Central into $LIBS_DIR"
-    rm -rf "$DIST_DIR/build" "$LIBS_DIR.tmp"
-    mkdir -p "$DIST_DIR/build"
-    cp "$SRC_DIR/pom.xml" "$DIST_DIR/build/pom.xml" # keep Maven's litter out of the source tree
-    if ! (cd "$DIST_DIR/build" &&
-      mvn -q -B -Dstyle.color=never -Dmaven.repo.local="$CACHE_DIR/m2" \
-        -Dopensearch.version="$OPENSEARCH_VERSION" \
-        dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$LIBS_DIR.tmp") \
-      >"$DIST_DIR/mvn.log" 2>&1; then
-      tail -n 40 "$DIST_DIR/mvn.log" >&2
-      die "mvn dependency:copy-dependencies failed (log: $DIST_DIR/mvn.log)"
-    fi
-    rm -rf "$LIBS_DIR"
-    mv "$LIBS_DIR.tmp" "$LIBS_DIR"
-    rm -rf "$DIST_DIR/build"
-    rm -f "$DIST_DIR/.classes-ok"
-    libs_hash >"$DIST_DIR/.libs-ok"
-  fi
-  if [[ ! -f $DIST_DIR/.classes-ok || $(<"$DIST_DIR/.classes-ok") != "$(classes_hash)" ||
-    ! -f $CLASSES_DIR/Launcher.class ]]; then
-    log "compiling Launcher.java into $CLASSES_DIR"
-    rm -rf "$CLASSES_DIR"
-    mkdir -p "$CLASSES_DIR"
-    "$JAVAC" --release 17 -nowarn -d "$CLASSES_DIR" -cp "$LIBS_DIR/*" "$SRC_DIR/Launcher.java" >&2 ||
-      die "javac Launcher.java failed"
-    classes_hash >"$DIST_DIR/.classes-ok"
-  fi
-  exec 8>&-
-}
-
-# ------------------------------------------------------------------------------- process
-
-# pid_is_ours PID: the process exists and is our JVM for this state dir.
-pid_is_ours() {
-  local pid=$1 cmdline
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
-  cmdline=$({ tr '\0' '\n' <"/proc/$pid/cmdline"; } 2>/dev/null) || return 1
-  grep -qxF -- "$MARK" <<<"$cmdline"
-}
-
-# our_pids: every live JVM started for this state dir (normally zero or one).
-our_pids() {
-  # pattern from a file, so that no grep's own argv (ours or a concurrent one's) matches
-  grep -lzxF -f <(printf '%s\n' "$MARK") /proc/[0-9]*/cmdline 2>/dev/null | sed -n 's|^/proc/\([0-9]*\)/cmdline$|\1|p' || true
-}
-
-read_pid() { if [[ -f $PID_FILE ]]; then cat "$PID_FILE" 2>/dev/null || true; fi; }
-
-running_pid() {
-  local pid
-  pid=$(read_pid)
-  if [[ -n $pid ]] && pid_is_ours "$pid"; then
-    echo "$pid"
-    return 0
-  fi
-  pid=$(our_pids | head -n1)
-  [[ -n $pid ]] && echo "$pid"
-}
-
-http_port() { if [[ -f $PORTS_FILE ]]; then awk '{print $1}' "$PORTS_FILE"; fi; }
-
-healthy() { # healthy PORT [wait_timeout]
-  local body
-  body=$(curl -sf --max-time 10 \
-    "http://127.0.0.1:$1/_cluster/health?wait_for_status=yellow&timeout=${2:-1s}" 2>/dev/null) || return 1
-  [[ $body == *"\"cluster_name\":\"$(cluster_name)\""* ]]
-}
-
-cluster_name() { if [[ -f $STATE_DIR/cluster_name ]]; then cat "$STATE_DIR/cluster_name"; else echo "$CLUSTER_NAME"; fi; }
-
-env_line() { echo "ELASTICSEARCH_URL=http://127.0.0.1:$1"; }
-
-log_tail() {
-  local log
-  log=$STATE_DIR/logs/$(cluster_name).log
-  if [[ -s $log ]]; then
-    echo "----- tail of $log -----" >&2
-    # without Java stack frames, so that the cause fits in the tail
-    grep -vE '(^|\] )[[:space:]]+(at |\.\.\. [0-9]+ more)' "$log" | tail -n 40 >&2 || true
-  fi
-  if [[ -s $OUT_FILE ]]; then # JVM output and the launcher's one-line failure summary
-    echo "----- tail of $OUT_FILE -----" >&2
-    tail -n 10 "$OUT_FILE" >&2
-  fi
-}
-
-# terminate PID...: SIGTERM, wait up to STOP_TIMEOUT, then SIGKILL; returns 1 if any survive.
-terminate() {
-  local pid deadline left
-  for pid in "$@"; do kill -TERM "$pid" 2>/dev/null || true; done
-  deadline=$((SECONDS + STOP_TIMEOUT))
-  while :; do
-    left=()
-    for pid in "$@"; do pid_is_ours "$pid" && left+=("$pid"); done
-    ((${#left[@]} == 0)) && return 0
-    ((SECONDS >= deadline)) && break
-    sleep 0.2
-  done
-  log "still running after ${STOP_TIMEOUT}s, sending SIGKILL to ${left[*]}"
-  for pid in "${left[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-  deadline=$((SECONDS + 10))
-  while ((SECONDS < deadline)); do
-    left=()
-    for pid in "$@"; do pid_is_ours "$pid" && left+=("$pid"); done
-    ((${#left[@]} == 0)) && return 0
-    sleep 0.2
-  done
-  return 1
-}
-
-lock_state() {
-  mkdir -p "$STATE_DIR"
-  exec 9>"$STATE_DIR/.lock"
-  flock -w $((START_TIMEOUT + STOP_TIMEOUT + 30)) 9 || die "timed out waiting for $STATE_DIR/.lock"
-}
-
-pick_ports() {
-  # Below the ephemeral range, so a restart finds its port free (see freeport.py).
-  python3 "$SCRIPT_DIR/freeport.py" 2 | paste -sd ' ' -
-}
-
-# -------------------------------------------------------------------------------- start
-
-do_start() {
-  do_fetch
-  lock_state
-
-  local pid port tport deadline
-  pid=$(running_pid || true)
-  if [[ -n $pid ]]; then
-    port=$(http_port)
-    [[ -n $port ]] || die "node running (pid $pid) but $PORTS_FILE is missing; run stop"
-    if healthy "$port" "$((START_TIMEOUT > 30 ? 30 : START_TIMEOUT))s"; then
-      log "already running (pid $pid)"
-      env_line "$port" | tee "$ENV_FILE"
-      return 0
-    fi
-    log_tail
-    die "node running (pid $pid) but not answering on port $port; run stop (or purge)"
-  fi
-  rm -f "$PID_FILE"
-
-  local first=0
-  if [[ -f $PORTS_FILE ]]; then
-    read -r port tport <"$PORTS_FILE"
-    log "restarting node from $STATE_DIR on ports $port/$tport"
-  else
-    first=1
-    read -r port tport < <(pick_ports)
-    [[ -n $port && -n $tport ]] || die "could not pick free ports"
-    echo "$CLUSTER_NAME" >"$STATE_DIR/cluster_name"
-    log "starting new node in $STATE_DIR on ports $port/$tport"
-  fi
-
-  mkdir -p "$STATE_DIR/tmp" "$STATE_DIR/logs"
-  local -a jvm=(
-    -Xms512m -Xmx1g -Xss1m
-    -XX:+UseG1GC
-    -XX:-OmitStackTraceInFastThrow
-    -XX:ErrorFile="$STATE_DIR/logs/hs_err_pid%p.log"
-    -Djava.io.tmpdir="$STATE_DIR/tmp"
-    -Djava.awt.headless=true
-    -Dfile.encoding=UTF-8
-    -Dlog4j.shutdownHookEnabled=false # our shutdown hook closes the node, then log4j
-    -Dlog4j2.disable.jmx=true
-    -Dlog4j2.formatMsgNoLookups=true
-    -Dio.netty.noUnsafe=true
-    -Dio.netty.noKeySetOptimization=true
-    -Dio.netty.recycler.maxCapacityPerThread=0
-    "$MARK"
-  )
-  # shellcheck disable=SC2206 # word splitting of user-supplied flags is intended
-  [[ -n ${OPENSEARCH_JAVA_OPTS:-} ]] && jvm+=(${OPENSEARCH_JAVA_OPTS})
-
-  echo "===== $(date -u +%FT%TZ) start on 127.0.0.1:$port (transport $tport) with $JAVA" >>"$OUT_FILE"
-  # Detached: own session, no stdin, stdout/stderr to a file (so a caller reading our stdout
-  # through a pipe does not wait for the JVM), and without the lock fd.
-  setsid "$JAVA" "${jvm[@]}" -cp "$CLASSES_DIR:$LIBS_DIR/*" Launcher \
-    --home "$STATE_DIR" --http-port "$port" --transport-port "$tport" \
-    --cluster-name "$(cluster_name)" --node-name "outboxrelay-node-0" \
-    </dev/null >>"$OUT_FILE" 2>&1 9>&- &
-  pid=$!
-  echo "$pid" >"$PID_FILE"
-
-  deadline=$((SECONDS + START_TIMEOUT))
-  while :; do
-    if ! kill -0 "$pid" 2>/dev/null; then
-      wait "$pid" 2>/dev/null || true
-      log_tail
-      rm -f "$PID_FILE"
-      die "node exited during startup"
-    fi
-    if healthy "$port" 1s; then break; fi
-    if ((SECONDS >= deadline)); then
-      log_tail
-      log "node not healthy after ${START_TIMEOUT}s, stopping it"
-      terminate "$pid" || log "pid $pid did not die"
-      rm -f "$PID_FILE"
-      exit 1
-    fi
-    sleep 0.5
-  done
-
-  ((first)) && echo "$port $tport" >"$PORTS_FILE"
-  log "started (pid $pid, $((SECONDS))s)"
-  env_line "$port" | tee "$ENV_FILE"
-}
-
-# --------------------------------------------------------------------------- stop/status
-
-do_stop() {
-  [[ -d $STATE_DIR ]] || { log "not running (no $STATE_DIR)"; return 0; }
-  lock_state
-  local -a pids
-  mapfile -t pids < <({ running_pid || true; our_pids; } | sort -u | sed '/^$/d')
-  if ((${#pids[@]} == 0)); then
-    log "not running"
-  else
-    log "stopping pid ${pids[*]}"
-    terminate "${pids[@]}" || die "could not stop pid ${pids[*]}"
-    log "stopped"
-  fi
-  rm -f "$PID_FILE"
-  [[ -z $(our_pids) ]] || die "a node process for $STATE_DIR is still running"
-}
-
-do_purge() {
-  do_stop
-  rm -rf "$STATE_DIR"
-  log "removed $STATE_DIR"
-}
-
-do_status() {
-  local pid port
-  pid=$(running_pid || true)
-  [[ -n $pid ]] || { log "not running"; return 1; }
-  port=$(http_port)
-  if [[ -n $port ]] && healthy "$port" 1s; then
-    env_line "$port"
-    return 0
-  fi
-  log "pid $pid is running but not answering"
-  return 1
-}
-
-case "${1:-}" in
-  fetch) do_fetch; log "OpenSearch $OPENSEARCH_VERSION ready in $DIST_DIR" ;;
-  start) do_start ;;
-  stop) do_stop ;;
-  purge) do_purge ;;
-  status) do_status ;;
-  version) echo "$OPENSEARCH_VERSION" ;;
-  *)
-    echo "usage: $0 fetch|start|stop|purge|status|version" >&2
-    exit 2
-    ;;
-esac
+export SEARCH_ENGINE=opensearch SEARCH_VERSION=$OPENSEARCH_VERSION SEARCH_PACKAGE=org.opensearch
+export SEARCH_ENV_NAME=ELASTICSEARCH_URL
+# The server (org.opensearch.node.Node and all of core) and the distribution's modules/ that
+# Maven Central has, loaded as classpath plugins: Netty4 HTTP and transport, the standard
+# analyzers, scaled_float/rank_feature/token_count, _reindex/_update_by_query/
+# _delete_by_query, painless scripts, search templates, join fields, matrix_stats.
+export SEARCH_ARTIFACTS="org.opensearch:opensearch
+  org.opensearch.plugin:transport-netty4-client org.opensearch.plugin:analysis-common
+  org.opensearch.plugin:mapper-extras-client org.opensearch.plugin:reindex-client
+  org.opensearch.plugin:lang-painless org.opensearch.plugin:lang-mustache-client
+  org.opensearch.plugin:parent-join-client org.opensearch.plugin:aggs-matrix-stats-client"
+# optional in the opensearch pom, but LogConfigurator needs a log4j2 backend (the version
+# the opensearch pom names)
+export SEARCH_EXTRA_ARTIFACTS="org.apache.logging.log4j:log4j-core:2.25.4"
+export SEARCH_PLUGINS="org.opensearch.transport.Netty4Plugin
+  org.opensearch.analysis.common.CommonAnalysisPlugin
+  org.opensearch.index.mapper.MapperExtrasPlugin
+  org.opensearch.index.reindex.ReindexPlugin
+  org.opensearch.painless.PainlessPlugin
+  org.opensearch.script.mustache.MustachePlugin
+  org.opensearch.join.ParentJoinPlugin
+  org.opensearch.search.aggregations.matrix.MatrixAggregationPlugin"
+[[ -n ${OPENSEARCH_JAVA_OPTS:-} ]] && export SEARCH_JAVA_OPTS=$OPENSEARCH_JAVA_OPTS
+[[ -n ${OPENSEARCH_START_TIMEOUT:-} ]] && export SEARCH_START_TIMEOUT=$OPENSEARCH_START_TIMEOUT
+[[ -n ${OPENSEARCH_CLUSTER_NAME:-} ]] && export SEARCH_CLUSTER_NAME=$OPENSEARCH_CLUSTER_NAME
+exec bash "$(dirname "${BASH_SOURCE[0]}")/search.sh" "$@"
