@@ -77,7 +77,6 @@ func readSettings(b *testing.B) settings {
 		scenarios: strings.Split(cmp.Or(os.Getenv("DEBEZIUM_BENCH_SCENARIOS"), "backlog,latency"), ","),
 		peers:     strings.Split(cmp.Or(os.Getenv("DEBEZIUM_BENCH_PEERS"), "debezium,debezium-poll-10ms,publisher"), ","),
 		out:       cmp.Or(os.Getenv("DEBEZIUM_BENCH_OUT"), filepath.Join(stack.RepoRoot(), "bench", "results", "debezium.json")),
-		warmup:    2 * time.Second,
 	}
 	var err error
 	num := func(name, def string) int {
@@ -93,6 +92,7 @@ func readSettings(b *testing.B) settings {
 	}
 	s.backlog = num("DEBEZIUM_BENCH_EVENTS", "200000")
 	s.seconds = time.Duration(num("DEBEZIUM_BENCH_SECONDS", "15")) * time.Second
+	s.warmup = time.Duration(num("DEBEZIUM_BENCH_WARMUP", "5")) * time.Second
 	for _, r := range strings.Split(cmp.Or(os.Getenv("DEBEZIUM_BENCH_RATES"), "1000,10000"), ",") {
 		var n int
 		if n, err = strconv.Atoi(strings.TrimSpace(r)); err == nil && n <= 0 {
@@ -126,7 +126,7 @@ func readSettings(b *testing.B) settings {
 //     the first to the last arrival at a Kafka consumer, start-up apart.
 //   - latency: the peer runs; a writer commits events at each of
 //     DEBEZIUM_BENCH_RATES (1,000 and 10,000/s) for DEBEZIUM_BENCH_SECONDS
-//     (15) after a 2 s warm-up that is not counted, rate/1,000 events per
+//     (15) after a DEBEZIUM_BENCH_WARMUP (5 s) warm-up that is not counted, rate/1,000 events per
 //     transaction (one at 1,000/s), from 8 connections; latency is a
 //     consumer's arrival time minus the writer's commit time.
 //
