@@ -197,6 +197,7 @@ type consumer struct {
 
 	mu       sync.Mutex
 	events   map[string]struct{}  // event ids seen: the publisher's ce_id, the EventRouter's id
+	times    []time.Time          // arrival of each distinct event, in order
 	first    map[string]time.Time // key → first arrival
 	records  []arrival
 	n, dupes int
@@ -241,6 +242,7 @@ func (c *consumer) loop() {
 				c.dupes++
 			} else {
 				c.events[id] = struct{}{}
+				c.times = append(c.times, now)
 			}
 			if _, seen := c.first[key]; !seen {
 				c.first[key] = now
@@ -419,19 +421,36 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// waitReady writes a probe event every second until one comes out of the
-// topic: then the peer holds its shards (publisher) or streams from its
-// slot (Debezium). It returns how long that took.
+// waitReady writes a probe transaction every second until every event of
+// one of them came out of the topic: then the peer holds its shards
+// (publisher) or streams from its slot (Debezium). A probe has one event in
+// each of the outbox's 64 partitions: Debezium reads a partition's schema
+// from the database the first time it sees a change from it (pgoutput
+// sends a relation message per partition, even via the root), which on a
+// loaded machine takes seconds for all 64; a peer is ready once that is
+// behind it. It returns how long that took.
 func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *testproc.Proc, name string) time.Duration {
 	tb.Helper()
 	start := time.Now()
 	deadline := start.Add(5 * time.Minute)
+	var probes [][]string
 	for i := 0; ; i++ {
-		key := fmt.Sprintf("probe-%d", i)
-		insertEvents(tb, pool, topic, []string{key}, 1)
+		var keys []string
+		if err := pool.QueryRow(context.Background(), probeKeysSQL, i).Scan(&keys); err != nil {
+			tb.Fatalf("probe keys: %v", err)
+		}
+		probes = append(probes, keys)
+		insertEvents(tb, pool, topic, keys, 1)
 		for until := time.Now().Add(time.Second); time.Now().Before(until); {
-			for j := 0; j <= i; j++ {
-				if _, ok := c.arrived(fmt.Sprintf("probe-%d", j)); ok {
+			for _, keys := range probes {
+				all := true
+				for _, k := range keys {
+					if _, ok := c.arrived(k); !ok {
+						all = false
+						break
+					}
+				}
+				if all {
 					return time.Since(start)
 				}
 			}
@@ -442,10 +461,18 @@ func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *
 			}
 		}
 		if time.Now().After(deadline) {
-			tb.Fatalf("%s: no probe event on %s after 5 minutes\nstderr:\n%s", name, topic, tail(p.Stderr(), 40))
+			tb.Fatalf("%s: no whole probe on %s after 5 minutes\nstderr:\n%s", name, topic, tail(p.Stderr(), 40))
 		}
 	}
 }
+
+// probeKeysSQL picks one key per outbox partition for probe $1.
+const probeKeysSQL = `
+SELECT array_agg(k) FROM (
+	SELECT DISTINCT ON (outboxrelay_shard(k)) k
+	FROM (SELECT 'probe-' || $1::int || '-' || g AS k FROM generate_series(1, 5000) AS g) AS candidates
+	ORDER BY outboxrelay_shard(k), k
+) AS one_per_shard`
 
 // insertSQL writes outbox rows the way both peers read them: topic and
 // aggregate type are both the Kafka topic (the publisher routes by the
@@ -468,12 +495,17 @@ func insertEvents(tb testing.TB, pool *pgxpool.Pool, topic string, keys []string
 type counts struct {
 	records, distinct, dupes int
 	first, last              time.Time
+	p10, p90                 time.Time // when the first 10% and 90% of the distinct events had arrived
 }
 
 func (c *consumer) counts() counts {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return counts{records: c.n, distinct: len(c.events), dupes: c.dupes, first: c.firstAt, last: c.lastAt}
+	r := counts{records: c.n, distinct: len(c.events), dupes: c.dupes, first: c.firstAt, last: c.lastAt}
+	if n := len(c.times); n > 0 {
+		r.p10, r.p90 = c.times[n/10], c.times[n*9/10]
+	}
+	return r
 }
 
 // kept returns a copy of the records seen (consumers made with keep).
