@@ -172,6 +172,34 @@ func BenchmarkDebeziumVsPublisher(b *testing.B) {
 		}
 	}
 	var results []Result
+	versions := map[string]string{"debezium": debeziumVersion, "postgres": serverVersion(b, srv.url), "java": javaVersion()}
+	// The file is written after every run, so a run cut short (a timeout,
+	// a failure) still leaves what it measured.
+	write := func() []Result {
+		summary := medians(results)
+		rep := Report{
+			Benchmark: "debezium-vs-publisher",
+			Date:      time.Now().UTC().Format(time.RFC3339),
+			Machine:   machine(),
+			Versions:  versions,
+			Settings: map[string]any{"backlog_events": s.backlog, "keys": keys, "payload_bytes": payloadPad + 70, "partitions": partitions,
+				"rates": s.rates, "seconds": s.seconds.Seconds(), "warmup_s": s.warmup.Seconds(), "rounds": rounds,
+				"backlog_tx_events": backlogTx, "writers": writers},
+			Runs:    results,
+			Summary: summary,
+		}
+		if err := os.MkdirAll(filepath.Dir(s.out), 0o755); err != nil {
+			b.Fatal(err)
+		}
+		data, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := os.WriteFile(s.out, append(data, '\n'), 0o644); err != nil {
+			b.Fatalf("write results: %v", err)
+		}
+		return summary
+	}
 	for round := 1; round <= rounds; round++ {
 		for _, r := range runs {
 			for i := range peers {
@@ -188,32 +216,12 @@ func BenchmarkDebeziumVsPublisher(b *testing.B) {
 				res.Round = round
 				results = append(results, res)
 				b.Logf("round %d: %s", round, res.line())
+				write()
 			}
 		}
 	}
-	summary := medians(results)
+	summary := write()
 	b.Log("\n" + table(summary, rounds))
-	rep := Report{
-		Benchmark: "debezium-vs-publisher",
-		Date:      time.Now().UTC().Format(time.RFC3339),
-		Machine:   machine(),
-		Versions:  map[string]string{"debezium": debeziumVersion, "postgres": serverVersion(b, srv.url), "java": javaVersion()},
-		Settings: map[string]any{"backlog_events": s.backlog, "keys": keys, "payload_bytes": payloadPad + 70, "partitions": partitions,
-			"rates": s.rates, "seconds": s.seconds.Seconds(), "warmup_s": s.warmup.Seconds(), "rounds": rounds,
-			"backlog_tx_events": backlogTx, "writers": writers},
-		Runs:    results,
-		Summary: summary,
-	}
-	if err := os.MkdirAll(filepath.Dir(s.out), 0o755); err != nil {
-		b.Fatal(err)
-	}
-	data, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := os.WriteFile(s.out, append(data, '\n'), 0o644); err != nil {
-		b.Fatalf("write results: %v", err)
-	}
 	b.Logf("results written to %s", s.out)
 	for _, r := range summary {
 		unit := r.Peer + "-" + r.Scenario
