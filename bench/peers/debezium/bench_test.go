@@ -299,7 +299,7 @@ func latency(b *testing.B, srv *server, brokers []string, p peer, rate int, warm
 	c := newConsumer(b, brokers, topic, false)
 	defer c.close()
 	proc := p.start(b, dbURL)
-	waitReady(b, pool, c, topic, proc, p.name)
+	probes := waitReady(b, pool, c, topic, proc, p.name)
 	cpu0 := processCPU(proc.Cmd.Process.Pid)
 
 	// Each transaction carries perTx events; transaction j of the run is
@@ -334,12 +334,13 @@ func latency(b *testing.B, srv *server, brokers []string, p peer, rate int, warm
 	}
 	wg.Wait()
 	wrote := time.Since(start)
-	all := c.waitDistinct(txs*perTx, 2*time.Minute)
+	all := c.waitDistinct(probes+txs*perTx, 2*time.Minute)
 	cpu := processCPU(proc.Cmd.Process.Pid) - cpu0
 	stop(b, p.name, proc)
 	got := c.counts()
 	if !all {
-		b.Errorf("%s at %d/s: only %d of %d events arrived within 2 minutes after the writer ended", p.name, rate, got.distinct, txs*perTx)
+		b.Errorf("%s at %d/s: only %d of %d events (probes included) arrived within 2 minutes after the writer ended",
+			p.name, rate, got.distinct, probes+txs*perTx)
 	}
 	var lat []time.Duration
 	missing := 0

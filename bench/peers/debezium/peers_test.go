@@ -428,8 +428,9 @@ func tail(s string, n int) string {
 // from the database the first time it sees a change from it (pgoutput
 // sends a relation message per partition, even via the root), which on a
 // loaded machine takes seconds for all 64; a peer is ready once that is
-// behind it. It returns how long that took.
-func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *testproc.Proc, name string) time.Duration {
+// behind it. It returns how many probe events it wrote (they all arrive,
+// some perhaps after it returns).
+func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *testproc.Proc, name string) int {
 	tb.Helper()
 	start := time.Now()
 	deadline := start.Add(5 * time.Minute)
@@ -451,7 +452,11 @@ func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *
 					}
 				}
 				if all {
-					return time.Since(start)
+					n := 0
+					for _, keys := range probes {
+						n += len(keys)
+					}
+					return n
 				}
 			}
 			select {
