@@ -146,12 +146,42 @@ func (s *server) database(tb testing.TB) (string, func()) {
 		once.Do(func() {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			s.admin(tb, ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active`, name)
+			s.dropSlots(tb, ctx, name)
 			s.admin(tb, ctx, fmt.Sprintf("DROP DATABASE IF EXISTS %s WITH (FORCE)", pgx.Identifier{name}.Sanitize()))
 		})
 	}
 	tb.Cleanup(drop)
 	return stack.WithDatabase(s.url, name), drop
+}
+
+// dropSlots drops the replication slots of database name. A peer that just
+// exited may still have its walsender on the slot for a moment: that one is
+// ended and the drop tried again, until none is left.
+func (s *server) dropSlots(tb testing.TB, ctx context.Context, name string) {
+	tb.Helper()
+	conn, err := pgx.Connect(ctx, s.url)
+	if err != nil {
+		tb.Fatalf("connect %s: %v", s.url, err)
+	}
+	defer conn.Close(ctx)
+	for {
+		var left int
+		err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE database = $1`, name).Scan(&left)
+		if err == nil && left == 0 {
+			return
+		}
+		if err == nil {
+			_, err = conn.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = $1 AND active`, name)
+		}
+		if err == nil {
+			_, err = conn.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active`, name)
+		}
+		select {
+		case <-ctx.Done():
+			tb.Fatalf("drop the replication slots of %s: %v (last error: %v)", name, ctx.Err(), err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }
 
 // createTopic creates a topic with the publisher bench's partition count;
