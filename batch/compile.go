@@ -511,15 +511,29 @@ func (c *compiled) normalize(b *builder) (fieldCols, doc, errCode, errMsg string
 	return strings.Join(cols, ", "), doc, errCode, errMsg
 }
 
+// upsertTail is the guarded upsert of normalized_records shared by both
+// paths (EXCLUDED.source_version is the source row's version). A row's
+// index version is its source version + version_offset. A row that comes
+// back over a tombstone the sweep wrote (vanished: the source row was gone)
+// always wins, whatever its version: at least the tombstone's version + 1,
+// the offset keeping its later changes above that (see migration 011).
 const upsertTail = `
   ON CONFLICT (source, source_id) DO UPDATE SET
-    document = EXCLUDED.document, source_version = EXCLUDED.source_version,
-    processor_version = EXCLUDED.processor_version, deleted = EXCLUDED.deleted, updated_at = EXCLUDED.updated_at
+    document = EXCLUDED.document,
+    source_version = ` + returnedVersion + `,
+    version_offset = ` + returnedVersion + ` - EXCLUDED.source_version,
+    processor_version = EXCLUDED.processor_version, deleted = EXCLUDED.deleted, vanished = false, updated_at = EXCLUDED.updated_at
   -- An older source version never overwrites a newer one; the same version
   -- and processor version is unchanged and yields no event.
-  WHERE n.source_version < EXCLUDED.source_version
-     OR (n.source_version = EXCLUDED.source_version AND n.processor_version <> EXCLUDED.processor_version)
+  WHERE n.source_version < EXCLUDED.source_version + n.version_offset
+     OR (n.source_version = EXCLUDED.source_version + n.version_offset AND n.processor_version <> EXCLUDED.processor_version)
+     OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
+
+// returnedVersion is the index version an upsert writes: the source
+// version + the row's offset, or, for a row back over a sweep's tombstone,
+// at least one more than the tombstone's.
+const returnedVersion = `greatest(EXCLUDED.source_version + n.version_offset, CASE WHEN n.vanished AND NOT EXCLUDED.deleted THEN n.source_version + 1 END)`
 
 // sel is "keyset-first", "keyset-next" or "ids".
 func (c *compiled) selection(b *builder, sel string) (where, tail string) {

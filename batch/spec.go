@@ -88,9 +88,11 @@ const (
 	// later change (a version column that keeps growing, as the demo
 	// trigger's) wins over the tombstone. A row that comes back with a
 	// version at or below the tombstone's (re-inserted with the version
-	// reset, restored from a backup) stays deleted until its version grows
-	// past it: the version column must keep growing across a delete, as
-	// external versioning requires anyway. The sweep treats every live row
+	// reset, restored from a backup) comes back too: the next run writes
+	// it at the tombstone's version + 1 and keeps the difference as the
+	// row's version_offset in normalized_records, so its later changes
+	// (source version + offset) stay above (normalized_records.source_version
+	// is the index's version; migration 011). The sweep treats every live row
 	// of the job's SourceName as the job's: two jobs that write one source
 	// name with different scopes (table, filter, partition list) need
 	// distinct source names (or "keep" on both); a run refuses to start

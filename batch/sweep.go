@@ -120,7 +120,7 @@ WITH cand AS MATERIALIZED (
   UPDATE normalized_records n
   SET document = NULL, deleted = true,
       source_version = CASE WHEN gone.deleted THEN gone.source_version ELSE gone.source_version + 1 END,
-      processor_version = ` + b.p("pv", "text") + `, updated_at = now()
+      processor_version = ` + b.p("pv", "text") + `, vanished = true, updated_at = now()
   FROM gone
   WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = gone.source_id
     AND n.source_version = gone.source_version AND n.deleted = gone.deleted
