@@ -147,6 +147,9 @@ type Runner struct {
 	maxReached atomic.Bool
 	reserved   atomic.Int64 // chunks committed or in flight, against MaxChunks
 	limiter    *limiter     // a custom Processor's external calls (Config.RateLimit)
+	// ratioSampled: a chunk of this process saw the run reach
+	// errors.skip_ratio_min_rows rows within the ratio (checkSkipLimit).
+	ratioSampled atomic.Bool
 }
 
 // Summary says what a [Runner.Run] did.
@@ -872,9 +875,6 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	// The events were inserted by the upsert's statement (a CTE step over
 	// the rows it RETURNed); no document crosses the wire twice.
 	failpoint.Hit("batch.after_outbox")
-	if err := r.checkSkipLimit(ctx, tx, res); err != nil {
-		return res, err
-	}
 	vals["next"], vals["prev"], vals["token"] = res.next, cursor, cl.token
 	vals["n"], vals["changed"], vals["bad"], vals["size"], vals["retries"] = int64(res.n), res.changed, res.bad, size, retries
 	if f.pred != nil {
@@ -894,6 +894,11 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		if err := tx.SendBatch(ctx, b).Close(); err != nil {
 			return res, fmt.Errorf("wait for the previous chunk: %w", err)
 		}
+	}
+	// After the previous chunk in flight committed (or rolled back): the
+	// run's totals then include it.
+	if err := r.checkSkipLimit(ctx, tx, res); err != nil {
+		return res, err
 	}
 	tag, err := tx.Exec(ctx, r.c.checkpoint.sql, r.c.checkpoint.args(vals)...)
 	f.checkpointed()

@@ -234,8 +234,15 @@ type ErrorPolicy struct {
 	// the most frequent error code. 0 means no limit.
 	SkipLimit int `json:"skip_limit,omitempty" yaml:"skip_limit,omitempty"`
 	// SkipRatio bounds the quarantined share of the rows the run processed
-	// so far (the crossing chunk included), e.g. 0.01. 0 means no limit.
+	// so far (the crossing chunk included), e.g. 0.01, judged once the run
+	// has processed SkipRatioMinRows rows. 0 means no limit.
 	SkipRatio float64 `json:"skip_ratio,omitempty" yaml:"skip_ratio,omitempty"`
+	// SkipRatioMinRows is the sample SkipRatio waits for: below it a share
+	// says little (the run's first quarantined row is 1 of 1), so only
+	// SkipLimit applies; the first chunk that reaches it is judged on every
+	// row quarantined before it too. A run with fewer rows in all is never
+	// judged by the ratio. Default 1000; 1 judges from the first row.
+	SkipRatioMinRows int `json:"skip_ratio_min_rows,omitempty" yaml:"skip_ratio_min_rows,omitempty"`
 }
 
 // Duration is a time.Duration written as "1.5s" in specs.
@@ -324,6 +331,7 @@ const (
 
 	defaultPartitionAttempts = 3
 	defaultPartitionBackoff  = Duration(10 * time.Second)
+	defaultSkipRatioMinRows  = 1000
 )
 
 // withDefaults fills every default in one place.
@@ -357,6 +365,7 @@ func (s Spec) withDefaults() Spec {
 	s.Errors.MaxBackoff = cmp.Or(s.Errors.MaxBackoff, defaultMaxBackoff)
 	s.Errors.PartitionAttempts = cmp.Or(s.Errors.PartitionAttempts, defaultPartitionAttempts)
 	s.Errors.PartitionBackoff = cmp.Or(s.Errors.PartitionBackoff, defaultPartitionBackoff)
+	s.Errors.SkipRatioMinRows = cmp.Or(s.Errors.SkipRatioMinRows, defaultSkipRatioMinRows)
 	if s.Vanished == "" {
 		s.Vanished = VanishedKeep
 		if s.Mode == ModeFull {
@@ -397,6 +406,8 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: errors.partition_attempts %d: want >= 1 (1 = no automatic retry)", s.Job, s.Errors.PartitionAttempts)
 	case s.Errors.SkipLimit < 0:
 		return fmt.Errorf("spec %s: errors.skip_limit %d: want >= 0 (0 = no limit)", s.Job, s.Errors.SkipLimit)
+	case s.Errors.SkipRatioMinRows < 0:
+		return fmt.Errorf("spec %s: errors.skip_ratio_min_rows %d: want >= 0 (0 = the default, %d)", s.Job, s.Errors.SkipRatioMinRows, defaultSkipRatioMinRows)
 	case s.Errors.SkipRatio < 0 || s.Errors.SkipRatio > 1:
 		return fmt.Errorf("spec %s: errors.skip_ratio %g: want 0..1 (0 = no limit)", s.Job, s.Errors.SkipRatio)
 	case s.Errors.PartitionBackoff < 0:
