@@ -221,7 +221,8 @@ type ErrorPolicy struct {
 	// error is not transient). After a failure the partition goes back to
 	// pending and any worker retries it from its last checkpoint once
 	// PartitionBackoff has passed, doubling per failure up to 10m; after
-	// the last attempt it stays failed until an operator reruns the job. A
+	// the last attempt it stays failed until an operator reruns the job
+	// (which also ends a wait for an automatic retry at once). A
 	// bad row under the strict policy and an exceeded skip limit fail at
 	// once (they would fail the same way). Default 3; 1 turns automatic retries off.
 	PartitionAttempts int `json:"partition_attempts,omitempty" yaml:"partition_attempts,omitempty"`

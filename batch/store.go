@@ -51,6 +51,19 @@ ON CONFLICT (job) DO UPDATE SET
            coalesce(batch_jobs.spec->'` + documentsByPVKey + `', '{}'::jsonb) || (EXCLUDED.spec->'` + documentsByPVKey + `')),
   updated_at = now()`
 
+// rerunPartitionsSQL is what starting a run that exists does to its
+// partitions: a failed one is pending again with a new budget of attempts,
+// and one waiting for its automatic retry (its batcher stopped or died
+// during the backoff) may be claimed at once, keeping its failures. A
+// rerun is the operator's word that the cause is fixed; a second batcher
+// joining a run in progress counts as one too.
+const rerunPartitionsSQL = `
+UPDATE batch_runs SET
+  failures = CASE WHEN state = 'failed' THEN 0 ELSE failures END,
+  state = 'pending', error = CASE WHEN state = 'failed' THEN NULL ELSE error END,
+  retry_at = NULL, finished_at = NULL, updated_at = now()
+WHERE job = $1 AND logical_run_id = $2 AND (state = 'failed' OR (state = 'pending' AND retry_at IS NOT NULL))`
+
 type storedPartition struct {
 	key, state, pv, scopeHash string
 	scope                     json.RawMessage
@@ -152,8 +165,8 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 				return "", err
 			}
 		}
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, failures = 0, retry_at = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
-			return "", err
+		if _, err := tx.Exec(ctx, rerunPartitionsSQL, s.Job, runID); err != nil {
+			return "", fmt.Errorf("rerun the failed partitions of %s/%s: %w", s.Job, runID, err)
 		}
 		if _, err := tx.Exec(ctx, sweepOnResumeSQL(s), s.Job, runID); err != nil {
 			return "", err
