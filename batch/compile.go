@@ -15,32 +15,79 @@ import (
 
 // stmt is one compiled statement: SQL text plus its parameters, each bound
 // either to a constant from the spec (filter values, field names, json
-// paths) or to a runtime value by name. Nothing from the spec is spliced
-// into the text except identifiers quoted with pgx.Identifier and type
-// names read back from the catalog.
+// paths) or to a field of the statement's [args]. Nothing from the spec is
+// spliced into the text except identifiers quoted with pgx.Identifier and
+// type names read back from the catalog.
 type stmt struct {
 	sql    string
 	params []param
 }
 
 type param struct {
-	name  string // runtime value name; "" for a constant
-	value any    // the constant
+	field func(*args) any // a runtime value; nil for a constant
+	value any             // the constant
 }
 
-// args binds the runtime values.
-func (s stmt) args(vals map[string]any) []any {
+// args are the runtime values of a statement. A field a statement does not
+// use is ignored, one it uses and the caller left unset is bound as its
+// zero value (nil slices and pointers: NULL): a missing value cannot go
+// unbound.
+type args struct {
+	Cursor   []string // the keyset position a chunk starts after (nil: the beginning)
+	Boundary []string // the last key of the range
+	Start    []string // where an incremental run starts (boundary capture, estimate)
+	Limit    int
+	PKey     string // the partition key (as the partition column's type, and as text)
+	Job, Run string
+	Source   string // normalized_records.source
+	PV       string // processor version
+	TP       any    // the chunk span's traceparent, nil when tracing is off
+	Token    string // the lease token that fences the checkpoint
+	// The checkpoint: next cursor, the previous one it is conditioned on,
+	// and the chunk's counts.
+	Next, Prev               []string
+	N, Changed, Bad, Retries int64
+	Size                     int
+	// The Go path's unnest arrays, and the ids of a quarantine retry.
+	IDs          []string
+	Vers         []int64
+	Dels         []bool
+	Docs         []*string
+	Codes, Msgs  []string
+	PKeys        []string // the sweep's partition keys
+	After        *string  // the sweep's cursor (a source_id)
+	Cur, New, Bd []string // a manual checkpoint move: stored cursor, requested one, boundary
+}
+
+// argFields names the fields of [args] a statement refers to. A statement
+// that names another field panics when it is built (compile, at start).
+var argFields = map[string]func(*args) any{
+	"cursor": func(a *args) any { return a.Cursor }, "boundary": func(a *args) any { return a.Boundary },
+	"start": func(a *args) any { return a.Start }, "limit": func(a *args) any { return a.Limit },
+	"pkey": func(a *args) any { return a.PKey }, "pkeytext": func(a *args) any { return a.PKey },
+	"job": func(a *args) any { return a.Job }, "run": func(a *args) any { return a.Run },
+	"source": func(a *args) any { return a.Source }, "pv": func(a *args) any { return a.PV },
+	"tp": func(a *args) any { return a.TP }, "token": func(a *args) any { return a.Token },
+	"next": func(a *args) any { return a.Next }, "prev": func(a *args) any { return a.Prev },
+	"n": func(a *args) any { return a.N }, "changed": func(a *args) any { return a.Changed },
+	"bad": func(a *args) any { return a.Bad }, "retries": func(a *args) any { return a.Retries },
+	"size": func(a *args) any { return a.Size },
+	"ids":  func(a *args) any { return a.IDs }, "vers": func(a *args) any { return a.Vers },
+	"dels": func(a *args) any { return a.Dels }, "docs": func(a *args) any { return a.Docs },
+	"codes": func(a *args) any { return a.Codes }, "msgs": func(a *args) any { return a.Msgs },
+	"pkeys": func(a *args) any { return a.PKeys }, "after": func(a *args) any { return a.After },
+	"cur": func(a *args) any { return a.Cur }, "new": func(a *args) any { return a.New }, "bnd": func(a *args) any { return a.Bd },
+}
+
+// bind returns the statement's arguments from a.
+func (s stmt) bind(a *args) []any {
 	out := make([]any, len(s.params))
 	for i, p := range s.params {
-		if p.name == "" {
+		if p.field == nil {
 			out[i] = p.value
 			continue
 		}
-		v, ok := vals[p.name]
-		if !ok {
-			panic("batch: statement parameter " + p.name + " not bound")
-		}
-		out[i] = v
+		out[i] = p.field(a)
 	}
 	return out
 }
@@ -53,11 +100,16 @@ type builder struct {
 
 func newBuilder() *builder { return &builder{named: map[string]int{}} }
 
-// p returns the placeholder of runtime value name, cast to typ.
+// p returns the placeholder of the runtime value name (a field of [args],
+// see argFields), cast to typ.
 func (b *builder) p(name, typ string) string {
 	n, ok := b.named[name]
 	if !ok {
-		b.params = append(b.params, param{name: name})
+		field, known := argFields[name]
+		if !known {
+			panic("batch: statement parameter " + name + " is no field of args")
+		}
+		b.params = append(b.params, param{field: field})
 		n = len(b.params)
 		b.named[name] = n
 	}

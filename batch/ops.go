@@ -218,7 +218,7 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FO
 	}
 	st := b.stmt(`SELECT ` + b.p("cur", "text[]") + ` IS NULL OR ` + typed("new") + ` > ` + typed("cur") + `, ` + typed("new") + ` <= ` + typed("bnd") + `, ` + typed("new") + ` = ` + typed("cur") + ` IS TRUE`)
 	var forward, within, same bool
-	if err := tx.QueryRow(ctx, st.sql, st.args(map[string]any{"cur": cur, "new": m.Cursor, "bnd": bnd})...).Scan(&forward, &within, &same); err != nil {
+	if err := tx.QueryRow(ctx, st.sql, st.bind(&args{Cur: cur, New: m.Cursor, Bd: bnd})...).Scan(&forward, &within, &same); err != nil {
 		return nil, fmt.Errorf("cursor %v does not fit job %s's cursor columns %v: %w", m.Cursor, m.Job, spec.Source.Cursor, err)
 	}
 	if same {
@@ -360,14 +360,14 @@ func (r *Runner) retryIDs(ctx context.Context, conn *pgx.Conn, run, key string, 
 		return 0, 0, err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	vals := map[string]any{"ids": ids, "pkey": key, "pkeytext": key, "job": r.spec.Job, "run": run, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion, "tp": tracing.Arg(ctx)}
+	a := &args{IDs: ids, PKey: key, Job: r.spec.Job, Run: run, Source: r.spec.SourceName, PV: r.spec.ProcessorVersion, TP: tracing.Arg(ctx)}
 	var n int
 	var resolved int64
 	if r.cfg.Processor == nil {
 		var bad, changed int64
 		var first *string
 		var last []string
-		if err := tx.QueryRow(ctx, r.c.chunkIDs.sql, r.c.chunkIDs.args(vals)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
+		if err := tx.QueryRow(ctx, r.c.chunkIDs.sql, r.c.chunkIDs.bind(a)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
 			return 0, 0, fmt.Errorf("retry quarantined rows: %w", err)
 		}
 		resolved = int64(n) - bad
@@ -375,16 +375,18 @@ func (r *Runner) retryIDs(ctx context.Context, conn *pgx.Conn, run, key string, 
 		saved := r.spec.Errors.Policy
 		r.spec.Errors.Policy = PolicyQuarantine // still-bad rows stay quarantined
 		var res chunkResult
-		err := r.goChunk(ctx, tx, nil, vals, &res)
+		good, err := r.goChunk(ctx, tx, a, &res)
 		r.spec.Errors.Policy = saved
 		if err != nil {
 			return 0, 0, err
 		}
 		n = res.n
 		resolved = int64(res.n) - res.bad
-		good, _ := vals["ids"].([]string)
-		vals["ids"] = good
-		if _, err := tx.Exec(ctx, r.c.resolve.sql, r.c.resolve.args(vals)...); err != nil {
+		if res.n == 0 {
+			good = ids // gone from the source: nothing left to retry
+		}
+		a.IDs = good
+		if _, err := tx.Exec(ctx, r.c.resolve.sql, r.c.resolve.bind(a)...); err != nil {
 			return 0, 0, err
 		}
 	}

@@ -561,7 +561,7 @@ func (r *Runner) planChunk(ctx context.Context, slot *connSlot, cl *claim, curso
 	if cursor == nil {
 		st = r.c.keysFirst
 	}
-	vals := map[string]any{"cursor": cursor, "boundary": cl.boundary, "limit": size, "pkey": cl.key}
+	a := &args{Cursor: cursor, Boundary: cl.boundary, Limit: size, PKey: cl.key}
 	var (
 		n   int
 		end []string
@@ -569,7 +569,7 @@ func (r *Runner) planChunk(ctx context.Context, slot *connSlot, cl *claim, curso
 	op := func() error {
 		conn, err := slot.ensure(ctx)
 		if err == nil {
-			err = conn.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &end)
+			err = conn.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n, &end)
 		}
 		if err != nil && (ctx.Err() != nil || !(IsRetryable(err) || slot.lost())) {
 			return backoff.Permanent(err)
@@ -818,10 +818,10 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return res, fmt.Errorf("begin chunk: %w", err)
 	}
-	vals := map[string]any{
-		"cursor": cursor, "boundary": cl.boundary, "limit": size, "pkey": cl.key, "pkeytext": cl.key,
-		"job": r.spec.Job, "run": r.runID, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion,
-		"tp": tracing.Arg(ctx),
+	a := &args{
+		Cursor: cursor, Boundary: cl.boundary, Limit: size, PKey: cl.key,
+		Job: r.spec.Job, Run: r.runID, Source: r.spec.SourceName, PV: r.spec.ProcessorVersion,
+		TP: tracing.Arg(ctx),
 	}
 	limit := 0
 	if f.upto != nil {
@@ -832,7 +832,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		// makes the planner walk the cursor index) with room for such rows;
 		// a read that fills it is retried with a larger one (errRangeGrew).
 		limit = cmp.Or(f.limit, 2*f.size)
-		vals["boundary"], vals["limit"] = f.upto, limit
+		a.Boundary, a.Limit = f.upto, limit
 	}
 	if r.cfg.Processor == nil {
 		st := r.c.chunkNext
@@ -840,7 +840,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 			st = r.c.chunkFirst
 		}
 		var firstBad *string
-		if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&res.n, &res.bad, &firstBad, &res.changed, &res.next); err != nil {
+		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&res.n, &res.bad, &firstBad, &res.changed, &res.next); err != nil {
 			return res, fmt.Errorf("select and upsert chunk after %v: %w", cursor, err)
 		}
 		if res.bad > 0 && r.spec.Errors.Policy != PolicyQuarantine {
@@ -850,7 +850,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		r.cfg.Metrics.inflight(r.spec.Job, res.n)
 		defer r.cfg.Metrics.inflight(r.spec.Job, -res.n)
 	} else {
-		if err := r.goChunk(ctx, tx, cursor, vals, &res); err != nil {
+		if _, err := r.goChunk(ctx, tx, a, &res); err != nil {
 			return res, err
 		}
 	}
@@ -875,8 +875,8 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	// The events were inserted by the upsert's statement (a CTE step over
 	// the rows it RETURNed); no document crosses the wire twice.
 	failpoint.Hit("batch.after_outbox")
-	vals["next"], vals["prev"], vals["token"] = res.next, cursor, cl.token
-	vals["n"], vals["changed"], vals["bad"], vals["size"], vals["retries"] = int64(res.n), res.changed, res.bad, size, retries
+	a.Next, a.Prev, a.Token = res.next, cursor, cl.token
+	a.N, a.Changed, a.Bad, a.Size, a.Retries = int64(res.n), res.changed, res.bad, size, retries
 	if f.pred != nil {
 		// Wait until the previous chunk holds the checkpoint row (or is
 		// over), then lock the row: that waits until the previous chunk
@@ -900,7 +900,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	if err := r.checkSkipLimit(ctx, tx, res); err != nil {
 		return res, err
 	}
-	tag, err := tx.Exec(ctx, r.c.checkpoint.sql, r.c.checkpoint.args(vals)...)
+	tag, err := tx.Exec(ctx, r.c.checkpoint.sql, r.c.checkpoint.bind(a)...)
 	f.checkpointed()
 	if err != nil {
 		return res, fmt.Errorf("write checkpoint: %w", err)
@@ -1004,20 +1004,22 @@ func parseBadRow(s string) error {
 	return &BadRowError{ID: id, Code: code, Message: msg}
 }
 
-// goChunk is the custom Processor path: read the range, process in Go,
-// write back with unnest arrays (one statement for all rows).
-func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, cursor []string, vals map[string]any, res *chunkResult) error {
+// goChunk is the custom Processor path: read the range (a.Cursor,
+// a.Boundary], or the rows a.IDs, process in Go, write back with unnest
+// arrays. It returns the ids written (the rows not quarantined).
+func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, a *args, res *chunkResult) ([]string, error) {
+	cursor := a.Cursor
 	st := r.c.fetchNext
 	switch {
-	case vals["ids"] != nil:
+	case a.IDs != nil:
 		st = r.c.fetchIDs
 	case cursor == nil:
 		st = r.c.fetchFirst
 	}
 	t0 := time.Now()
-	rows, err := tx.Query(ctx, st.sql, st.args(vals)...)
+	rows, err := tx.Query(ctx, st.sql, st.bind(a)...)
 	if err != nil {
-		return fmt.Errorf("fetch chunk after %v: %w", cursor, err)
+		return nil, fmt.Errorf("fetch chunk after %v: %w", cursor, err)
 	}
 	var src []SourceRow
 	for rows.Next() {
@@ -1025,20 +1027,20 @@ func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, cursor []string, vals m
 		var row []byte
 		if err := rows.Scan(&sr.ID, &sr.Version, &sr.Deleted, &res.next, &row); err != nil {
 			rows.Close()
-			return fmt.Errorf("fetch chunk: %w", err)
+			return nil, fmt.Errorf("fetch chunk: %w", err)
 		}
 		sr.Row = row
 		src = append(src, sr)
 	}
 	if err := rows.Err(); err != nil {
-		return fmt.Errorf("fetch chunk after %v: %w", cursor, err)
+		return nil, fmt.Errorf("fetch chunk after %v: %w", cursor, err)
 	}
 	res.n = len(src)
 	res.fetch = time.Since(t0)
 	r.cfg.Metrics.inflight(r.spec.Job, len(src))
 	defer r.cfg.Metrics.inflight(r.spec.Job, -len(src))
 	if len(src) == 0 {
-		return nil
+		return nil, nil
 	}
 	// Process in slices and write each slice as soon as it is ready, so the
 	// processor works on slice k+1 while the server writes slice k. All
@@ -1070,27 +1072,28 @@ func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, cursor []string, vals m
 	for p := range parts {
 		res.proc += p.took
 		if p.err != nil {
-			return p.err
+			return nil, p.err
 		}
 		t := time.Now()
 		var changed int64
-		vals["ids"], vals["vers"], vals["dels"], vals["docs"] = p.ids, p.vers, p.dels, p.docs
-		if err := tx.QueryRow(ctx, r.c.write.sql, r.c.write.args(vals)...).Scan(&changed); err != nil {
-			return fmt.Errorf("upsert normalized records and outbox events: %w", err)
+		w := *a
+		w.IDs, w.Vers, w.Dels, w.Docs = p.ids, p.vers, p.dels, p.docs
+		if err := tx.QueryRow(ctx, r.c.write.sql, r.c.write.bind(&w)...).Scan(&changed); err != nil {
+			return nil, fmt.Errorf("upsert normalized records and outbox events: %w", err)
 		}
 		res.changed += changed
 		if len(p.badIDs) > 0 {
-			vals["ids"], vals["codes"], vals["msgs"] = p.badIDs, p.codes, p.msgs
-			if _, err := tx.Exec(ctx, r.c.quarantine.sql, r.c.quarantine.args(vals)...); err != nil {
-				return fmt.Errorf("quarantine %d rows: %w", len(p.badIDs), err)
+			q := *a
+			q.IDs, q.Codes, q.Msgs = p.badIDs, p.codes, p.msgs
+			if _, err := tx.Exec(ctx, r.c.quarantine.sql, r.c.quarantine.bind(&q)...); err != nil {
+				return nil, fmt.Errorf("quarantine %d rows: %w", len(p.badIDs), err)
 			}
 			res.bad += int64(len(p.badIDs))
 		}
 		good = append(good, p.ids...)
 		res.write += time.Since(t)
 	}
-	vals["ids"] = good
-	return nil
+	return good, nil
 }
 
 // goWriteSlice is how many processed rows go into one unnest write. Smaller

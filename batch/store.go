@@ -189,7 +189,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		keys = s.Source.Partitions
 		if len(keys) == 0 {
 			keys = nil
-			rows, err := tx.Query(ctx, c.partitions.sql, c.partitions.args(nil)...)
+			rows, err := tx.Query(ctx, c.partitions.sql, c.partitions.bind(&args{})...)
 			if err != nil {
 				return "", fmt.Errorf("list partitions of job %s: %w", s.Job, err)
 			}
@@ -214,9 +214,8 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 				return "", err
 			}
 		}
-		vals := map[string]any{"start": start, "pkey": key}
 		var boundary []string
-		if err := tx.QueryRow(ctx, c.boundary.sql, c.boundary.args(vals)...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		if err := tx.QueryRow(ctx, c.boundary.sql, c.boundary.bind(&args{Start: start, PKey: key})...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return "", fmt.Errorf("capture boundary of %s/%s/%s: %w", s.Job, runID, key, err)
 		}
 		starts[i], boundaries[i] = start, boundary
@@ -232,14 +231,12 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 	}
 	for i, key := range keys {
 		start, boundary := starts[i], boundaries[i]
-		vals := map[string]any{"start": start, "pkey": key}
 		var estimate *int64
 		state := "pending"
 		if boundary == nil {
 			state = "succeeded" // nothing in scope at start
 		} else {
-			vals["boundary"] = boundary
-			estimate = estimateRows(ctx, tx, c, vals)
+			estimate = estimateRows(ctx, tx, c, &args{Start: start, Boundary: boundary, PKey: key})
 		}
 		_, err := tx.Exec(ctx, `
 INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, finished_at)
@@ -384,12 +381,12 @@ func compactJSON(b []byte) string { return strings.Join(strings.Fields(string(b)
 
 // estimateRows counts the rows in range for the progress line and status:
 // exactly when that takes under two seconds, else the planner's estimate.
-func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, vals map[string]any) *int64 {
+func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 	if sp, err := tx.Begin(ctx); err == nil {
 		var n int64
 		_, err := sp.Exec(ctx, `SELECT set_config('statement_timeout', '2s', true)`)
 		if err == nil {
-			err = sp.QueryRow(ctx, c.count.sql, c.count.args(vals)...).Scan(&n)
+			err = sp.QueryRow(ctx, c.count.sql, c.count.bind(a)...).Scan(&n)
 		}
 		// Rolling the savepoint back also undoes the local timeout; the count
 		// wrote nothing.
@@ -404,7 +401,7 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, vals map[string]a
 		} `json:"Plan"`
 	}
 	var raw []byte
-	if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&raw); err != nil {
+	if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&raw); err != nil {
 		return nil
 	}
 	if json.Unmarshal(raw, &plan) != nil || len(plan) == 0 {

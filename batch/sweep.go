@@ -110,7 +110,7 @@ WITH cand AS MATERIALIZED (
   SELECT n.source_id, n.source_version, n.deleted FROM normalized_records n
   WHERE n.source = ` + b.p("source", "text") + `
     AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
-    AND (` + b.p("cursor", "text") + ` IS NULL OR n.source_id > ` + b.p("cursor", "text") + `)
+    AND (` + b.p("after", "text") + ` IS NULL OR n.source_id > ` + b.p("after", "text") + `)
   ORDER BY n.source_id
   LIMIT ` + b.p("limit", "int") + `
 ), gone AS (
@@ -302,8 +302,8 @@ func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)
 	}
-	vals := map[string]any{"source": r.spec.SourceName, "cursor": cursor, "limit": size, "pv": r.spec.ProcessorVersion, "tp": tracing.Arg(ctx), "pkeys": keys}
-	if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &last, &deleted); err != nil {
+	a := &args{Source: r.spec.SourceName, After: cursor, Limit: size, PV: r.spec.ProcessorVersion, TP: tracing.Arg(ctx), PKeys: keys}
+	if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n, &last, &deleted); err != nil {
 		return 0, nil, 0, fmt.Errorf("sweep chunk after %v: %w", cursor, err)
 	}
 	if n == 0 {
