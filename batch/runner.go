@@ -339,32 +339,8 @@ func (r *Runner) partition(soft, hard context.Context, conns []*connSlot, cl *cl
 	log.Info("partition claimed", slog.String("worker", worker), slog.Int("attempt", cl.attempt), slog.Any("cursor", cl.cursor), slog.Any("boundary", cl.boundary))
 	ctx, cancel := context.WithCancelCause(hard)
 	defer cancel(nil)
-	hbDone := make(chan struct{})
-	go func() {
-		defer close(hbDone)
-		t := time.NewTicker(r.cfg.HeartbeatInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			hctx, hcancel := context.WithTimeout(ctx, r.cfg.HeartbeatInterval)
-			ok, err := heartbeat(hctx, r.pool, job, run, cl.key, cl.token, r.cfg.LeaseTTL)
-			hcancel()
-			if err != nil {
-				log.Warn("heartbeat failed", slog.String("error", err.Error()))
-				continue
-			}
-			if !ok {
-				// Lost or paused: cancel the chunk in flight; it rolls back.
-				cancel(whyNotOwned(context.WithoutCancel(ctx), r.pool, job, run, cl.key, cl.token))
-				return
-			}
-		}
-	}()
-	defer func() { cancel(nil); <-hbDone }()
+	// Lost or paused: the heartbeat cancels ctx, the chunk in flight rolls back.
+	defer keepAlive(ctx, cancel, r.cfg.HeartbeatInterval, cl.lease, log)()
 
 	size := cmp.Or(cl.chunkSize, r.spec.Chunk.Size)
 	sizer := NewSizer(size, r.spec.Chunk.Min, r.spec.Chunk.Max, time.Duration(r.spec.Chunk.TargetDuration))
@@ -427,7 +403,7 @@ func (r *Runner) partition(soft, hard context.Context, conns []*connSlot, cl *cl
 				continue
 			}
 			if failure == nil && more && stopping {
-				if err := releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token); err != nil {
+				if err := cl.release(cleanup()); err != nil {
 					log.Warn("release lease", slog.String("error", err.Error()))
 				}
 				log.Info("stopped at the last committed checkpoint", slog.Any("cursor", cursor))
@@ -483,21 +459,25 @@ func (r *Runner) partition(soft, hard context.Context, conns []*connSlot, cl *cl
 			log.Error("lease lost; stopping without writing", slog.String("error", err.Error()))
 			return err
 		case hard.Err() != nil:
-			_ = releasePartition(cleanup(), r.pool, job, run, cl.key, cl.token)
+			_ = cl.release(cleanup())
 			log.Warn("hard stop: chunk rolled back", slog.Any("cursor", cursor))
 			return context.Cause(hard)
 		}
 		// A chunk that failed because another worker took over (its
 		// session was ended while frozen, say) is a lost lease, not a
 		// failure of the run.
-		if why := whyNotOwned(cleanup(), r.pool, job, run, cl.key, cl.token); errors.Is(why, ErrLeaseLost) || errors.Is(why, errPaused) {
+		if why := cl.check(cleanup()); errors.Is(why, ErrLeaseLost) || errors.Is(why, errPaused) {
 			if errors.Is(why, errPaused) {
 				return errPaused
 			}
 			log.Error("lease lost; stopping without writing", slog.String("error", why.Error()), slog.String("chunk_error", err.Error()))
 			return why
 		}
-		retryAt, failures, ferr := r.failOrRetry(cleanup(), cl, err)
+		attempts := r.spec.Errors.PartitionAttempts
+		if permanentFailure(err) {
+			attempts = 1 // another attempt would meet the same error
+		}
+		retryAt, failures, ferr := cl.fail(cleanup(), err, attempts, time.Duration(r.spec.Errors.PartitionBackoff))
 		if ferr != nil {
 			log.Error("record failure", slog.String("error", ferr.Error()))
 		}
@@ -509,12 +489,12 @@ func (r *Runner) partition(soft, hard context.Context, conns []*connSlot, cl *cl
 		log.Error("partition failed", slog.String("error", err.Error()), slog.Any("cursor", cursor), slog.Int("failures", failures))
 		return fmt.Errorf("job %s run %s partition %q: %w", job, run, cl.key, err)
 	}
-	ok, err := finishPartition(cleanup(), r.pool, job, run, cl.key, cl.token)
+	ok, err := cl.finish(cleanup())
 	if err != nil {
 		return fmt.Errorf("finish %s/%s/%s: %w", job, run, cl.key, err)
 	}
 	if !ok {
-		return whyNotOwned(cleanup(), r.pool, job, run, cl.key, cl.token)
+		return cl.check(cleanup())
 	}
 	log.Info("partition succeeded", slog.Any("cursor", cursor))
 	return nil
@@ -908,7 +888,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	if tag.RowsAffected() != 1 {
 		// Zero rows: lost ownership (or paused, or an invariant, or the
 		// previous chunk in flight did not commit). Roll back.
-		why := whyNotOwned(ctx, r.pool, r.spec.Job, r.runID, cl.key, cl.token)
+		why := cl.check(ctx)
 		if f.pred != nil && errors.Is(why, ErrCheckpointInvariant) {
 			return res, errPredecessor
 		}
@@ -932,15 +912,12 @@ func (r *Runner) committed(ctx context.Context, f *flight, cl *claim, next []str
 	if err != nil {
 		return false, err
 	}
-	var cursor []string
-	err = conn.QueryRow(ctx, `SELECT cursor FROM batch_runs`+fence, r.spec.Job, r.runID, cl.key, cl.token).Scan(&cursor)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil // not ours any more: the attempt finds out why
-	}
+	cursor, held, err := cl.checkpoint(ctx, conn)
 	if err != nil {
 		return false, fmt.Errorf("read the checkpoint after a lost COMMIT: %w", err)
 	}
-	return slices.Equal(cursor, next), nil
+	// Not held: not ours any more, the attempt finds out why.
+	return held && slices.Equal(cursor, next), nil
 }
 
 // awaitPredecessor waits until the chunk before f holds the checkpoint row
@@ -976,12 +953,12 @@ func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl 
 		case <-tick.C:
 		}
 		pid := f.pred.pid.Load() // its attempt's backend (a retry may have reconnected)
-		held, busy, err := waitCheck(ctx, tx, r.spec.Job, r.runID, cl.key, cl.token, pid)
+		held, busy, err := cl.waitCheck(ctx, tx, pid)
 		if err != nil {
 			return fmt.Errorf("check the lease while waiting for the previous chunk: %w", err)
 		}
 		if !held {
-			return whyNotOwned(ctx, r.pool, r.spec.Job, r.runID, cl.key, cl.token)
+			return cl.check(ctx)
 		}
 		select {
 		case <-f.pred.locked: // it reached its checkpoint meanwhile (then committed, or is committing)

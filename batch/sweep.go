@@ -170,33 +170,10 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 	}
 	log.Info("sweep claimed", slog.Int("attempt", attempt), slog.Any("cursor", cursor))
 
+	l := &sweepLease{db: r.pool, job: job, run: run, token: token, ttl: r.cfg.LeaseTTL}
 	ctx, cancel := context.WithCancelCause(hard)
 	defer cancel(nil)
-	hbDone := make(chan struct{})
-	go func() {
-		defer close(hbDone)
-		t := time.NewTicker(r.cfg.HeartbeatInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			hctx, hcancel := context.WithTimeout(ctx, r.cfg.HeartbeatInterval)
-			tag, err := r.pool.Exec(hctx, heartbeatSweepSQL, job, run, token, r.cfg.LeaseTTL.String())
-			hcancel()
-			if err != nil {
-				log.Warn("sweep heartbeat failed", slog.String("error", err.Error()))
-				continue
-			}
-			if tag.RowsAffected() != 1 {
-				cancel(fmt.Errorf("%w: the sweep of %s/%s", ErrLeaseLost, job, run))
-				return
-			}
-		}
-	}()
-	defer func() { cancel(nil); <-hbDone }()
+	defer keepAlive(ctx, cancel, r.cfg.HeartbeatInterval, l, log)()
 	cleanup, ccancel := context.WithTimeout(context.WithoutCancel(hard), time.Minute)
 	defer ccancel()
 
@@ -213,7 +190,7 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 	var swept, deleted int64
 	for {
 		if soft.Err() != nil {
-			if _, err := r.pool.Exec(cleanup, releaseSweepSQL, job, run, token); err != nil {
+			if err := l.release(cleanup); err != nil {
 				log.Warn("release the sweep lease", slog.String("error", err.Error()))
 			}
 			log.Info("sweep stopped at the last committed checkpoint", slog.Any("cursor", cursor))
@@ -236,10 +213,10 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 				log.Error("sweep lease lost; stopping without writing", slog.String("error", err.Error()))
 				return false, err
 			case hard.Err() != nil:
-				_, _ = r.pool.Exec(cleanup, releaseSweepSQL, job, run, token)
+				_ = l.release(cleanup)
 				return false, context.Cause(hard)
 			}
-			if _, ferr := r.pool.Exec(cleanup, failSweepSQL, job, run, token, err.Error()); ferr != nil {
+			if ferr := l.fail(cleanup, err); ferr != nil {
 				log.Error("record sweep failure", slog.String("error", ferr.Error()))
 			}
 			return false, fmt.Errorf("sweep of %s/%s: %w", job, run, err)
@@ -253,12 +230,12 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 			break
 		}
 	}
-	tag, err := r.pool.Exec(cleanup, finishSweepSQL, job, run, token)
+	ok, err := l.finish(cleanup)
 	if err != nil {
 		return false, fmt.Errorf("finish the sweep of %s/%s: %w", job, run, err)
 	}
-	if tag.RowsAffected() != 1 {
-		return false, fmt.Errorf("%w: the sweep of %s/%s", ErrLeaseLost, job, run)
+	if !ok {
+		return false, l.lost(cleanup)
 	}
 	log.Info("sweep succeeded", slog.Int64("candidates", swept), slog.Int64("deleted", deleted))
 	return true, nil
