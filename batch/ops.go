@@ -58,19 +58,7 @@ type RunStatus struct {
 // job; job "" = every job), newest first. Read from the database, which is
 // the source of truth.
 func Status(ctx context.Context, db *pgxpool.Pool, job string, runs int) ([]RunStatus, error) {
-	rows, err := db.Query(ctx, `
-WITH recent AS (
-  SELECT job, logical_run_id, max(created_at) AS created, row_number() OVER (PARTITION BY job ORDER BY max(created_at) DESC) AS rn
-  FROM batch_runs WHERE ($1 = '' OR job = $1) GROUP BY job, logical_run_id
-)
-SELECT b.job, b.logical_run_id, b.partition_key, b.state, b.mode, b.cursor, b.boundary, b.processor_version,
-       b.processed_count, b.changed_count, b.estimated_total,
-       (SELECT count(*) FROM batch_quarantine q WHERE q.job = b.job AND q.logical_run_id = b.logical_run_id AND q.partition_key = b.partition_key AND q.resolved_at IS NULL),
-       b.retries, b.chunk_size, b.lease_owner, b.attempt, b.failures, b.error, b.last_error, b.retry_at, b.started_at, b.checkpoint_at, b.created_at,
-       COALESCE(extract(epoch FROM now() - b.checkpoint_at), 0)
-FROM batch_runs b JOIN recent r USING (job, logical_run_id)
-WHERE r.rn <= $2
-ORDER BY b.job, r.created DESC, b.partition_key`, job, runs)
+	rows, err := db.Query(ctx, statusSQL, job, runs)
 	if err != nil {
 		return nil, fmt.Errorf("read runs: %w", err)
 	}
@@ -110,15 +98,14 @@ func SetState(ctx context.Context, db *pgxpool.Pool, job, run, partition, to str
 		return 0, fmt.Errorf("state %q: want paused or pending", to)
 	}
 	if run == "" {
-		if err := db.QueryRow(ctx, `SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1`, job).Scan(&run); err != nil {
+		if err := db.QueryRow(ctx, newestRunSQL, job).Scan(&run); err != nil {
 			if errors.Is(err, pgx.ErrNoRows) {
 				return 0, fmt.Errorf("%w: job %s has no runs", ErrNotFound, job)
 			}
 			return 0, err
 		}
 	}
-	tag, err := db.Exec(ctx, `UPDATE batch_runs SET state = $5, lease_token = NULL, lease_owner = NULL, updated_at = now()
-WHERE job = $1 AND logical_run_id = $2 AND ($3 = '' OR partition_key = $3) AND state = ANY($4)`, job, run, partition, from, to)
+	tag, err := db.Exec(ctx, setStateSQL, job, run, partition, from, to)
 	if err != nil {
 		return 0, fmt.Errorf("set %s/%s to %s: %w", job, run, to, err)
 	}
@@ -128,7 +115,7 @@ WHERE job = $1 AND logical_run_id = $2 AND ($3 = '' OR partition_key = $3) AND s
 // LoadJobSpec returns the spec the job last ran with.
 func LoadJobSpec(ctx context.Context, db querier, job string) (Spec, error) {
 	var raw []byte
-	if err := db.QueryRow(ctx, `SELECT spec - '`+documentsByPVKey+`' FROM batch_jobs WHERE job = $1`, job).Scan(&raw); err != nil {
+	if err := db.QueryRow(ctx, loadSpecSQL, job).Scan(&raw); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
 			return Spec{}, fmt.Errorf("%w: job %s has never run (pass --spec)", ErrNotFound, job)
 		}
@@ -190,8 +177,7 @@ func SetCheckpoint(ctx context.Context, db *pgxpool.Pool, m CheckpointMove) (*Ch
 		processed int64
 		leased    bool
 	)
-	err = tx.QueryRow(ctx, `SELECT state, cursor, boundary, processed_count, lease_token IS NOT NULL AND lease_expires_at > now()
-FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FOR UPDATE`, m.Job, m.RunID, m.Partition).Scan(&state, &cur, &bnd, &processed, &leased)
+	err = tx.QueryRow(ctx, lockCheckpointMoveSQL, m.Job, m.RunID, m.Partition).Scan(&state, &cur, &bnd, &processed, &leased)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w: run %s/%s partition %q", ErrNotFound, m.Job, m.RunID, m.Partition)
 	}
@@ -229,10 +215,10 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FO
 	}
 	out := &CheckpointMoved{Before: cur, After: m.Cursor}
 	if forward {
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET cursor = $4, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3`, m.Job, m.RunID, m.Partition, m.Cursor); err != nil {
+		if _, err := tx.Exec(ctx, moveCheckpointSQL, m.Job, m.RunID, m.Partition, m.Cursor); err != nil {
 			return nil, err
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed) VALUES ($1, $2, $3, $4, $5, 'forward', $6, $7, $8)`,
+		if _, err := tx.Exec(ctx, auditForwardSQL,
 			m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed); err != nil {
 			return nil, err
 		}
@@ -241,15 +227,10 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FO
 	// Backwards: a new run, every partition copied, this one at the new
 	// position with its count restarted.
 	out.NewRunID = time.Now().UTC().Format("20060102T150405.000Z")
-	if _, err := tx.Exec(ctx, `
-INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, processed_count, finished_at)
-SELECT job, $3, partition_key, CASE WHEN partition_key = $4 OR state <> 'succeeded' THEN 'pending' ELSE state END, mode, start_cursor,
-       CASE WHEN partition_key = $4 THEN $5 ELSE cursor END, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size,
-       CASE WHEN partition_key = $4 THEN 0 ELSE processed_count END, CASE WHEN partition_key = $4 OR state <> 'succeeded' THEN NULL ELSE finished_at END
-FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, m.Job, m.RunID, out.NewRunID, m.Partition, m.Cursor); err != nil {
+	if _, err := tx.Exec(ctx, copyRunSQL, m.Job, m.RunID, out.NewRunID, m.Partition, m.Cursor); err != nil {
 		return nil, err
 	}
-	if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, finished_at = now(), updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, m.Job, m.RunID); err != nil {
+	if _, err := tx.Exec(ctx, supersedeRunSQL, m.Job, m.RunID); err != nil {
 		return nil, err
 	}
 	// The new run sweeps instead of the old one.
@@ -261,7 +242,7 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, m.Job, m.RunID, out.New
 			return nil, err
 		}
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed, new_logical_run_id) VALUES ($1, $2, $3, $4, $5, 'backward-new-run', $6, $7, $8, $9)`,
+	if _, err := tx.Exec(ctx, auditBackwardSQL,
 		m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed, out.NewRunID); err != nil {
 		return nil, err
 	}
@@ -286,8 +267,7 @@ type QuarantinedRow struct {
 // ListQuarantine returns the job's quarantined rows (all = include
 // resolved ones).
 func ListQuarantine(ctx context.Context, db querier, job string, all bool) ([]QuarantinedRow, error) {
-	rows, err := db.Query(ctx, `SELECT job, logical_run_id, partition_key, source_id, error_code, message, attempts, first_seen_at, last_seen_at, resolved_at
-FROM batch_quarantine WHERE ($1 = '' OR job = $1) AND ($2 OR resolved_at IS NULL) ORDER BY job, first_seen_at, source_id`, job, all)
+	rows, err := db.Query(ctx, listQuarantineSQL, job, all)
 	if err != nil {
 		return nil, fmt.Errorf("read quarantine: %w", err)
 	}
@@ -318,7 +298,7 @@ func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Proc
 	if err != nil {
 		return out, err
 	}
-	rows, err := db.Query(ctx, `SELECT logical_run_id, partition_key, array_agg(source_id ORDER BY source_id) FROM batch_quarantine WHERE job = $1 AND resolved_at IS NULL GROUP BY 1, 2`, spec.Job)
+	rows, err := db.Query(ctx, openQuarantineSQL, spec.Job)
 	if err != nil {
 		return out, err
 	}

@@ -238,7 +238,7 @@ func (r *Runner) Run(soft, hard context.Context) (*Summary, error) {
 	}
 	sum := &Summary{RunID: r.runID, Chunks: r.chunks.Load(), Rows: r.rows.Load(), Changed: r.changed.Load(), Quarantined: r.bad.Load()}
 	var left int
-	if err := r.pool.QueryRow(context.WithoutCancel(hard), `SELECT count(*) FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, r.spec.Job, r.runID).Scan(&left); err == nil {
+	if err := r.pool.QueryRow(context.WithoutCancel(hard), runLeftSQL, r.spec.Job, r.runID).Scan(&left); err == nil {
 		sum.Done = left == 0
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -794,7 +794,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	// works, and while a pipelined chunk waits for the one before it, which
 	// reads the lease meanwhile (awaitPredecessor). Transaction-local: the
 	// connections go back to the caller's pool.
-	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('work_mem', '64MB', true), set_config('idle_in_transaction_session_timeout', $2, true)`,
+	if _, err := tx.Exec(ctx, chunkSettingsSQL,
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return res, fmt.Errorf("begin chunk: %w", err)
 	}
@@ -869,8 +869,8 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 			return res, err
 		}
 		b := &pgx.Batch{}
-		b.Queue(`SELECT set_config('lock_timeout', '0', true)`)
-		b.Queue(`SELECT 1 FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FOR UPDATE`, r.spec.Job, r.runID, cl.key)
+		b.Queue(noLockTimeoutSQL)
+		b.Queue(lockCheckpointSQL, r.spec.Job, r.runID, cl.key)
 		if err := tx.SendBatch(ctx, b).Close(); err != nil {
 			return res, fmt.Errorf("wait for the previous chunk: %w", err)
 		}

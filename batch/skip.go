@@ -13,21 +13,6 @@ import (
 // rolled back; the partition fails and is not retried automatically.
 var ErrSkipLimit = errors.New("skip limit exceeded")
 
-// skipTotalsSQL reads, inside a chunk's transaction (so with the chunk's
-// own quarantine rows), the run's open quarantined rows, the rows its
-// partitions committed before this chunk, and the most frequent open error
-// code with its count. Resolved rows (quarantine retry) do not count.
-const skipTotalsSQL = `
-SELECT (SELECT count(*) FROM batch_quarantine WHERE job = $1 AND logical_run_id = $2 AND resolved_at IS NULL),
-       (SELECT coalesce(sum(processed_count), 0) FROM batch_runs WHERE job = $1 AND logical_run_id = $2),
-       t.error_code, coalesce(t.n, 0)
-FROM (SELECT 1) AS one
-LEFT JOIN LATERAL (
-  SELECT error_code, count(*) AS n FROM batch_quarantine
-  WHERE job = $1 AND logical_run_id = $2 AND resolved_at IS NULL
-  GROUP BY error_code ORDER BY count(*) DESC, error_code LIMIT 1
-) AS t ON true`
-
 // checkSkipLimit fails a chunk that quarantined rows past the run's skip
 // limit: more than errors.skip_limit rows, or, once the run processed
 // errors.skip_ratio_min_rows rows (this chunk included), more than

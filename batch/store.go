@@ -34,35 +34,10 @@ type StartOptions struct {
 	Resume bool
 }
 
-const lockJobSQL = `SELECT pg_advisory_xact_lock(hashtextextended('outboxrelay.batch:' || $1, 0))`
-
 // documentsByPVKey is the key of batch_jobs.spec that holds, per processor
 // version, the document section the job last ran with (not part of Spec:
 // LoadJobSpec leaves it out).
 const documentsByPVKey = "documents_by_processor_version"
-
-// saveJobSQL stores the spec ($2) and records its document ($4) as the one
-// processor version $3 ran with, keeping the other versions' documents.
-const saveJobSQL = `
-INSERT INTO batch_jobs (job, spec)
-VALUES ($1, $2::jsonb || jsonb_build_object('` + documentsByPVKey + `', jsonb_build_object($3::text, $4::jsonb)))
-ON CONFLICT (job) DO UPDATE SET
-  spec = EXCLUDED.spec || jsonb_build_object('` + documentsByPVKey + `',
-           coalesce(batch_jobs.spec->'` + documentsByPVKey + `', '{}'::jsonb) || (EXCLUDED.spec->'` + documentsByPVKey + `')),
-  updated_at = now()`
-
-// rerunPartitionsSQL is what starting a run that exists does to its
-// partitions: a failed one is pending again with a new budget of attempts,
-// and one waiting for its automatic retry (its batcher stopped or died
-// during the backoff) may be claimed at once, keeping its failures. A
-// rerun is the operator's word that the cause is fixed; a second batcher
-// joining a run in progress counts as one too.
-const rerunPartitionsSQL = `
-UPDATE batch_runs SET
-  failures = CASE WHEN state = 'failed' THEN 0 ELSE failures END,
-  state = 'pending', error = CASE WHEN state = 'failed' THEN NULL ELSE error END,
-  retry_at = NULL, finished_at = NULL, updated_at = now()
-WHERE job = $1 AND logical_run_id = $2 AND (state = 'failed' OR (state = 'pending' AND retry_at IS NOT NULL))`
 
 type storedPartition struct {
 	key, state, pv, scopeHash string
@@ -97,11 +72,7 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	runID := opts.RunID
 	if runID == "" {
 		// The newest run that is not finished.
-		err := tx.QueryRow(ctx, `
-SELECT logical_run_id FROM batch_runs WHERE job = $1
-GROUP BY logical_run_id
-HAVING bool_or(state IN ('pending', 'running', 'paused', 'failed'))
-ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
+		err := tx.QueryRow(ctx, unfinishedRunSQL, s.Job).Scan(&runID)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
 		}
@@ -115,7 +86,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 	}
 	var parts []storedPartition
 	if runID != "" {
-		rows, err := tx.Query(ctx, `SELECT partition_key, state, processor_version, scope_hash, scope FROM batch_runs WHERE job = $1 AND logical_run_id = $2 ORDER BY partition_key FOR UPDATE`, s.Job, runID)
+		rows, err := tx.Query(ctx, loadRunSQL, s.Job, runID)
 		if err != nil {
 			return "", err
 		}
@@ -131,7 +102,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		}
 	}
 	if (len(parts) > 0 || (runID != "" && opts.RunID == "")) && opts.Restart {
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, s.Job, runID); err != nil {
+		if _, err := tx.Exec(ctx, supersedeRunSQL, s.Job, runID); err != nil {
 			return "", err
 		}
 		if _, err := tx.Exec(ctx, supersedeSweepSQL, s.Job, runID); err != nil {
@@ -157,10 +128,10 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 				return "", fmt.Errorf("%w: run %s of job %s was made with processor version %s, the spec has %s; %s",
 					ErrCheckpointIncompatible, runID, s.Job, p.pv, s.ProcessorVersion, hint)
 			}
-			if _, err := tx.Exec(ctx, `UPDATE batch_runs SET processor_version = $3, updated_at = now() WHERE job = $1 AND logical_run_id = $2`, s.Job, runID, s.ProcessorVersion); err != nil {
+			if _, err := tx.Exec(ctx, resumeVersionSQL, s.Job, runID, s.ProcessorVersion); err != nil {
 				return "", err
 			}
-			if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, $2, '', $3, $4, 'resume-compatible')`,
+			if _, err := tx.Exec(ctx, auditResumeSQL,
 				s.Job, runID, actor(), "processor version "+p.pv+" -> "+s.ProcessorVersion+" declared compatible"); err != nil {
 				return "", err
 			}
@@ -208,7 +179,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		var start []string
 		if s.Mode == ModeIncremental {
 			// An incremental run starts where the previous one's boundary was.
-			err := tx.QueryRow(ctx, `SELECT boundary FROM batch_runs WHERE job = $1 AND partition_key = $2 AND state = 'succeeded' AND processor_version = $3 AND scope_hash = $4 AND boundary IS NOT NULL ORDER BY finished_at DESC LIMIT 1`,
+			err := tx.QueryRow(ctx, previousBoundarySQL,
 				s.Job, key, s.ProcessorVersion, scope.Hash()).Scan(&start)
 			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 				return "", err
@@ -238,9 +209,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		} else {
 			estimate = estimateRows(ctx, tx, c, &args{Start: start, Boundary: boundary, PKey: key})
 		}
-		_, err := tx.Exec(ctx, `
-INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, finished_at)
-VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 'succeeded' THEN now() END)`,
+		_, err := tx.Exec(ctx, createPartitionSQL,
 			s.Job, runID, key, state, s.Mode, start, boundary, s.ProcessorVersion, scope.Hash(), scope.JSON(), estimate, s.Chunk.Size)
 		if err != nil {
 			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
@@ -268,7 +237,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 's
 func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions) error {
 	var stored Spec
 	var ranWith *Document
-	err := tx.QueryRow(ctx, `SELECT spec, spec->'`+documentsByPVKey+`'->$2 FROM batch_jobs WHERE job = $1`, s.Job, s.ProcessorVersion).Scan(&stored, &ranWith)
+	err := tx.QueryRow(ctx, storedDocumentSQL, s.Job, s.ProcessorVersion).Scan(&stored, &ranWith)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil
 	}
@@ -288,7 +257,7 @@ func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOp
 			"or rerun with --resume to declare the change compatible (existing documents stay as they are)",
 			ErrCheckpointIncompatible, s.Job, s.ProcessorVersion, strings.Join(changes, "; "))
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, '', '', $2, $3, 'document-compatible')`,
+	if _, err := tx.Exec(ctx, auditDocumentSQL,
 		s.Job, actor(), "document changed under processor version "+s.ProcessorVersion+", declared compatible: "+strings.Join(changes, "; ")); err != nil {
 		return fmt.Errorf("audit document change of job %s: %w", s.Job, err)
 	}
@@ -361,18 +330,6 @@ func waitForOpenWriters(ctx context.Context, tx pgx.Tx, job, table string) error
 	}
 }
 
-// openWritersSQL lists the transactions holding a write lock on table ($1)
-// in this database, other than this one's; $2, when not NULL, keeps only
-// those virtual transaction ids.
-const openWritersSQL = `SELECT l.virtualtransaction, min(l.pid)
-FROM pg_locks l
-WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.relation = to_regclass($1) AND l.granted
-  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
-  AND l.pid IS DISTINCT FROM pg_backend_pid() AND l.virtualtransaction IS NOT NULL
-  AND ($2::text[] IS NULL OR l.virtualtransaction = ANY($2::text[]))
-GROUP BY l.virtualtransaction`
-
 type beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
@@ -384,7 +341,7 @@ func compactJSON(b []byte) string { return strings.Join(strings.Fields(string(b)
 func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 	if sp, err := tx.Begin(ctx); err == nil {
 		var n int64
-		_, err := sp.Exec(ctx, `SELECT set_config('statement_timeout', '2s', true)`)
+		_, err := sp.Exec(ctx, estimateTimeoutSQL)
 		if err == nil {
 			err = sp.QueryRow(ctx, c.count.sql, c.count.bind(a)...).Scan(&n)
 		}

@@ -35,46 +35,6 @@ const (
 	failpointSweepAfterCommit     = "batch.sweep_after_commit"     // committed
 )
 
-const (
-	// createSweepSQL: a new full run that sweeps.
-	createSweepSQL = `INSERT INTO batch_sweeps (job, logical_run_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`
-	// retrySweepSQL: a rerun retries a failed sweep, as it does a failed
-	// partition.
-	retrySweepSQL = `UPDATE batch_sweeps SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`
-	// supersedeSweepSQL: --restart.
-	supersedeSweepSQL = `UPDATE batch_sweeps SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`
-	// unfinishedSweepRunSQL is the newest run of the job whose sweep is not
-	// over, even though its partitions are.
-	unfinishedSweepRunSQL = `
-SELECT w.logical_run_id FROM batch_sweeps w
-WHERE w.job = $1 AND w.state IN ('pending', 'running', 'failed')
-  AND NOT EXISTS (SELECT 1 FROM batch_runs r WHERE r.job = $1 AND r.created_at > w.created_at)
-ORDER BY w.created_at DESC LIMIT 1`
-
-	claimSweepSQL = `
-UPDATE batch_sweeps SET state = 'running', lease_owner = $3, lease_token = gen_random_uuid(), heartbeat_at = now(),
-  lease_expires_at = now() + $4::interval, attempt = attempt + 1, started_at = COALESCE(started_at, now()), updated_at = now(), error = NULL
-WHERE job = $1 AND logical_run_id = $2
-  AND (state = 'pending' OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
-RETURNING lease_token::text, cursor, attempt`
-
-	sweepStateSQL = `SELECT state FROM batch_sweeps WHERE job = $1 AND logical_run_id = $2`
-
-	sweepFence = ` WHERE job = $1 AND logical_run_id = $2 AND lease_token = $3::uuid AND state = 'running'`
-
-	heartbeatSweepSQL = `UPDATE batch_sweeps SET heartbeat_at = now(), lease_expires_at = now() + $4::interval` + sweepFence
-	// checkpointSweepSQL is also fenced by the cursor the chunk started
-	// after: a second sweeper cannot interleave.
-	checkpointSweepSQL = `
-UPDATE batch_sweeps SET cursor = $5, swept_count = swept_count + $6, deleted_count = deleted_count + $7, chunks = chunks + 1,
-  checkpoint_at = now(), updated_at = now()` + sweepFence + ` AND cursor IS NOT DISTINCT FROM $4`
-	finishSweepSQL  = `UPDATE batch_sweeps SET state = 'succeeded', finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
-	releaseSweepSQL = `UPDATE batch_sweeps SET updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
-	failSweepSQL    = `UPDATE batch_sweeps SET state = 'failed', error = $4, finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
-
-	sweepPartitionsSQL = `SELECT coalesce(array_agg(partition_key), '{}') FROM batch_runs WHERE job = $1 AND logical_run_id = $2`
-)
-
 // sweepOnResumeSQL is what resuming a run does to its sweep: retry it if
 // it failed, or, when the spec now says vanished: keep, drop it.
 func sweepOnResumeSQL(s Spec) string {
@@ -275,7 +235,7 @@ func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	// As a scan chunk: bounded lock waits, and a frozen sweeper's session
 	// ends a lease TTL after its last statement.
-	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $2, true)`,
+	if _, err := tx.Exec(ctx, sweepSettingsSQL,
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)
 	}
@@ -326,12 +286,6 @@ type SweepStatus struct {
 	FinishedAt     *time.Time
 }
 
-const sweepStatusSQL = `
-SELECT job, logical_run_id, state, cursor, swept_count, deleted_count, attempt, lease_owner, error, checkpoint_at, finished_at
-FROM (SELECT *, row_number() OVER (PARTITION BY job ORDER BY created_at DESC) AS rn FROM batch_sweeps WHERE $1 = '' OR job = $1) w
-WHERE rn <= $2
-ORDER BY job, created_at DESC`
-
 // Sweeps lists the sweeps of the newest runs (at most runs per job; job ""
 // = every job), newest first.
 func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatus, error) {
@@ -345,9 +299,6 @@ func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatu
 		return s, err
 	})
 }
-
-// otherJobsSQL: the last specs of the other jobs, for checkSharedSourceName.
-const otherJobsSQL = `SELECT job, spec FROM batch_jobs WHERE job <> $1 ORDER BY job`
 
 // rowScope is what decides which rows of normalized_records a job's sweep
 // treats as its own: the table, the id column, the filter and an explicit
