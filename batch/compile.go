@@ -667,15 +667,16 @@ SELECT (SELECT count(*) FROM src),
 // tracing is off: no header).
 func (c *compiled) outboxCTE(b *builder) string {
 	headers := `jsonb_strip_nulls(jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `, ` + b.c(outbox.HeaderTraceParent, "text") + `, ` + b.p("tp", "text") + `))`
-	return `ev AS (
-  INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
-  SELECT outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `),
-         ` + b.c(c.spec.Topic, "text") + `, ` + b.c(c.spec.AggregateType, "text") + `, source_id, source_version,
-         CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document::json, ` + headers + `
-  FROM up
-  ON CONFLICT DO NOTHING
-  RETURNING 1
-)`
+	return "ev AS (\n" + outbox.InsertEventsSQL(outbox.EventSelect{
+		EventID:          `outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `)`,
+		Topic:            b.c(c.spec.Topic, "text"),
+		AggregateType:    b.c(c.spec.AggregateType, "text"),
+		AggregateID:      "source_id",
+		AggregateVersion: "source_version",
+		EventType:        `CASE WHEN deleted THEN 'delete' ELSE 'upsert' END`,
+		Payload:          "document::json",
+		Headers:          headers,
+	}, "up") + "\n  RETURNING 1\n)"
 }
 
 // fetchSQL is the Go path's read: the rows of the range with the whole row
