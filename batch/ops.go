@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
@@ -57,7 +56,7 @@ type RunStatus struct {
 // Status lists the partitions of the newest runs (at most runs of them per
 // job; job "" = every job), newest first. Read from the database, which is
 // the source of truth.
-func Status(ctx context.Context, db *pgxpool.Pool, job string, runs int) ([]RunStatus, error) {
+func Status(ctx context.Context, db DB, job string, runs int) ([]RunStatus, error) {
 	rows, err := db.Query(ctx, statusSQL, job, runs)
 	if err != nil {
 		return nil, fmt.Errorf("read runs: %w", err)
@@ -87,7 +86,7 @@ func Status(ctx context.Context, db *pgxpool.Pool, job string, runs int) ([]RunS
 // of a run. run "" = the job's newest run; partition "" = all. A worker
 // holding a paused partition rolls back its chunk in flight and lets it go.
 // It returns how many partitions changed.
-func SetState(ctx context.Context, db *pgxpool.Pool, job, run, partition, to string) (int64, error) {
+func SetState(ctx context.Context, db DB, job, run, partition, to string) (int64, error) {
 	var from []string
 	switch to {
 	case "paused":
@@ -113,7 +112,7 @@ func SetState(ctx context.Context, db *pgxpool.Pool, job, run, partition, to str
 }
 
 // LoadJobSpec returns the spec the job last ran with.
-func LoadJobSpec(ctx context.Context, db querier, job string) (Spec, error) {
+func LoadJobSpec(ctx context.Context, db DB, job string) (Spec, error) {
 	var raw []byte
 	if err := db.QueryRow(ctx, loadSpecSQL, job).Scan(&raw); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
@@ -150,7 +149,7 @@ type CheckpointMoved struct {
 // the skipped rows will not be processed by this run. Backward creates a new
 // run from the requested position, because a run's cursor never goes back.
 // The partition must not be leased by a live worker: pause it first.
-func SetCheckpoint(ctx context.Context, db *pgxpool.Pool, m CheckpointMove) (*CheckpointMoved, error) {
+func SetCheckpoint(ctx context.Context, db DB, m CheckpointMove) (*CheckpointMoved, error) {
 	if m.Reason == "" {
 		return nil, fmt.Errorf("a reason is required (--reason)")
 	}
@@ -266,7 +265,7 @@ type QuarantinedRow struct {
 
 // ListQuarantine returns the job's quarantined rows (all = include
 // resolved ones).
-func ListQuarantine(ctx context.Context, db querier, job string, all bool) ([]QuarantinedRow, error) {
+func ListQuarantine(ctx context.Context, db DB, job string, all bool) ([]QuarantinedRow, error) {
 	rows, err := db.Query(ctx, listQuarantineSQL, job, all)
 	if err != nil {
 		return nil, fmt.Errorf("read quarantine: %w", err)
@@ -288,7 +287,7 @@ type RetryResult struct {
 // fixed processor): rows that now normalize are upserted and enqueued in the
 // same transaction that marks them resolved; the others stay with attempts
 // incremented. No checkpoint moves. proc nil = built-in normalizer.
-func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Processor) (RetryResult, error) {
+func RetryQuarantine(ctx context.Context, db DB, spec Spec, proc Processor) (RetryResult, error) {
 	var out RetryResult
 	spec = spec.withDefaults()
 	if err := spec.validate(); err != nil {
@@ -313,15 +312,10 @@ func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Proc
 	if err != nil {
 		return out, err
 	}
-	conn, err := db.Acquire(ctx)
-	if err != nil {
-		return out, err
-	}
-	defer conn.Release()
-	r := &Runner{pool: db, spec: spec, c: c, cfg: Config{Processor: proc}.withDefaults()}
+	r := &Runner{spec: spec, c: c, cfg: Config{Processor: proc}.withDefaults()}
 	for _, g := range groups {
 		for ids := range slices.Chunk(g.ids, 1000) {
-			n, resolved, err := r.retryIDs(ctx, conn.Conn(), g.run, g.key, ids)
+			n, resolved, err := r.retryIDs(ctx, db, g.run, g.key, ids)
 			if err != nil {
 				return out, err
 			}
@@ -334,8 +328,8 @@ func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Proc
 	return out, nil
 }
 
-func (r *Runner) retryIDs(ctx context.Context, conn *pgx.Conn, run, key string, ids []string) (int, int64, error) {
-	tx, err := conn.Begin(ctx)
+func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []string) (int, int64, error) {
+	tx, err := db.Begin(ctx)
 	if err != nil {
 		return 0, 0, err
 	}

@@ -14,7 +14,18 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// querier is what the package needs from a pool, a conn or a tx.
+// DB is the database handle the package's functions take: a
+// *pgxpool.Pool, a *pgx.Conn or a pgx.Tx (whose Begin is a savepoint).
+// Only [NewRunner] takes a *pgxpool.Pool: its workers hold connections of
+// their own, as many as the pool's size allows.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// querier is the part of a [DB] that runs statements.
 type querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)

@@ -288,7 +288,7 @@ type SweepStatus struct {
 
 // Sweeps lists the sweeps of the newest runs (at most runs per job; job ""
 // = every job), newest first.
-func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatus, error) {
+func Sweeps(ctx context.Context, db DB, job string, runs int) ([]SweepStatus, error) {
 	rows, err := db.Query(ctx, sweepStatusSQL, job, runs)
 	if err != nil {
 		return nil, fmt.Errorf("read sweeps: %w", err)
