@@ -99,3 +99,63 @@ func TestPartitionAttemptsAreBounded(t *testing.T) {
 	require.Equal(t, "failed", st[0].State)
 	require.Equal(t, 1, st[0].Attempt, "a bad row is not retried")
 }
+
+// An operator's rerun of a run whose partition waits for its automatic
+// retry (the batcher stopped or died during the backoff) takes effect at
+// once, instead of waiting for the old backoff (here 10 minutes, the cap).
+func TestRerunDoesNotWaitForTheRetryBackoff(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 1, 200, 1, 1)
+	var calls atomic.Int32
+	s := spec(func(s *batch.Spec) {
+		s.Chunk.Pipeline = 1
+		s.Errors.PartitionAttempts = 3
+		s.Errors.PartitionBackoff = batch.Duration(time.Hour)
+	})
+	cfg := batch.Config{Processor: flaky(1, &calls), LeaseTTL: time.Second}
+	r, err := batch.NewRunner(pool, s, cfg)
+	require.NoError(t, err)
+	soft, stop := context.WithCancel(ctx)
+	defer stop()
+	waiting := make(chan error, 1)
+	go func() { // stop the batcher once the partition waits for its retry
+		deadline := time.Now().Add(time.Minute)
+		for time.Now().Before(deadline) {
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM batch_runs WHERE state = 'pending' AND retry_at > now() + interval '5 minutes'`).Scan(&n); err != nil || n == 1 {
+				stop()
+				waiting <- err
+				return
+			}
+			select {
+			case <-soft.Done():
+				waiting <- soft.Err()
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		stop()
+		waiting <- errors.New("the partition never waited for its retry")
+	}()
+	sum, err := r.Run(soft, ctx)
+	require.NoError(t, err)
+	require.NoError(t, <-waiting)
+	require.False(t, sum.Done)
+
+	// The rerun: done well within the old backoff.
+	rctx, cancel := context.WithTimeout(ctx, 45*time.Second)
+	defer cancel()
+	r, err = batch.NewRunner(pool, s, cfg)
+	require.NoError(t, err)
+	sum, err = r.Run(rctx, ctx)
+	require.NoError(t, err)
+	require.True(t, sum.Done, "the rerun waited for the retry backoff")
+	require.Equal(t, int64(200), queryInt(t, pool, `SELECT count(*) FROM normalized_records`))
+	st, err := batch.Status(ctx, pool, "records", 1)
+	require.NoError(t, err)
+	require.Equal(t, "succeeded", st[0].State)
+	require.Nil(t, st[0].RetryAt)
+	require.Equal(t, 1, st[0].Failures, "the failure before the rerun is still counted")
+}

@@ -15,32 +15,79 @@ import (
 
 // stmt is one compiled statement: SQL text plus its parameters, each bound
 // either to a constant from the spec (filter values, field names, json
-// paths) or to a runtime value by name. Nothing from the spec is spliced
-// into the text except identifiers quoted with pgx.Identifier and type
-// names read back from the catalog.
+// paths) or to a field of the statement's [args]. Nothing from the spec is
+// spliced into the text except identifiers quoted with pgx.Identifier and
+// type names read back from the catalog.
 type stmt struct {
 	sql    string
 	params []param
 }
 
 type param struct {
-	name  string // runtime value name; "" for a constant
-	value any    // the constant
+	field func(*args) any // a runtime value; nil for a constant
+	value any             // the constant
 }
 
-// args binds the runtime values.
-func (s stmt) args(vals map[string]any) []any {
+// args are the runtime values of a statement. A field a statement does not
+// use is ignored, one it uses and the caller left unset is bound as its
+// zero value (nil slices and pointers: NULL): a missing value cannot go
+// unbound.
+type args struct {
+	Cursor   []string // the keyset position a chunk starts after (nil: the beginning)
+	Boundary []string // the last key of the range
+	Start    []string // where an incremental run starts (boundary capture, estimate)
+	Limit    int
+	PKey     string // the partition key (as the partition column's type, and as text)
+	Job, Run string
+	Source   string // normalized_records.source
+	PV       string // processor version
+	TP       any    // the chunk span's traceparent, nil when tracing is off
+	Token    string // the lease token that fences the checkpoint
+	// The checkpoint: next cursor, the previous one it is conditioned on,
+	// and the chunk's counts.
+	Next, Prev               []string
+	N, Changed, Bad, Retries int64
+	Size                     int
+	// The Go path's unnest arrays, and the ids of a quarantine retry.
+	IDs          []string
+	Vers         []int64
+	Dels         []bool
+	Docs         []*string
+	Codes, Msgs  []string
+	PKeys        []string // the sweep's partition keys
+	After        *string  // the sweep's cursor (a source_id)
+	Cur, New, Bd []string // a manual checkpoint move: stored cursor, requested one, boundary
+}
+
+// argFields names the fields of [args] a statement refers to. A statement
+// that names another field panics when it is built (compile, at start).
+var argFields = map[string]func(*args) any{
+	"cursor": func(a *args) any { return a.Cursor }, "boundary": func(a *args) any { return a.Boundary },
+	"start": func(a *args) any { return a.Start }, "limit": func(a *args) any { return a.Limit },
+	"pkey": func(a *args) any { return a.PKey }, "pkeytext": func(a *args) any { return a.PKey },
+	"job": func(a *args) any { return a.Job }, "run": func(a *args) any { return a.Run },
+	"source": func(a *args) any { return a.Source }, "pv": func(a *args) any { return a.PV },
+	"tp": func(a *args) any { return a.TP }, "token": func(a *args) any { return a.Token },
+	"next": func(a *args) any { return a.Next }, "prev": func(a *args) any { return a.Prev },
+	"n": func(a *args) any { return a.N }, "changed": func(a *args) any { return a.Changed },
+	"bad": func(a *args) any { return a.Bad }, "retries": func(a *args) any { return a.Retries },
+	"size": func(a *args) any { return a.Size },
+	"ids":  func(a *args) any { return a.IDs }, "vers": func(a *args) any { return a.Vers },
+	"dels": func(a *args) any { return a.Dels }, "docs": func(a *args) any { return a.Docs },
+	"codes": func(a *args) any { return a.Codes }, "msgs": func(a *args) any { return a.Msgs },
+	"pkeys": func(a *args) any { return a.PKeys }, "after": func(a *args) any { return a.After },
+	"cur": func(a *args) any { return a.Cur }, "new": func(a *args) any { return a.New }, "bnd": func(a *args) any { return a.Bd },
+}
+
+// bind returns the statement's arguments from a.
+func (s stmt) bind(a *args) []any {
 	out := make([]any, len(s.params))
 	for i, p := range s.params {
-		if p.name == "" {
+		if p.field == nil {
 			out[i] = p.value
 			continue
 		}
-		v, ok := vals[p.name]
-		if !ok {
-			panic("batch: statement parameter " + p.name + " not bound")
-		}
-		out[i] = v
+		out[i] = p.field(a)
 	}
 	return out
 }
@@ -53,11 +100,16 @@ type builder struct {
 
 func newBuilder() *builder { return &builder{named: map[string]int{}} }
 
-// p returns the placeholder of runtime value name, cast to typ.
+// p returns the placeholder of the runtime value name (a field of [args],
+// see argFields), cast to typ.
 func (b *builder) p(name, typ string) string {
 	n, ok := b.named[name]
 	if !ok {
-		b.params = append(b.params, param{name: name})
+		field, known := argFields[name]
+		if !known {
+			panic("batch: statement parameter " + name + " is no field of args")
+		}
+		b.params = append(b.params, param{field: field})
 		n = len(b.params)
 		b.named[name] = n
 	}
@@ -511,15 +563,29 @@ func (c *compiled) normalize(b *builder) (fieldCols, doc, errCode, errMsg string
 	return strings.Join(cols, ", "), doc, errCode, errMsg
 }
 
+// upsertTail is the guarded upsert of normalized_records shared by both
+// paths (EXCLUDED.source_version is the source row's version). A row's
+// index version is its source version + version_offset. A row that comes
+// back over a tombstone the sweep wrote (vanished: the source row was gone)
+// always wins, whatever its version: at least the tombstone's version + 1,
+// the offset keeping its later changes above that (see migration 011).
 const upsertTail = `
   ON CONFLICT (source, source_id) DO UPDATE SET
-    document = EXCLUDED.document, source_version = EXCLUDED.source_version,
-    processor_version = EXCLUDED.processor_version, deleted = EXCLUDED.deleted, updated_at = EXCLUDED.updated_at
+    document = EXCLUDED.document,
+    source_version = ` + returnedVersion + `,
+    version_offset = ` + returnedVersion + ` - EXCLUDED.source_version,
+    processor_version = EXCLUDED.processor_version, deleted = EXCLUDED.deleted, vanished = false, updated_at = EXCLUDED.updated_at
   -- An older source version never overwrites a newer one; the same version
   -- and processor version is unchanged and yields no event.
-  WHERE n.source_version < EXCLUDED.source_version
-     OR (n.source_version = EXCLUDED.source_version AND n.processor_version <> EXCLUDED.processor_version)
+  WHERE n.source_version < EXCLUDED.source_version + n.version_offset
+     OR (n.source_version = EXCLUDED.source_version + n.version_offset AND n.processor_version <> EXCLUDED.processor_version)
+     OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
+
+// returnedVersion is the index version an upsert writes: the source
+// version + the row's offset, or, for a row back over a sweep's tombstone,
+// at least one more than the tombstone's.
+const returnedVersion = `greatest(EXCLUDED.source_version + n.version_offset, CASE WHEN n.vanished AND NOT EXCLUDED.deleted THEN n.source_version + 1 END)`
 
 // sel is "keyset-first", "keyset-next" or "ids".
 func (c *compiled) selection(b *builder, sel string) (where, tail string) {
@@ -601,15 +667,16 @@ SELECT (SELECT count(*) FROM src),
 // tracing is off: no header).
 func (c *compiled) outboxCTE(b *builder) string {
 	headers := `jsonb_strip_nulls(jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `, ` + b.c(outbox.HeaderTraceParent, "text") + `, ` + b.p("tp", "text") + `))`
-	return `ev AS (
-  INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
-  SELECT outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `),
-         ` + b.c(c.spec.Topic, "text") + `, ` + b.c(c.spec.AggregateType, "text") + `, source_id, source_version,
-         CASE WHEN deleted THEN 'delete' ELSE 'upsert' END, document::json, ` + headers + `
-  FROM up
-  ON CONFLICT DO NOTHING
-  RETURNING 1
-)`
+	return "ev AS (\n" + outbox.InsertEventsSQL(outbox.EventSelect{
+		EventID:          `outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `)`,
+		Topic:            b.c(c.spec.Topic, "text"),
+		AggregateType:    b.c(c.spec.AggregateType, "text"),
+		AggregateID:      "source_id",
+		AggregateVersion: "source_version",
+		EventType:        `CASE WHEN deleted THEN 'delete' ELSE 'upsert' END`,
+		Payload:          "document::json",
+		Headers:          headers,
+	}, "up") + "\n  RETURNING 1\n)"
 }
 
 // fetchSQL is the Go path's read: the rows of the range with the whole row

@@ -75,6 +75,19 @@
 // passing the changed rows through a temp table), so after_upsert and
 // after_outbox both fire after that statement, inside the open transaction.
 //
+// Functions take a [DB]: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+// [NewRunner] alone takes a *pgxpool.Pool, since its workers hold
+// connections of their own (one per chunk in flight) and size their
+// pipelines by the pool.
+//
+// Stopping is by context only, no Start/Stop: every call that blocks ends
+// when its ctx does. [Runner.Run] takes two: cancelling soft finishes the
+// chunk in flight, releases the lease and returns at the last committed
+// checkpoint; cancelling hard also rolls the chunk in flight back. The
+// bookkeeping after a stop (releasing a lease, recording a failure) runs
+// on a detached, bounded context, so a stopped run still records where it
+// stands.
+//
 // Manifest jobs (seed 003: finish a batch over a frozen, approved list)
 // are a different kind of job and live in package manifest.
 //

@@ -23,7 +23,7 @@ type Metrics struct {
 // usable). batch_checkpoint_age_seconds is read from db (the batch_runs
 // table) at each scrape, so it is the same whichever process serves it and
 // covers the partitions other processes run; db nil leaves it out.
-func NewMetrics(reg prometheus.Registerer, db querier) *Metrics {
+func NewMetrics(reg prometheus.Registerer, db DB) *Metrics {
 	m := &Metrics{
 		ChunkDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "batch_chunk_duration_seconds", Help: "Duration of each phase of a chunk: fetch (SQL path: the one select-normalize-upsert-outbox statement; Go path: the read), process (Go path: the processor), commit (Go path: the unnest upsert-outbox statement; both: checkpoint UPDATE and COMMIT), total.",

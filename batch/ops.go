@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
@@ -57,20 +56,8 @@ type RunStatus struct {
 // Status lists the partitions of the newest runs (at most runs of them per
 // job; job "" = every job), newest first. Read from the database, which is
 // the source of truth.
-func Status(ctx context.Context, db *pgxpool.Pool, job string, runs int) ([]RunStatus, error) {
-	rows, err := db.Query(ctx, `
-WITH recent AS (
-  SELECT job, logical_run_id, max(created_at) AS created, row_number() OVER (PARTITION BY job ORDER BY max(created_at) DESC) AS rn
-  FROM batch_runs WHERE ($1 = '' OR job = $1) GROUP BY job, logical_run_id
-)
-SELECT b.job, b.logical_run_id, b.partition_key, b.state, b.mode, b.cursor, b.boundary, b.processor_version,
-       b.processed_count, b.changed_count, b.estimated_total,
-       (SELECT count(*) FROM batch_quarantine q WHERE q.job = b.job AND q.logical_run_id = b.logical_run_id AND q.partition_key = b.partition_key AND q.resolved_at IS NULL),
-       b.retries, b.chunk_size, b.lease_owner, b.attempt, b.failures, b.error, b.last_error, b.retry_at, b.started_at, b.checkpoint_at, b.created_at,
-       COALESCE(extract(epoch FROM now() - b.checkpoint_at), 0)
-FROM batch_runs b JOIN recent r USING (job, logical_run_id)
-WHERE r.rn <= $2
-ORDER BY b.job, r.created DESC, b.partition_key`, job, runs)
+func Status(ctx context.Context, db DB, job string, runs int) ([]RunStatus, error) {
+	rows, err := db.Query(ctx, statusSQL, job, runs)
 	if err != nil {
 		return nil, fmt.Errorf("read runs: %w", err)
 	}
@@ -99,7 +86,7 @@ ORDER BY b.job, r.created DESC, b.partition_key`, job, runs)
 // of a run. run "" = the job's newest run; partition "" = all. A worker
 // holding a paused partition rolls back its chunk in flight and lets it go.
 // It returns how many partitions changed.
-func SetState(ctx context.Context, db *pgxpool.Pool, job, run, partition, to string) (int64, error) {
+func SetState(ctx context.Context, db DB, job, run, partition, to string) (int64, error) {
 	var from []string
 	switch to {
 	case "paused":
@@ -110,15 +97,14 @@ func SetState(ctx context.Context, db *pgxpool.Pool, job, run, partition, to str
 		return 0, fmt.Errorf("state %q: want paused or pending", to)
 	}
 	if run == "" {
-		if err := db.QueryRow(ctx, `SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1`, job).Scan(&run); err != nil {
+		if err := db.QueryRow(ctx, newestRunSQL, job).Scan(&run); err != nil {
 			if errors.Is(err, pgx.ErrNoRows) {
 				return 0, fmt.Errorf("%w: job %s has no runs", ErrNotFound, job)
 			}
 			return 0, err
 		}
 	}
-	tag, err := db.Exec(ctx, `UPDATE batch_runs SET state = $5, lease_token = NULL, lease_owner = NULL, updated_at = now()
-WHERE job = $1 AND logical_run_id = $2 AND ($3 = '' OR partition_key = $3) AND state = ANY($4)`, job, run, partition, from, to)
+	tag, err := db.Exec(ctx, setStateSQL, job, run, partition, from, to)
 	if err != nil {
 		return 0, fmt.Errorf("set %s/%s to %s: %w", job, run, to, err)
 	}
@@ -126,9 +112,9 @@ WHERE job = $1 AND logical_run_id = $2 AND ($3 = '' OR partition_key = $3) AND s
 }
 
 // LoadJobSpec returns the spec the job last ran with.
-func LoadJobSpec(ctx context.Context, db querier, job string) (Spec, error) {
+func LoadJobSpec(ctx context.Context, db DB, job string) (Spec, error) {
 	var raw []byte
-	if err := db.QueryRow(ctx, `SELECT spec - '`+documentsByPVKey+`' FROM batch_jobs WHERE job = $1`, job).Scan(&raw); err != nil {
+	if err := db.QueryRow(ctx, loadSpecSQL, job).Scan(&raw); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
 			return Spec{}, fmt.Errorf("%w: job %s has never run (no spec stored)", ErrNotFound, job)
 		}
@@ -163,7 +149,7 @@ type CheckpointMoved struct {
 // the skipped rows will not be processed by this run. Backward creates a new
 // run from the requested position, because a run's cursor never goes back.
 // The partition must not be leased by a live worker: pause it first.
-func SetCheckpoint(ctx context.Context, db *pgxpool.Pool, m CheckpointMove) (*CheckpointMoved, error) {
+func SetCheckpoint(ctx context.Context, db DB, m CheckpointMove) (*CheckpointMoved, error) {
 	if m.Reason == "" {
 		return nil, fmt.Errorf("CheckpointMove.Reason is required (stored in checkpoint_audit)")
 	}
@@ -190,8 +176,7 @@ func SetCheckpoint(ctx context.Context, db *pgxpool.Pool, m CheckpointMove) (*Ch
 		processed int64
 		leased    bool
 	)
-	err = tx.QueryRow(ctx, `SELECT state, cursor, boundary, processed_count, lease_token IS NOT NULL AND lease_expires_at > now()
-FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FOR UPDATE`, m.Job, m.RunID, m.Partition).Scan(&state, &cur, &bnd, &processed, &leased)
+	err = tx.QueryRow(ctx, lockCheckpointMoveSQL, m.Job, m.RunID, m.Partition).Scan(&state, &cur, &bnd, &processed, &leased)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w: run %s/%s partition %q", ErrNotFound, m.Job, m.RunID, m.Partition)
 	}
@@ -218,7 +203,7 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FO
 	}
 	st := b.stmt(`SELECT ` + b.p("cur", "text[]") + ` IS NULL OR ` + typed("new") + ` > ` + typed("cur") + `, ` + typed("new") + ` <= ` + typed("bnd") + `, ` + typed("new") + ` = ` + typed("cur") + ` IS TRUE`)
 	var forward, within, same bool
-	if err := tx.QueryRow(ctx, st.sql, st.args(map[string]any{"cur": cur, "new": m.Cursor, "bnd": bnd})...).Scan(&forward, &within, &same); err != nil {
+	if err := tx.QueryRow(ctx, st.sql, st.bind(&args{Cur: cur, New: m.Cursor, Bd: bnd})...).Scan(&forward, &within, &same); err != nil {
 		return nil, fmt.Errorf("cursor %v does not fit job %s's cursor columns %v: %w", m.Cursor, m.Job, spec.Source.Cursor, err)
 	}
 	if same {
@@ -229,10 +214,10 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FO
 	}
 	out := &CheckpointMoved{Before: cur, After: m.Cursor}
 	if forward {
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET cursor = $4, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3`, m.Job, m.RunID, m.Partition, m.Cursor); err != nil {
+		if _, err := tx.Exec(ctx, moveCheckpointSQL, m.Job, m.RunID, m.Partition, m.Cursor); err != nil {
 			return nil, err
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed) VALUES ($1, $2, $3, $4, $5, 'forward', $6, $7, $8)`,
+		if _, err := tx.Exec(ctx, auditForwardSQL,
 			m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed); err != nil {
 			return nil, err
 		}
@@ -241,15 +226,10 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 FO
 	// Backwards: a new run, every partition copied, this one at the new
 	// position with its count restarted.
 	out.NewRunID = time.Now().UTC().Format("20060102T150405.000Z")
-	if _, err := tx.Exec(ctx, `
-INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, processed_count, finished_at)
-SELECT job, $3, partition_key, CASE WHEN partition_key = $4 OR state <> 'succeeded' THEN 'pending' ELSE state END, mode, start_cursor,
-       CASE WHEN partition_key = $4 THEN $5 ELSE cursor END, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size,
-       CASE WHEN partition_key = $4 THEN 0 ELSE processed_count END, CASE WHEN partition_key = $4 OR state <> 'succeeded' THEN NULL ELSE finished_at END
-FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, m.Job, m.RunID, out.NewRunID, m.Partition, m.Cursor); err != nil {
+	if _, err := tx.Exec(ctx, copyRunSQL, m.Job, m.RunID, out.NewRunID, m.Partition, m.Cursor); err != nil {
 		return nil, err
 	}
-	if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, finished_at = now(), updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, m.Job, m.RunID); err != nil {
+	if _, err := tx.Exec(ctx, supersedeRunSQL, m.Job, m.RunID); err != nil {
 		return nil, err
 	}
 	// The new run sweeps instead of the old one.
@@ -261,7 +241,7 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, m.Job, m.RunID, out.New
 			return nil, err
 		}
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action, before_cursor, after_cursor, before_processed, new_logical_run_id) VALUES ($1, $2, $3, $4, $5, 'backward-new-run', $6, $7, $8, $9)`,
+	if _, err := tx.Exec(ctx, auditBackwardSQL,
 		m.Job, m.RunID, m.Partition, m.Actor, m.Reason, cur, m.Cursor, processed, out.NewRunID); err != nil {
 		return nil, err
 	}
@@ -285,9 +265,8 @@ type QuarantinedRow struct {
 
 // ListQuarantine returns the job's quarantined rows (all = include
 // resolved ones).
-func ListQuarantine(ctx context.Context, db querier, job string, all bool) ([]QuarantinedRow, error) {
-	rows, err := db.Query(ctx, `SELECT job, logical_run_id, partition_key, source_id, error_code, message, attempts, first_seen_at, last_seen_at, resolved_at
-FROM batch_quarantine WHERE ($1 = '' OR job = $1) AND ($2 OR resolved_at IS NULL) ORDER BY job, first_seen_at, source_id`, job, all)
+func ListQuarantine(ctx context.Context, db DB, job string, all bool) ([]QuarantinedRow, error) {
+	rows, err := db.Query(ctx, listQuarantineSQL, job, all)
 	if err != nil {
 		return nil, fmt.Errorf("read quarantine: %w", err)
 	}
@@ -308,7 +287,7 @@ type RetryResult struct {
 // fixed processor): rows that now normalize are upserted and enqueued in the
 // same transaction that marks them resolved; the others stay with attempts
 // incremented. No checkpoint moves. proc nil = built-in normalizer.
-func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Processor) (RetryResult, error) {
+func RetryQuarantine(ctx context.Context, db DB, spec Spec, proc Processor) (RetryResult, error) {
 	var out RetryResult
 	spec = spec.withDefaults()
 	if err := spec.validate(); err != nil {
@@ -318,7 +297,7 @@ func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Proc
 	if err != nil {
 		return out, err
 	}
-	rows, err := db.Query(ctx, `SELECT logical_run_id, partition_key, array_agg(source_id ORDER BY source_id) FROM batch_quarantine WHERE job = $1 AND resolved_at IS NULL GROUP BY 1, 2`, spec.Job)
+	rows, err := db.Query(ctx, openQuarantineSQL, spec.Job)
 	if err != nil {
 		return out, err
 	}
@@ -333,15 +312,10 @@ func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Proc
 	if err != nil {
 		return out, err
 	}
-	conn, err := db.Acquire(ctx)
-	if err != nil {
-		return out, err
-	}
-	defer conn.Release()
-	r := &Runner{pool: db, spec: spec, c: c, cfg: Config{Processor: proc}.withDefaults()}
+	r := &Runner{spec: spec, c: c, cfg: Config{Processor: proc}.withDefaults()}
 	for _, g := range groups {
 		for ids := range slices.Chunk(g.ids, 1000) {
-			n, resolved, err := r.retryIDs(ctx, conn.Conn(), g.run, g.key, ids)
+			n, resolved, err := r.retryIDs(ctx, db, g.run, g.key, ids)
 			if err != nil {
 				return out, err
 			}
@@ -354,20 +328,20 @@ func RetryQuarantine(ctx context.Context, db *pgxpool.Pool, spec Spec, proc Proc
 	return out, nil
 }
 
-func (r *Runner) retryIDs(ctx context.Context, conn *pgx.Conn, run, key string, ids []string) (int, int64, error) {
-	tx, err := conn.Begin(ctx)
+func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []string) (int, int64, error) {
+	tx, err := db.Begin(ctx)
 	if err != nil {
 		return 0, 0, err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	vals := map[string]any{"ids": ids, "pkey": key, "pkeytext": key, "job": r.spec.Job, "run": run, "source": r.spec.SourceName, "pv": r.spec.ProcessorVersion, "tp": tracing.Arg(ctx)}
+	a := &args{IDs: ids, PKey: key, Job: r.spec.Job, Run: run, Source: r.spec.SourceName, PV: r.spec.ProcessorVersion, TP: tracing.Arg(ctx)}
 	var n int
 	var resolved int64
 	if r.cfg.Processor == nil {
 		var bad, changed int64
 		var first *string
 		var last []string
-		if err := tx.QueryRow(ctx, r.c.chunkIDs.sql, r.c.chunkIDs.args(vals)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
+		if err := tx.QueryRow(ctx, r.c.chunkIDs.sql, r.c.chunkIDs.bind(a)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
 			return 0, 0, fmt.Errorf("retry quarantined rows: %w", err)
 		}
 		resolved = int64(n) - bad
@@ -375,16 +349,18 @@ func (r *Runner) retryIDs(ctx context.Context, conn *pgx.Conn, run, key string, 
 		saved := r.spec.Errors.Policy
 		r.spec.Errors.Policy = PolicyQuarantine // still-bad rows stay quarantined
 		var res chunkResult
-		err := r.goChunk(ctx, tx, nil, vals, &res)
+		good, err := r.goChunk(ctx, tx, a, &res)
 		r.spec.Errors.Policy = saved
 		if err != nil {
 			return 0, 0, err
 		}
 		n = res.n
 		resolved = int64(res.n) - res.bad
-		good, _ := vals["ids"].([]string)
-		vals["ids"] = good
-		if _, err := tx.Exec(ctx, r.c.resolve.sql, r.c.resolve.args(vals)...); err != nil {
+		if res.n == 0 {
+			good = ids // gone from the source: nothing left to retry
+		}
+		a.IDs = good
+		if _, err := tx.Exec(ctx, r.c.resolve.sql, r.c.resolve.bind(a)...); err != nil {
 			return 0, 0, err
 		}
 	}

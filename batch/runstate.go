@@ -29,13 +29,13 @@ const runStatesTimeout = 5 * time.Second
 // database (the publisher registers this) keeps the record visible, so an
 // alert can fire on a failed run after its batcher is gone.
 type RunStates struct {
-	db   querier
+	db   DB
 	log  *slog.Logger
 	desc *prometheus.Desc
 }
 
-// NewRunStates returns the collector of batch_runs{job,state} over pool.
-func NewRunStates(db querier, log *slog.Logger) *RunStates {
+// NewRunStates returns the collector of batch_runs{job,state} over db.
+func NewRunStates(db DB, log *slog.Logger) *RunStates {
 	if log == nil {
 		log = slog.Default()
 	}

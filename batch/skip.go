@@ -13,29 +13,21 @@ import (
 // rolled back; the partition fails and is not retried automatically.
 var ErrSkipLimit = errors.New("skip limit exceeded")
 
-// skipTotalsSQL reads, inside a chunk's transaction (so with the chunk's
-// own quarantine rows), the run's open quarantined rows, the rows its
-// partitions committed before this chunk, and the most frequent open error
-// code with its count. Resolved rows (quarantine retry) do not count.
-const skipTotalsSQL = `
-SELECT (SELECT count(*) FROM batch_quarantine WHERE job = $1 AND logical_run_id = $2 AND resolved_at IS NULL),
-       (SELECT coalesce(sum(processed_count), 0) FROM batch_runs WHERE job = $1 AND logical_run_id = $2),
-       t.error_code, coalesce(t.n, 0)
-FROM (SELECT 1) AS one
-LEFT JOIN LATERAL (
-  SELECT error_code, count(*) AS n FROM batch_quarantine
-  WHERE job = $1 AND logical_run_id = $2 AND resolved_at IS NULL
-  GROUP BY error_code ORDER BY count(*) DESC, error_code LIMIT 1
-) AS t ON true`
-
 // checkSkipLimit fails a chunk that quarantined rows past the run's skip
-// limit: more than errors.skip_limit rows, or more than errors.skip_ratio
-// of the rows processed so far (this chunk included). Concurrent partitions
-// each see the others' committed chunks, so together they may pass the
-// count by the chunks they commit at the same moment.
+// limit: more than errors.skip_limit rows, or, once the run processed
+// errors.skip_ratio_min_rows rows (this chunk included), more than
+// errors.skip_ratio of them. Concurrent partitions each see the others'
+// committed chunks, so together they may pass the count by the chunks they
+// commit at the same moment.
+//
+// A chunk without quarantined rows can only lower the share, except while
+// the sample is not reached yet: until this process has seen a chunk
+// reach it, every chunk reads the totals, so the first chunk at the
+// sample is judged on the bad rows before it.
 func (r *Runner) checkSkipLimit(ctx context.Context, tx pgx.Tx, res chunkResult) error {
 	e := r.spec.Errors
-	if res.bad == 0 || (e.SkipLimit == 0 && e.SkipRatio == 0) {
+	judgeRatio := e.SkipRatio > 0 && !r.ratioSampled.Load()
+	if (res.bad == 0 && !judgeRatio) || (e.SkipLimit == 0 && e.SkipRatio == 0) {
 		return nil
 	}
 	var (
@@ -46,13 +38,19 @@ func (r *Runner) checkSkipLimit(ctx context.Context, tx pgx.Tx, res chunkResult)
 		return fmt.Errorf("check the skip limit: %w", err)
 	}
 	processed += int64(res.n)
+	sampled := processed >= int64(e.SkipRatioMinRows)
 	var past string
 	switch {
 	case e.SkipLimit > 0 && quarantined > int64(e.SkipLimit):
 		past = fmt.Sprintf("errors.skip_limit %d", e.SkipLimit)
-	case e.SkipRatio > 0 && float64(quarantined) > e.SkipRatio*float64(processed):
-		past = fmt.Sprintf("errors.skip_ratio %g (%.1f%%)", e.SkipRatio, 100*float64(quarantined)/float64(processed))
+	case e.SkipRatio > 0 && sampled && float64(quarantined) > e.SkipRatio*float64(processed):
+		past = fmt.Sprintf("errors.skip_ratio %g (%.1f%%, judged from errors.skip_ratio_min_rows %d rows)", e.SkipRatio, 100*float64(quarantined)/float64(processed), e.SkipRatioMinRows)
 	default:
+		if sampled {
+			// Judged at the sample and below it: from now on only chunks
+			// with quarantined rows can raise the share.
+			r.ratioSampled.Store(true)
+		}
 		return nil
 	}
 	code := "unknown"

@@ -88,9 +88,11 @@ const (
 	// later change (a version column that keeps growing, as the demo
 	// trigger's) wins over the tombstone. A row that comes back with a
 	// version at or below the tombstone's (re-inserted with the version
-	// reset, restored from a backup) stays deleted until its version grows
-	// past it: the version column must keep growing across a delete, as
-	// external versioning requires anyway. The sweep treats every live row
+	// reset, restored from a backup) comes back too: the next run writes
+	// it at the tombstone's version + 1 and keeps the difference as the
+	// row's version_offset in normalized_records, so its later changes
+	// (source version + offset) stay above (normalized_records.source_version
+	// is the index's version; migration 011). The sweep treats every live row
 	// of the job's SourceName as the job's: two jobs that write one source
 	// name with different scopes (table, filter, partition list) need
 	// distinct source names (or "keep" on both); a run refuses to start
@@ -219,7 +221,8 @@ type ErrorPolicy struct {
 	// error is not transient). After a failure the partition goes back to
 	// pending and any worker retries it from its last checkpoint once
 	// PartitionBackoff has passed, doubling per failure up to 10m; after
-	// the last attempt it stays failed until an operator reruns the job. A
+	// the last attempt it stays failed until an operator reruns the job
+	// (which also ends a wait for an automatic retry at once). A
 	// bad row under the strict policy and an exceeded skip limit fail at
 	// once (they would fail the same way). Default 3; 1 turns automatic retries off.
 	PartitionAttempts int `json:"partition_attempts,omitempty" yaml:"partition_attempts,omitempty"`
@@ -232,8 +235,15 @@ type ErrorPolicy struct {
 	// the most frequent error code. 0 means no limit.
 	SkipLimit int `json:"skip_limit,omitempty" yaml:"skip_limit,omitempty"`
 	// SkipRatio bounds the quarantined share of the rows the run processed
-	// so far (the crossing chunk included), e.g. 0.01. 0 means no limit.
+	// so far (the crossing chunk included), e.g. 0.01, judged once the run
+	// has processed SkipRatioMinRows rows. 0 means no limit.
 	SkipRatio float64 `json:"skip_ratio,omitempty" yaml:"skip_ratio,omitempty"`
+	// SkipRatioMinRows is the sample SkipRatio waits for: below it a share
+	// says little (the run's first quarantined row is 1 of 1), so only
+	// SkipLimit applies; the first chunk that reaches it is judged on every
+	// row quarantined before it too. A run with fewer rows in all is never
+	// judged by the ratio. Default 1000; 1 judges from the first row.
+	SkipRatioMinRows int `json:"skip_ratio_min_rows,omitempty" yaml:"skip_ratio_min_rows,omitempty"`
 }
 
 // Duration is a time.Duration written as "1.5s" in specs.
@@ -322,6 +332,7 @@ const (
 
 	defaultPartitionAttempts = 3
 	defaultPartitionBackoff  = Duration(10 * time.Second)
+	defaultSkipRatioMinRows  = 1000
 )
 
 // withDefaults fills every default in one place.
@@ -355,6 +366,7 @@ func (s Spec) withDefaults() Spec {
 	s.Errors.MaxBackoff = cmp.Or(s.Errors.MaxBackoff, defaultMaxBackoff)
 	s.Errors.PartitionAttempts = cmp.Or(s.Errors.PartitionAttempts, defaultPartitionAttempts)
 	s.Errors.PartitionBackoff = cmp.Or(s.Errors.PartitionBackoff, defaultPartitionBackoff)
+	s.Errors.SkipRatioMinRows = cmp.Or(s.Errors.SkipRatioMinRows, defaultSkipRatioMinRows)
 	if s.Vanished == "" {
 		s.Vanished = VanishedKeep
 		if s.Mode == ModeFull {
@@ -395,6 +407,8 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: errors.partition_attempts %d: want >= 1 (1 = no automatic retry)", s.Job, s.Errors.PartitionAttempts)
 	case s.Errors.SkipLimit < 0:
 		return fmt.Errorf("spec %s: errors.skip_limit %d: want >= 0 (0 = no limit)", s.Job, s.Errors.SkipLimit)
+	case s.Errors.SkipRatioMinRows < 0:
+		return fmt.Errorf("spec %s: errors.skip_ratio_min_rows %d: want >= 0 (0 = the default, %d)", s.Job, s.Errors.SkipRatioMinRows, defaultSkipRatioMinRows)
 	case s.Errors.SkipRatio < 0 || s.Errors.SkipRatio > 1:
 		return fmt.Errorf("spec %s: errors.skip_ratio %g: want 0..1 (0 = no limit)", s.Job, s.Errors.SkipRatio)
 	case s.Errors.PartitionBackoff < 0:

@@ -14,7 +14,18 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// querier is what the package needs from a pool, a conn or a tx.
+// DB is the database handle the package's functions take: a
+// *pgxpool.Pool, a *pgx.Conn or a pgx.Tx (whose Begin is a savepoint).
+// Only [NewRunner] takes a *pgxpool.Pool: its workers hold connections of
+// their own, as many as the pool's size allows.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// querier is the part of a [DB] that runs statements.
 type querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
@@ -34,22 +45,10 @@ type StartOptions struct {
 	Resume bool
 }
 
-const lockJobSQL = `SELECT pg_advisory_xact_lock(hashtextextended('outboxrelay.batch:' || $1, 0))`
-
 // documentsByPVKey is the key of batch_jobs.spec that holds, per processor
 // version, the document section the job last ran with (not part of Spec:
 // LoadJobSpec leaves it out).
 const documentsByPVKey = "documents_by_processor_version"
-
-// saveJobSQL stores the spec ($2) and records its document ($4) as the one
-// processor version $3 ran with, keeping the other versions' documents.
-const saveJobSQL = `
-INSERT INTO batch_jobs (job, spec)
-VALUES ($1, $2::jsonb || jsonb_build_object('` + documentsByPVKey + `', jsonb_build_object($3::text, $4::jsonb)))
-ON CONFLICT (job) DO UPDATE SET
-  spec = EXCLUDED.spec || jsonb_build_object('` + documentsByPVKey + `',
-           coalesce(batch_jobs.spec->'` + documentsByPVKey + `', '{}'::jsonb) || (EXCLUDED.spec->'` + documentsByPVKey + `')),
-  updated_at = now()`
 
 type storedPartition struct {
 	key, state, pv, scopeHash string
@@ -84,11 +83,7 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	runID := opts.RunID
 	if runID == "" {
 		// The newest run that is not finished.
-		err := tx.QueryRow(ctx, `
-SELECT logical_run_id FROM batch_runs WHERE job = $1
-GROUP BY logical_run_id
-HAVING bool_or(state IN ('pending', 'running', 'paused', 'failed'))
-ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
+		err := tx.QueryRow(ctx, unfinishedRunSQL, s.Job).Scan(&runID)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
 		}
@@ -102,7 +97,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 	}
 	var parts []storedPartition
 	if runID != "" {
-		rows, err := tx.Query(ctx, `SELECT partition_key, state, processor_version, scope_hash, scope FROM batch_runs WHERE job = $1 AND logical_run_id = $2 ORDER BY partition_key FOR UPDATE`, s.Job, runID)
+		rows, err := tx.Query(ctx, loadRunSQL, s.Job, runID)
 		if err != nil {
 			return "", err
 		}
@@ -118,7 +113,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		}
 	}
 	if (len(parts) > 0 || (runID != "" && opts.RunID == "")) && opts.Restart {
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`, s.Job, runID); err != nil {
+		if _, err := tx.Exec(ctx, supersedeRunSQL, s.Job, runID); err != nil {
 			return "", err
 		}
 		if _, err := tx.Exec(ctx, supersedeSweepSQL, s.Job, runID); err != nil {
@@ -150,16 +145,16 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 					},
 				}
 			}
-			if _, err := tx.Exec(ctx, `UPDATE batch_runs SET processor_version = $3, updated_at = now() WHERE job = $1 AND logical_run_id = $2`, s.Job, runID, s.ProcessorVersion); err != nil {
+			if _, err := tx.Exec(ctx, resumeVersionSQL, s.Job, runID, s.ProcessorVersion); err != nil {
 				return "", err
 			}
-			if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, $2, '', $3, $4, 'resume-compatible')`,
+			if _, err := tx.Exec(ctx, auditResumeSQL,
 				s.Job, runID, actor(), "processor version "+p.pv+" -> "+s.ProcessorVersion+" declared compatible"); err != nil {
 				return "", err
 			}
 		}
-		if _, err := tx.Exec(ctx, `UPDATE batch_runs SET state = 'pending', error = NULL, failures = 0, retry_at = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`, s.Job, runID); err != nil {
-			return "", err
+		if _, err := tx.Exec(ctx, rerunPartitionsSQL, s.Job, runID); err != nil {
+			return "", fmt.Errorf("rerun the failed partitions of %s/%s: %w", s.Job, runID, err)
 		}
 		if _, err := tx.Exec(ctx, sweepOnResumeSQL(s), s.Job, runID); err != nil {
 			return "", err
@@ -182,7 +177,7 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		keys = s.Source.Partitions
 		if len(keys) == 0 {
 			keys = nil
-			rows, err := tx.Query(ctx, c.partitions.sql, c.partitions.args(nil)...)
+			rows, err := tx.Query(ctx, c.partitions.sql, c.partitions.bind(&args{})...)
 			if err != nil {
 				return "", fmt.Errorf("list partitions of job %s: %w", s.Job, err)
 			}
@@ -201,15 +196,14 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 		var start []string
 		if s.Mode == ModeIncremental {
 			// An incremental run starts where the previous one's boundary was.
-			err := tx.QueryRow(ctx, `SELECT boundary FROM batch_runs WHERE job = $1 AND partition_key = $2 AND state = 'succeeded' AND processor_version = $3 AND scope_hash = $4 AND boundary IS NOT NULL ORDER BY finished_at DESC LIMIT 1`,
+			err := tx.QueryRow(ctx, previousBoundarySQL,
 				s.Job, key, s.ProcessorVersion, scope.Hash()).Scan(&start)
 			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 				return "", err
 			}
 		}
-		vals := map[string]any{"start": start, "pkey": key}
 		var boundary []string
-		if err := tx.QueryRow(ctx, c.boundary.sql, c.boundary.args(vals)...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		if err := tx.QueryRow(ctx, c.boundary.sql, c.boundary.bind(&args{Start: start, PKey: key})...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return "", fmt.Errorf("capture boundary of %s/%s/%s: %w", s.Job, runID, key, err)
 		}
 		starts[i], boundaries[i] = start, boundary
@@ -225,18 +219,14 @@ ORDER BY max(created_at) DESC LIMIT 1`, s.Job).Scan(&runID)
 	}
 	for i, key := range keys {
 		start, boundary := starts[i], boundaries[i]
-		vals := map[string]any{"start": start, "pkey": key}
 		var estimate *int64
 		state := "pending"
 		if boundary == nil {
 			state = "succeeded" // nothing in scope at start
 		} else {
-			vals["boundary"] = boundary
-			estimate = estimateRows(ctx, tx, c, vals)
+			estimate = estimateRows(ctx, tx, c, &args{Start: start, Boundary: boundary, PKey: key})
 		}
-		_, err := tx.Exec(ctx, `
-INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, finished_at)
-VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 'succeeded' THEN now() END)`,
+		_, err := tx.Exec(ctx, createPartitionSQL,
 			s.Job, runID, key, state, s.Mode, start, boundary, s.ProcessorVersion, scope.Hash(), scope.JSON(), estimate, s.Chunk.Size)
 		if err != nil {
 			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
@@ -264,7 +254,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 's
 func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions) error {
 	var stored Spec
 	var ranWith *Document
-	err := tx.QueryRow(ctx, `SELECT spec, spec->'`+documentsByPVKey+`'->$2 FROM batch_jobs WHERE job = $1`, s.Job, s.ProcessorVersion).Scan(&stored, &ranWith)
+	err := tx.QueryRow(ctx, storedDocumentSQL, s.Job, s.ProcessorVersion).Scan(&stored, &ranWith)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil
 	}
@@ -287,7 +277,7 @@ func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOp
 			},
 		}
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, '', '', $2, $3, 'document-compatible')`,
+	if _, err := tx.Exec(ctx, auditDocumentSQL,
 		s.Job, actor(), "document changed under processor version "+s.ProcessorVersion+", declared compatible: "+strings.Join(changes, "; ")); err != nil {
 		return fmt.Errorf("audit document change of job %s: %w", s.Job, err)
 	}
@@ -360,18 +350,6 @@ func waitForOpenWriters(ctx context.Context, tx pgx.Tx, job, table string) error
 	}
 }
 
-// openWritersSQL lists the transactions holding a write lock on table ($1)
-// in this database, other than this one's; $2, when not NULL, keeps only
-// those virtual transaction ids.
-const openWritersSQL = `SELECT l.virtualtransaction, min(l.pid)
-FROM pg_locks l
-WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.relation = to_regclass($1) AND l.granted
-  AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
-  AND l.pid IS DISTINCT FROM pg_backend_pid() AND l.virtualtransaction IS NOT NULL
-  AND ($2::text[] IS NULL OR l.virtualtransaction = ANY($2::text[]))
-GROUP BY l.virtualtransaction`
-
 type beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
@@ -380,12 +358,12 @@ func compactJSON(b []byte) string { return strings.Join(strings.Fields(string(b)
 
 // estimateRows counts the rows in range for the progress line and status:
 // exactly when that takes under two seconds, else the planner's estimate.
-func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, vals map[string]any) *int64 {
+func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 	if sp, err := tx.Begin(ctx); err == nil {
 		var n int64
-		_, err := sp.Exec(ctx, `SELECT set_config('statement_timeout', '2s', true)`)
+		_, err := sp.Exec(ctx, estimateTimeoutSQL)
 		if err == nil {
-			err = sp.QueryRow(ctx, c.count.sql, c.count.args(vals)...).Scan(&n)
+			err = sp.QueryRow(ctx, c.count.sql, c.count.bind(a)...).Scan(&n)
 		}
 		// Rolling the savepoint back also undoes the local timeout; the count
 		// wrote nothing.
@@ -400,7 +378,7 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, vals map[string]a
 		} `json:"Plan"`
 	}
 	var raw []byte
-	if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&raw); err != nil {
+	if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&raw); err != nil {
 		return nil
 	}
 	if json.Unmarshal(raw, &plan) != nil || len(plan) == 0 {
@@ -408,106 +386,4 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, vals map[string]a
 	}
 	n := int64(plan[0].Plan.Rows)
 	return &n
-}
-
-// claim is a partition this worker leased.
-type claim struct {
-	key       string
-	token     string
-	cursor    []string
-	boundary  []string
-	chunkSize int
-	processed int64
-	estimate  *int64
-	attempt   int
-}
-
-const claimSQL = `
-UPDATE batch_runs r SET state = 'running', lease_owner = $4, lease_token = gen_random_uuid(), heartbeat_at = now(), lease_expires_at = now() + $5::interval,
-  attempt = r.attempt + 1, started_at = COALESCE(r.started_at, now()), updated_at = now(), error = NULL
-FROM (
-  SELECT job, logical_run_id, partition_key FROM batch_runs
-  WHERE job = $1 AND logical_run_id = $2 AND ($3::text IS NULL OR partition_key = $3)
-    AND ((state = 'pending' AND (retry_at IS NULL OR retry_at <= now())) OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
-  ORDER BY partition_key
-  FOR UPDATE SKIP LOCKED
-  LIMIT 1
-) c
-WHERE r.job = c.job AND r.logical_run_id = c.logical_run_id AND r.partition_key = c.partition_key
-RETURNING r.partition_key, r.lease_token::text, r.cursor, r.boundary, COALESCE(r.chunk_size, 0), r.processed_count, r.estimated_total, r.attempt`
-
-func claimPartition(ctx context.Context, db querier, job, run string, partition *string, owner string, ttl time.Duration) (*claim, error) {
-	var c claim
-	err := db.QueryRow(ctx, claimSQL, job, run, partition, owner, ttl.String()).Scan(&c.key, &c.token, &c.cursor, &c.boundary, &c.chunkSize, &c.processed, &c.estimate, &c.attempt)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("claim a partition of %s/%s: %w", job, run, err)
-	}
-	return &c, nil
-}
-
-// unfinished counts partitions some worker may still work on.
-func unfinished(ctx context.Context, db querier, job, run string, partition *string) (int, error) {
-	var n int
-	err := db.QueryRow(ctx, `SELECT count(*) FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND ($3::text IS NULL OR partition_key = $3) AND state IN ('pending', 'running')`, job, run, partition).Scan(&n)
-	return n, err
-}
-
-const fence = ` WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3 AND lease_token = $4::uuid AND state = 'running'`
-
-func heartbeat(ctx context.Context, db querier, job, run, key, token string, ttl time.Duration) (bool, error) {
-	tag, err := db.Exec(ctx, `UPDATE batch_runs SET heartbeat_at = now(), lease_expires_at = now() + $5::interval`+fence, job, run, key, token, ttl.String())
-	return tag.RowsAffected() == 1, err
-}
-
-// waitCheck reads, on the transaction of a chunk waiting for the chunk
-// before it, whether token still holds the partition (by the fence of every
-// write, without writing) and whether the previous chunk's backend (pid) is
-// still in a transaction: running a statement or waiting on a lock (state
-// 'active') or between statements ('idle in transaction'), not 'idle' or
-// gone. A state it cannot see (NULL: another role's backend; 'disabled':
-// track_activities off) counts as in a transaction, so the wait goes on as
-// before. A transaction keeps the first pg_stat_activity it read until it
-// ends, so the check clears that snapshot first.
-func waitCheck(ctx context.Context, tx pgx.Tx, job, run, key, token string, pid uint32) (held, busy bool, err error) {
-	b := &pgx.Batch{}
-	b.Queue(`SELECT pg_stat_clear_snapshot()`)
-	b.Queue(`SELECT EXISTS (SELECT FROM batch_runs`+fence+`), EXISTS (SELECT FROM pg_stat_activity WHERE pid = $5 AND state IS DISTINCT FROM 'idle')`,
-		job, run, key, token, int64(pid)).QueryRow(func(row pgx.Row) error { return row.Scan(&held, &busy) })
-	err = tx.SendBatch(ctx, b).Close()
-	return held, busy, err
-}
-
-func finishPartition(ctx context.Context, db querier, job, run, key, token string) (bool, error) {
-	tag, err := db.Exec(ctx, `UPDATE batch_runs SET state = 'succeeded', finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL`+fence, job, run, key, token)
-	return tag.RowsAffected() == 1, err
-}
-
-func releasePartition(ctx context.Context, db querier, job, run, key, token string) error {
-	_, err := db.Exec(ctx, `UPDATE batch_runs SET state = 'pending', updated_at = now(), lease_token = NULL, lease_owner = NULL`+fence, job, run, key, token)
-	return err
-}
-
-func failPartition(ctx context.Context, db querier, job, run, key, token string, cause error) error {
-	_, err := db.Exec(ctx, `UPDATE batch_runs SET state = 'failed', error = $5, finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL`+fence, job, run, key, token, cause.Error())
-	return err
-}
-
-// whyNotOwned explains a fenced write that touched no row.
-func whyNotOwned(ctx context.Context, db querier, job, run, key, token string) error {
-	var state string
-	var tok *string
-	err := db.QueryRow(ctx, `SELECT state, lease_token::text FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3`, job, run, key).Scan(&state, &tok)
-	switch {
-	case err != nil:
-		return fmt.Errorf("%w: %s/%s/%s: %v", ErrLeaseLost, job, run, key, err)
-	case state == "paused":
-		return errPaused
-	case tok == nil || *tok != token || state != "running":
-		return fmt.Errorf("%w: %s/%s/%s is %s now", ErrLeaseLost, job, run, key, state)
-	default:
-		return fmt.Errorf("%w: %s/%s/%s: the cursor moved under this worker, or the new cursor is not after the stored one and within the boundary", ErrCheckpointInvariant, job, run, key)
-	}
 }

@@ -35,46 +35,6 @@ const (
 	failpointSweepAfterCommit     = "batch.sweep_after_commit"     // committed
 )
 
-const (
-	// createSweepSQL: a new full run that sweeps.
-	createSweepSQL = `INSERT INTO batch_sweeps (job, logical_run_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`
-	// retrySweepSQL: a rerun retries a failed sweep, as it does a failed
-	// partition.
-	retrySweepSQL = `UPDATE batch_sweeps SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`
-	// supersedeSweepSQL: --restart.
-	supersedeSweepSQL = `UPDATE batch_sweeps SET state = 'superseded', lease_token = NULL, lease_owner = NULL, updated_at = now(), finished_at = now() WHERE job = $1 AND logical_run_id = $2 AND state <> 'succeeded'`
-	// unfinishedSweepRunSQL is the newest run of the job whose sweep is not
-	// over, even though its partitions are.
-	unfinishedSweepRunSQL = `
-SELECT w.logical_run_id FROM batch_sweeps w
-WHERE w.job = $1 AND w.state IN ('pending', 'running', 'failed')
-  AND NOT EXISTS (SELECT 1 FROM batch_runs r WHERE r.job = $1 AND r.created_at > w.created_at)
-ORDER BY w.created_at DESC LIMIT 1`
-
-	claimSweepSQL = `
-UPDATE batch_sweeps SET state = 'running', lease_owner = $3, lease_token = gen_random_uuid(), heartbeat_at = now(),
-  lease_expires_at = now() + $4::interval, attempt = attempt + 1, started_at = COALESCE(started_at, now()), updated_at = now(), error = NULL
-WHERE job = $1 AND logical_run_id = $2
-  AND (state = 'pending' OR (state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())))
-RETURNING lease_token::text, cursor, attempt`
-
-	sweepStateSQL = `SELECT state FROM batch_sweeps WHERE job = $1 AND logical_run_id = $2`
-
-	sweepFence = ` WHERE job = $1 AND logical_run_id = $2 AND lease_token = $3::uuid AND state = 'running'`
-
-	heartbeatSweepSQL = `UPDATE batch_sweeps SET heartbeat_at = now(), lease_expires_at = now() + $4::interval` + sweepFence
-	// checkpointSweepSQL is also fenced by the cursor the chunk started
-	// after: a second sweeper cannot interleave.
-	checkpointSweepSQL = `
-UPDATE batch_sweeps SET cursor = $5, swept_count = swept_count + $6, deleted_count = deleted_count + $7, chunks = chunks + 1,
-  checkpoint_at = now(), updated_at = now()` + sweepFence + ` AND cursor IS NOT DISTINCT FROM $4`
-	finishSweepSQL  = `UPDATE batch_sweeps SET state = 'succeeded', finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
-	releaseSweepSQL = `UPDATE batch_sweeps SET updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
-	failSweepSQL    = `UPDATE batch_sweeps SET state = 'failed', error = $4, finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL` + sweepFence
-
-	sweepPartitionsSQL = `SELECT coalesce(array_agg(partition_key), '{}') FROM batch_runs WHERE job = $1 AND logical_run_id = $2`
-)
-
 // sweepOnResumeSQL is what resuming a run does to its sweep: retry it if
 // it failed, or, when the spec now says vanished: keep, drop it.
 func sweepOnResumeSQL(s Spec) string {
@@ -110,7 +70,7 @@ WITH cand AS MATERIALIZED (
   SELECT n.source_id, n.source_version, n.deleted FROM normalized_records n
   WHERE n.source = ` + b.p("source", "text") + `
     AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
-    AND (` + b.p("cursor", "text") + ` IS NULL OR n.source_id > ` + b.p("cursor", "text") + `)
+    AND (` + b.p("after", "text") + ` IS NULL OR n.source_id > ` + b.p("after", "text") + `)
   ORDER BY n.source_id
   LIMIT ` + b.p("limit", "int") + `
 ), gone AS (
@@ -120,7 +80,7 @@ WITH cand AS MATERIALIZED (
   UPDATE normalized_records n
   SET document = NULL, deleted = true,
       source_version = CASE WHEN gone.deleted THEN gone.source_version ELSE gone.source_version + 1 END,
-      processor_version = ` + b.p("pv", "text") + `, updated_at = now()
+      processor_version = ` + b.p("pv", "text") + `, vanished = true, updated_at = now()
   FROM gone
   WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = gone.source_id
     AND n.source_version = gone.source_version AND n.deleted = gone.deleted
@@ -170,33 +130,10 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 	}
 	log.Info("sweep claimed", slog.Int("attempt", attempt), slog.Any("cursor", cursor))
 
+	l := &sweepLease{db: r.pool, job: job, run: run, token: token, ttl: r.cfg.LeaseTTL}
 	ctx, cancel := context.WithCancelCause(hard)
 	defer cancel(nil)
-	hbDone := make(chan struct{})
-	go func() {
-		defer close(hbDone)
-		t := time.NewTicker(r.cfg.HeartbeatInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			hctx, hcancel := context.WithTimeout(ctx, r.cfg.HeartbeatInterval)
-			tag, err := r.pool.Exec(hctx, heartbeatSweepSQL, job, run, token, r.cfg.LeaseTTL.String())
-			hcancel()
-			if err != nil {
-				log.Warn("sweep heartbeat failed", slog.String("error", err.Error()))
-				continue
-			}
-			if tag.RowsAffected() != 1 {
-				cancel(fmt.Errorf("%w: the sweep of %s/%s", ErrLeaseLost, job, run))
-				return
-			}
-		}
-	}()
-	defer func() { cancel(nil); <-hbDone }()
+	defer keepAlive(ctx, cancel, r.cfg.HeartbeatInterval, l, log)()
 	cleanup, ccancel := context.WithTimeout(context.WithoutCancel(hard), time.Minute)
 	defer ccancel()
 
@@ -213,7 +150,7 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 	var swept, deleted int64
 	for {
 		if soft.Err() != nil {
-			if _, err := r.pool.Exec(cleanup, releaseSweepSQL, job, run, token); err != nil {
+			if err := l.release(cleanup); err != nil {
 				log.Warn("release the sweep lease", slog.String("error", err.Error()))
 			}
 			log.Info("sweep stopped at the last committed checkpoint", slog.Any("cursor", cursor))
@@ -236,10 +173,10 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 				log.Error("sweep lease lost; stopping without writing", slog.String("error", err.Error()))
 				return false, err
 			case hard.Err() != nil:
-				_, _ = r.pool.Exec(cleanup, releaseSweepSQL, job, run, token)
+				_ = l.release(cleanup)
 				return false, context.Cause(hard)
 			}
-			if _, ferr := r.pool.Exec(cleanup, failSweepSQL, job, run, token, err.Error()); ferr != nil {
+			if ferr := l.fail(cleanup, err); ferr != nil {
 				log.Error("record sweep failure", slog.String("error", ferr.Error()))
 			}
 			return false, fmt.Errorf("sweep of %s/%s: %w", job, run, err)
@@ -253,12 +190,12 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 			break
 		}
 	}
-	tag, err := r.pool.Exec(cleanup, finishSweepSQL, job, run, token)
+	ok, err := l.finish(cleanup)
 	if err != nil {
 		return false, fmt.Errorf("finish the sweep of %s/%s: %w", job, run, err)
 	}
-	if tag.RowsAffected() != 1 {
-		return false, fmt.Errorf("%w: the sweep of %s/%s", ErrLeaseLost, job, run)
+	if !ok {
+		return false, l.lost(cleanup)
 	}
 	log.Info("sweep succeeded", slog.Int64("candidates", swept), slog.Int64("deleted", deleted))
 	return true, nil
@@ -298,12 +235,12 @@ func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	// As a scan chunk: bounded lock waits, and a frozen sweeper's session
 	// ends a lease TTL after its last statement.
-	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $2, true)`,
+	if _, err := tx.Exec(ctx, sweepSettingsSQL,
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)
 	}
-	vals := map[string]any{"source": r.spec.SourceName, "cursor": cursor, "limit": size, "pv": r.spec.ProcessorVersion, "tp": tracing.Arg(ctx), "pkeys": keys}
-	if err := tx.QueryRow(ctx, st.sql, st.args(vals)...).Scan(&n, &last, &deleted); err != nil {
+	a := &args{Source: r.spec.SourceName, After: cursor, Limit: size, PV: r.spec.ProcessorVersion, TP: tracing.Arg(ctx), PKeys: keys}
+	if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n, &last, &deleted); err != nil {
 		return 0, nil, 0, fmt.Errorf("sweep chunk after %v: %w", cursor, err)
 	}
 	if n == 0 {
@@ -349,15 +286,9 @@ type SweepStatus struct {
 	FinishedAt     *time.Time
 }
 
-const sweepStatusSQL = `
-SELECT job, logical_run_id, state, cursor, swept_count, deleted_count, attempt, lease_owner, error, checkpoint_at, finished_at
-FROM (SELECT *, row_number() OVER (PARTITION BY job ORDER BY created_at DESC) AS rn FROM batch_sweeps WHERE $1 = '' OR job = $1) w
-WHERE rn <= $2
-ORDER BY job, created_at DESC`
-
 // Sweeps lists the sweeps of the newest runs (at most runs per job; job ""
 // = every job), newest first.
-func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatus, error) {
+func Sweeps(ctx context.Context, db DB, job string, runs int) ([]SweepStatus, error) {
 	rows, err := db.Query(ctx, sweepStatusSQL, job, runs)
 	if err != nil {
 		return nil, fmt.Errorf("read sweeps: %w", err)
@@ -368,9 +299,6 @@ func Sweeps(ctx context.Context, db querier, job string, runs int) ([]SweepStatu
 		return s, err
 	})
 }
-
-// otherJobsSQL: the last specs of the other jobs, for checkSharedSourceName.
-const otherJobsSQL = `SELECT job, spec FROM batch_jobs WHERE job <> $1 ORDER BY job`
 
 // rowScope is what decides which rows of normalized_records a job's sweep
 // treats as its own: the table, the id column, the filter and an explicit

@@ -2,6 +2,7 @@ package batch_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
@@ -240,4 +241,73 @@ WHERE e.event_type = 'delete' AND e.headers->>'ce_processorversion' = 'v2'`).Sca
 	_, err = run(t, pool, s, batch.Config{Workers: 1})
 	require.NoError(t, err)
 	require.Len(t, deleteEvents(t, url), 40)
+}
+
+// A row the sweep tombstoned (hard-deleted, tombstone at version 2) that
+// is inserted again with the same id and a version at or below the
+// tombstone's (the version reset to 1, or equal to 2) comes back on the
+// next full run: its upsert event's version is above the tombstone's, so
+// the index takes it, and the row's later changes keep winning. Both
+// paths: the built-in SQL normalizer and a custom Processor.
+func TestVanishedRowThatReturnsWithAnOldVersionComesBack(t *testing.T) {
+	t.Parallel()
+	for _, goPath := range []bool{false, true} {
+		t.Run(fmt.Sprintf("processor=%v", goPath), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			url, pool := newDB(t)
+			seed(t, pool, 1, 100, 1, 3) // ids 7..700
+			s := vanishedSpec()
+			cfg := batch.Config{}
+			if goPath {
+				cfg.Processor = batch.ProcessorFunc(passThrough)
+			}
+			_, err := run(t, pool, s, cfg)
+			require.NoError(t, err)
+			_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id IN (14, 21)`)
+			require.NoError(t, err)
+			_, err = run(t, pool, s, cfg)
+			require.NoError(t, err)
+			require.Equal(t, []string{"14@2", "21@2"}, deleteEvents(t, url))
+
+			// Back: 14 with the version reset, 21 at the tombstone's version.
+			_, err = pool.Exec(ctx, `INSERT INTO source_records (id, created_at, tenant_id, version, payload)
+VALUES (14, '2024-01-01', 't2', 1, '{"title": "back"}'), (21, '2024-01-01', 't0', 2, '{"title": "back"}')`)
+			require.NoError(t, err)
+			sum, err := run(t, pool, s, cfg)
+			require.NoError(t, err)
+			require.True(t, sum.Done)
+			live := `SELECT count(*) FROM normalized_records WHERE source_id = $1 AND NOT deleted AND document IS NOT NULL AND source_version = $2`
+			require.Equal(t, int64(1), queryInt(t, pool, live, "14", 3), "back above its tombstone (version 2)")
+			require.Equal(t, int64(1), queryInt(t, pool, live, "21", 3))
+			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id IN ('14', '21') AND aggregate_version = 3`))
+
+			// A further run: nothing new; a change of the row wins again.
+			events := queryInt(t, pool, `SELECT count(*) FROM outbox_events`)
+			_, err = run(t, pool, s, cfg)
+			require.NoError(t, err)
+			require.Equal(t, events, queryInt(t, pool, `SELECT count(*) FROM outbox_events`))
+			_, err = pool.Exec(ctx, `UPDATE source_records SET payload = '{"title": "edited"}' WHERE id = 14`) // version 1 -> 2
+			require.NoError(t, err)
+			_, err = run(t, pool, s, cfg)
+			require.NoError(t, err)
+			require.Equal(t, int64(1), queryInt(t, pool, live, "14", 4), "the change after the return is newer")
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version = 4`))
+			// Deleted again: a tombstone above the returned version.
+			_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id = 14`)
+			require.NoError(t, err)
+			_, err = run(t, pool, s, cfg)
+			require.NoError(t, err)
+			require.Equal(t, []string{"14@2", "14@5", "21@2"}, deleteEvents(t, url))
+		})
+	}
+}
+
+// passThrough is a custom Processor whose document is the source row.
+func passThrough(_ context.Context, rows []batch.SourceRow) ([]batch.Result, error) {
+	out := make([]batch.Result, len(rows))
+	for i, r := range rows {
+		out[i].Document = json.RawMessage(r.Row)
+	}
+	return out, nil
 }

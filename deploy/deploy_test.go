@@ -73,6 +73,7 @@ func (noDB) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
 }
 func (noDB) Query(context.Context, string, ...any) (pgx.Rows, error) { return noRows{}, nil }
 func (noDB) QueryRow(context.Context, string, ...any) pgx.Row        { return nil }
+func (noDB) Begin(context.Context) (pgx.Tx, error)                   { return nil, errors.New("no database") }
 
 var descRE = regexp.MustCompile(`fqName: "([^"]+)".*variableLabels: \{([^}]*)\}`)
 

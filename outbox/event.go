@@ -54,7 +54,7 @@ type Querier interface {
 var ErrInvalidEvent = errors.New("invalid outbox event")
 
 const enqueueSQL = `
-INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
+INSERT INTO outbox_events (` + eventColumns + `)
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::json[], $8::jsonb[])
 ON CONFLICT DO NOTHING`
 
