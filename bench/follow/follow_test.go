@@ -204,6 +204,20 @@ func runOnce(b *testing.B, rate int, window time.Duration) {
 	for i := range updates {
 		lat[i] = max(0, seen[i].Sub(committed[i]))
 	}
+	// Where the time went: the chunk transaction that normalized the
+	// update (normalized_records.updated_at, its start) and the record's
+	// timestamp on the topic (the publisher's produce).
+	stages := stageTimes(ctx, b, pool, brokers, topic, ids)
+	var batched, produced []time.Duration
+	for i := range updates {
+		if t, ok := stages.batched[ids[i]]; ok {
+			batched = append(batched, t.Sub(committed[i]))
+		}
+		if t, ok := stages.produced[strconv.FormatInt(ids[i], 10)]; ok {
+			produced = append(produced, t.Sub(committed[i]))
+		}
+	}
+	b.Logf("stages: commit→chunk %s; commit→on the topic %s", pct(batched), pct(produced))
 	slices.Sort(lat)
 	p50, p99, top := lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1]
 	b.ReportMetric(float64(p50.Milliseconds()), "p50-ms")
@@ -213,6 +227,55 @@ func runOnce(b *testing.B, rate int, window time.Duration) {
 		updates, rate, window, p50.Round(time.Millisecond), p99.Round(time.Millisecond), top.Round(time.Millisecond), cpu, os.Getenv("FOLLOW_BENCH_ENV"))
 	b.Log(msg)
 	fmt.Println(b.Name() + ": " + msg)
+}
+
+// pct formats p50 and p99 of ds.
+func pct(ds []time.Duration) string {
+	if len(ds) == 0 {
+		return "n/a"
+	}
+	slices.Sort(ds)
+	return fmt.Sprintf("p50 %s p99 %s", ds[len(ds)/2].Round(time.Millisecond), ds[len(ds)*99/100].Round(time.Millisecond))
+}
+
+type stages struct {
+	batched  map[int64]time.Time
+	produced map[string]time.Time // by key: the newest record's timestamp
+}
+
+func stageTimes(ctx context.Context, b *testing.B, pool *pgxpool.Pool, brokers []string, topic string, ids []int64) stages {
+	st := stages{batched: map[int64]time.Time{}, produced: map[string]time.Time{}}
+	rows, err := pool.Query(ctx, `SELECT source_id::bigint, updated_at FROM normalized_records WHERE source_id::bigint = ANY($1)`, ids)
+	check(b, err)
+	var id int64
+	var at time.Time
+	_, err = pgx.ForEachRow(rows, []any{&id, &at}, func() error { st.batched[id] = at; return nil })
+	check(b, err)
+	for part := range 6 {
+		conn, err := kafka.DialLeader(ctx, "tcp", brokers[0], topic, part)
+		check(b, err)
+		last, err := conn.ReadLastOffset()
+		check(b, err)
+		for next := int64(0); next < last; {
+			check(b, conn.SetReadDeadline(time.Now().Add(30*time.Second)))
+			_, err := conn.Seek(next, kafka.SeekAbsolute)
+			check(b, err)
+			batch := conn.ReadBatch(1, 16<<20)
+			for {
+				m, err := batch.ReadMessage()
+				if err != nil {
+					break
+				}
+				next = m.Offset + 1
+				if t, ok := st.produced[string(m.Key)]; !ok || m.Time.After(t) {
+					st.produced[string(m.Key)] = m.Time
+				}
+			}
+			check(b, batch.Close())
+		}
+		check(b, conn.Close())
+	}
+	return st
 }
 
 // pickIDs returns n distinct source ids in a random order.
