@@ -15,7 +15,8 @@
 // FOLLOW_BENCH_SECONDS (default 10) is the writing window per rate;
 // FOLLOW_BENCH_RATES (default "50,500") the rates; FOLLOW_BENCH_ENV extra
 // settings for all three processes ("K=V K=V", e.g. FLUSH_INTERVAL=50ms)
-// to compare.
+// to compare; FOLLOW_BENCH_REFRESH the index's refresh_interval (default:
+// the built-in mapping's, 1s).
 package bench_follow
 
 import (
@@ -103,6 +104,18 @@ func runOnce(b *testing.B, rate int, window time.Duration) {
 	env := []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "ELASTICSEARCH_URL=" + esURL,
 		"TOPIC=" + topic, "GROUP=" + topic, "ALIAS=" + alias, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json", "LOG_LEVEL=warn"}
 	env = append(env, strings.Fields(os.Getenv("FOLLOW_BENCH_ENV"))...)
+	if v := os.Getenv("FOLLOW_BENCH_REFRESH"); v != "" {
+		// The built-in mapping with another refresh interval, from
+		// MAPPING_FILE for the indexer that creates the index.
+		var m map[string]any
+		check(b, json.Unmarshal(sink.DefaultMapping, &m))
+		m["settings"].(map[string]any)["index"].(map[string]any)["refresh_interval"] = v
+		mb, err := json.Marshal(m)
+		check(b, err)
+		mf := filepath.Join(b.TempDir(), "mapping.json")
+		check(b, os.WriteFile(mf, mb, 0o644))
+		env = append(env, "MAPPING_FILE="+mf)
+	}
 
 	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: rows}))
 	tr := testproc.Run(b, time.Minute, bins["batcher"], env, "follow-trigger", "--spec", specFile, "--install")
@@ -234,14 +247,14 @@ func runOnce(b *testing.B, rate int, window time.Duration) {
 			produced = append(produced, t.Sub(committed[i]))
 		}
 	}
-	b.Logf("stages: commit→chunk %s; commit→on the topic %s", pct(batched), pct(produced))
 	slices.Sort(lat)
 	p50, p99, top := lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1]
 	b.ReportMetric(float64(p50.Milliseconds()), "p50-ms")
 	b.ReportMetric(float64(p99.Milliseconds()), "p99-ms")
 	b.ReportMetric(float64(top.Milliseconds()), "max-ms")
-	msg := fmt.Sprintf("%d updates at %d/s over %s: commit→searchable p50 %s, p99 %s, max %s; %s; settings %v",
-		updates, rate, window, p50.Round(time.Millisecond), p99.Round(time.Millisecond), top.Round(time.Millisecond), cpu, os.Getenv("FOLLOW_BENCH_ENV"))
+	msg := fmt.Sprintf("%d updates at %d/s over %s: commit→searchable p50 %s, p99 %s, max %s; stages: commit→chunk %s, commit→on the topic %s; %s; settings %q refresh %q",
+		updates, rate, window, p50.Round(time.Millisecond), p99.Round(time.Millisecond), top.Round(time.Millisecond), pct(batched), pct(produced), cpu,
+		os.Getenv("FOLLOW_BENCH_ENV"), os.Getenv("FOLLOW_BENCH_REFRESH"))
 	b.Log(msg)
 	fmt.Println(b.Name() + ": " + msg)
 }
