@@ -88,6 +88,12 @@
 // on a detached, bounded context, so a stopped run still records where it
 // stands.
 //
+// A [Follower] runs an incremental job continuously (batcher run
+// --follow): one ordinary run after another while the change column moves
+// past what the last finished run covered, and otherwise a wait for a
+// NOTIFY from the trigger [FollowTriggerSQL] installs, or for its poll
+// interval. Each run keeps every guarantee above.
+//
 // Manifest jobs (seed 003: finish a batch over a frozen, approved list)
 // are a different kind of job and live in package manifest.
 //

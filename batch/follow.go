@@ -230,13 +230,6 @@ func (f *Follower) prepare(ctx context.Context) error {
 	return nil
 }
 
-// followColumnSQL reads the type of column $2 of table $1 and the name
-// quote_ident gives the table in the trigger's payload.
-const followColumnSQL = `
-SELECT (SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
-        WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped),
-       quote_ident($3) || '.' || quote_ident($4)`
-
 // waitForChange returns once the change column has a value past mark (or
 // any value when mark is NULL), looking after each wake-up and poll
 // interval; it returns nil at once when soft is cancelled.
@@ -278,7 +271,7 @@ func (f *Follower) pause(soft context.Context, wake <-chan struct{}) bool {
 // counts as created.
 func (f *Follower) createdSince(ctx context.Context, run string, at time.Time) (bool, error) {
 	var ok *bool
-	err := f.pool.QueryRow(context.WithoutCancel(ctx), `SELECT bool_and(created_at >= $3) FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, f.spec.Job, run, at).Scan(&ok)
+	err := f.pool.QueryRow(context.WithoutCancel(ctx), runCreatedSinceSQL, f.spec.Job, run, at).Scan(&ok)
 	if err != nil {
 		return false, fmt.Errorf("follow job %s: read run %s: %w", f.spec.Job, run, err)
 	}

@@ -262,3 +262,14 @@ const openQuarantineSQL = `SELECT logical_run_id, partition_key, array_agg(sourc
 // loadSpecSQL is the spec job $1 last ran with, without the documents of
 // earlier processor versions.
 const loadSpecSQL = `SELECT spec - '` + documentsByPVKey + `' FROM batch_jobs WHERE job = $1`
+
+// followColumnSQL reads the type of column $2 of table $1 and the name
+// quote_ident gives the table in the trigger's payload.
+const followColumnSQL = `
+SELECT (SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
+        WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped),
+       quote_ident($3) || '.' || quote_ident($4)`
+
+// runCreatedSinceSQL: whether every partition of run $2 of job $1 was
+// created at or after $3 (NULL when the run has none).
+const runCreatedSinceSQL = `SELECT bool_and(created_at >= $3) FROM batch_runs WHERE job = $1 AND logical_run_id = $2`
