@@ -18,5 +18,6 @@ func commands() []cli.Command {
 	}
 	cmds = append(cmds, scanCommands(os.Stdout)...)
 	cmds = append(cmds, manifestCommands()...)
+	cmds = append(cmds, followCommands(os.Stdout)...)
 	return append(cmds, demoCommands(os.Stdout)...)
 }

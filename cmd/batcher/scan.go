@@ -51,6 +51,7 @@ type runConfig struct {
 	Grace     time.Duration
 	Linger    time.Duration // METRICS_LINGER
 	Progress  string
+	Follow    followFlags
 }
 
 func (c runConfig) validate() error {
@@ -68,7 +69,7 @@ func (c runConfig) validate() error {
 	case c.Progress != "auto" && c.Progress != "on" && c.Progress != "off":
 		return cli.UsageError("PROGRESS=%q: want auto, on or off", c.Progress)
 	}
-	return nil
+	return c.Follow.validate(c)
 }
 
 func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
@@ -90,6 +91,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	c.RegisterMetrics(fs, "127.0.0.1:9101")
 	fs.Duration(&c.Linger, "metrics-linger", "METRICS_LINGER", 0, "after the run ends, keep serving /metrics this long (or until a signal) so a last scrape sees the final numbers (0 = exit at once)")
 	fs.String(&c.Progress, "progress", "PROGRESS", "auto", "progress line on stderr: auto (on a terminal), on or off")
+	c.Follow.register(fs)
 	if _, err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -108,7 +110,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	defer stop()
 	// Each worker holds a connection per chunk in flight (chunk.pipeline,
 	// at most 2 by default) plus the heartbeats and lease checks.
-	pool, err := pgconn.Open(hard, c.DatabaseURL, 3*c.Workers+2)
+	pool, err := pgconn.Open(hard, c.DatabaseURL, 3*c.Workers+2+c.Follow.conns())
 	if err != nil {
 		return err
 	}
@@ -133,6 +135,9 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	if c.Progress == "on" || (c.Progress == "auto" && logging.IsTerminal(os.Stderr)) {
 		cfg.Progress = os.Stderr
+	}
+	if c.Follow.On {
+		return followRun(soft, hard, pool, spec, cfg, c.Follow, logger, stdout)
 	}
 	r, err := batch.NewRunner(pool, spec, cfg)
 	if err != nil {

@@ -1,0 +1,237 @@
+package batch_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+)
+
+func incremental(job string) batch.Spec {
+	return spec(func(s *batch.Spec) {
+		s.Job = job
+		s.Mode = batch.ModeIncremental
+		s.Source.Cursor = []string{"change_seq"}
+	})
+}
+
+// follower runs a Follower in the background; stop cancels it softly and
+// returns what Run returned.
+type follower struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+	sum    *batch.FollowSummary
+	err    error
+}
+
+func startFollower(t *testing.T, pool *pgxpool.Pool, s batch.Spec, cfg batch.Config, fc batch.FollowConfig) *follower {
+	t.Helper()
+	f, err := batch.NewFollower(pool, s, cfg, fc)
+	require.NoError(t, err)
+	hard, hcancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	soft, scancel := context.WithCancel(hard)
+	fl := &follower{cancel: scancel, done: make(chan struct{})}
+	go func() {
+		defer close(fl.done)
+		fl.sum, fl.err = f.Run(soft, hard)
+	}()
+	t.Cleanup(func() { scancel(); <-fl.done; hcancel() })
+	return fl
+}
+
+func (f *follower) stop(t *testing.T) (*batch.FollowSummary, error) {
+	t.Helper()
+	f.cancel()
+	select {
+	case <-f.done:
+	case <-time.After(time.Minute):
+		t.Fatal("follower did not stop within a minute of the soft stop")
+	}
+	return f.sum, f.err
+}
+
+// behind counts source rows whose normalized row is missing or not at the
+// row's current version, read over a new connection.
+func behind(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	var n int64
+	require.NoError(t, pool.QueryRow(context.Background(), `
+SELECT count(*) FROM source_records s LEFT JOIN normalized_records n ON n.source = 'source_records' AND n.source_id = s.id::text
+WHERE n.source_version IS DISTINCT FROM s.version`).Scan(&n))
+	return n
+}
+
+func waitCaughtUp(t *testing.T, pool *pgxpool.Pool, timeout time.Duration, f *follower) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		n := behind(t, pool)
+		if n == 0 {
+			return
+		}
+		select {
+		case <-f.done:
+			t.Fatalf("follower ended with %d rows behind: %v", n, f.err)
+		default:
+		}
+		require.Truef(t, time.Now().Before(deadline), "%d source rows not normalized at their version after %s", n, timeout)
+		time.Sleep(20 * time.Millisecond) // poll interval of the check, not a synchronization
+	}
+}
+
+func runCount(t *testing.T, pool *pgxpool.Pool, job string) (runs, open int) {
+	t.Helper()
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(DISTINCT logical_run_id), count(*) FILTER (WHERE state NOT IN ('succeeded', 'superseded')) FROM batch_runs WHERE job = $1`, job).Scan(&runs, &open))
+	return runs, open
+}
+
+// With the trigger installed, a change wakes an idle follower by NOTIFY:
+// the poll interval here is an hour, so only the NOTIFY can start the runs
+// that bring every update into normalized_records.
+func TestFollowWakesOnNotify(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 300, 1, 1)
+	s := incremental("follow-notify")
+	_, err := pool.Exec(ctx, batch.FollowTriggerSQL(s))
+	require.NoError(t, err)
+
+	f := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{PollInterval: time.Hour})
+	waitCaughtUp(t, pool, time.Minute, f)
+	for i := range 30 {
+		_, err := pool.Exec(ctx, `UPDATE source_records SET payload = jsonb_set(payload, '{title}', to_jsonb('changed ' || $1::int)) WHERE id = $2`, i, 7*(1+i*9))
+		require.NoError(t, err)
+		// A batch of new rows too: inserts take a change_seq as well.
+		if i%10 == 0 {
+			seed(t, pool, 1000+i, 5, 1, 1)
+		}
+	}
+	waitCaughtUp(t, pool, time.Minute, f)
+	sum, err := f.stop(t)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, sum.Rows, int64(300+30+15))
+	_, open := runCount(t, pool, s.Job)
+	require.Zero(t, open, "a follower stopped while idle leaves no unfinished run")
+}
+
+// Without the trigger the follower finds changes by polling.
+func TestFollowPollsWithoutTrigger(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 100, 1, 1)
+	s := incremental("follow-poll")
+	f := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{PollInterval: 100 * time.Millisecond, PollOnly: true})
+	waitCaughtUp(t, pool, time.Minute, f)
+	_, err := pool.Exec(ctx, `UPDATE source_records SET deleted_at = now() WHERE id % 3 = 0`)
+	require.NoError(t, err)
+	waitCaughtUp(t, pool, time.Minute, f)
+	var tombstones int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM normalized_records WHERE deleted`).Scan(&tombstones))
+	require.NotZero(t, tombstones, "soft deletes became tombstones")
+	_, err = f.stop(t)
+	require.NoError(t, err)
+}
+
+// An idle follower makes no runs: over a window of many poll intervals
+// without changes, batch_runs gains nothing. The first change after it
+// gets one run.
+func TestFollowIdleMakesNoRuns(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 100, 1, 1)
+	s := incremental("follow-idle")
+	_, err := pool.Exec(ctx, batch.FollowTriggerSQL(s))
+	require.NoError(t, err)
+	f := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{PollInterval: 50 * time.Millisecond})
+	waitCaughtUp(t, pool, time.Minute, f)
+	// The run after the catch-up may still be under way; wait for the
+	// follower to settle (no unfinished run, same count twice a window apart).
+	var before int
+	for deadline := time.Now().Add(time.Minute); ; {
+		runs, open := runCount(t, pool, s.Job)
+		if open == 0 && runs == before {
+			break
+		}
+		before = runs
+		require.True(t, time.Now().Before(deadline), "follower did not settle")
+		time.Sleep(200 * time.Millisecond) // a measuring window
+	}
+	time.Sleep(time.Second) // the idle window measured: 20 poll intervals
+	after, _ := runCount(t, pool, s.Job)
+	require.Equal(t, before, after, "runs made by an idle follower")
+
+	_, err = pool.Exec(ctx, `UPDATE source_records SET payload = payload || '{"x": 1}' WHERE id = 14`)
+	require.NoError(t, err)
+	waitCaughtUp(t, pool, time.Minute, f)
+	_, err = f.stop(t)
+	require.NoError(t, err)
+}
+
+// A soft stop in the middle of a run stops at a chunk boundary: the run's
+// partition is released at its last committed checkpoint, with exactly
+// the rows up to it normalized; the next follower resumes that run and
+// then follows on, with no event written twice.
+func TestFollowSoftStopAtAChunkBoundary(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 30_000, 1, 1)
+	s := incremental("follow-stop")
+	s.Chunk = batch.ChunkSettings{Size: 200, Min: 200, Max: 200}
+	f := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{})
+	for deadline := time.Now().Add(time.Minute); ; {
+		var processed int64
+		require.NoError(t, pool.QueryRow(ctx, `SELECT COALESCE(max(processed_count), 0) FROM batch_runs WHERE job = $1`, s.Job).Scan(&processed))
+		if processed >= 1000 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "no progress")
+		time.Sleep(10 * time.Millisecond) // poll interval of the check
+	}
+	sum, err := f.stop(t)
+	require.NoError(t, err)
+	var state string
+	var processed, normalized int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT state, processed_count FROM batch_runs WHERE job = $1 AND logical_run_id = $2`, s.Job, sum.LastRunID).Scan(&state, &processed))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM normalized_records`).Scan(&normalized))
+	require.Equal(t, "pending", state, "the stopped run waits for the next worker")
+	require.Less(t, processed, int64(30_000), "stopped in the middle of the run")
+	require.Zero(t, processed%200, "stopped at a chunk boundary")
+	require.Equal(t, processed, normalized, "normalized rows are exactly the checkpointed ones")
+
+	f2 := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{})
+	waitCaughtUp(t, pool, 2*time.Minute, f2)
+	_, err = pool.Exec(ctx, `UPDATE source_records SET payload = payload || '{"y": 2}' WHERE id < 700`)
+	require.NoError(t, err)
+	waitCaughtUp(t, pool, time.Minute, f2)
+	sum2, err := f2.stop(t)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, sum2.Runs, int64(2))
+	c := count(t, pool, s.Job)
+	require.Equal(t, c.Events, c.DistinctEvents, "no event twice")
+	require.EqualValues(t, 30_000+100, c.Events, "one event per insert and per update")
+	var resumed int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND state = 'succeeded'`, s.Job, sum.LastRunID).Scan(&resumed))
+	require.Equal(t, 1, resumed, "the next follower finished the stopped run")
+}
+
+// Following makes sense for incremental jobs only, and a follower makes
+// its own run ids.
+func TestFollowRejectsWhatCannotBeFollowed(t *testing.T) {
+	t.Parallel()
+	_, err := batch.NewFollower(nil, spec(), batch.Config{}, batch.FollowConfig{})
+	require.True(t, errors.Is(err, batch.ErrSpec), "full job: %v", err)
+	require.ErrorContains(t, err, "only an incremental job can be followed")
+	_, err = batch.NewFollower(nil, incremental("x"), batch.Config{StartOptions: batch.StartOptions{RunID: "r1"}}, batch.FollowConfig{})
+	require.ErrorContains(t, err, "run id r1")
+	_, err = batch.NewFollower(nil, incremental("x"), batch.Config{MaxChunks: 3}, batch.FollowConfig{})
+	require.ErrorContains(t, err, "max chunks 3")
+}
