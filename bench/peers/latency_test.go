@@ -63,7 +63,7 @@ func enqueue(topic string) enqueueFunc {
 
 // warmUp waits until one change reaches the index, so a daemon's start is
 // not counted in the first rate's latencies.
-func (w *writer) warmUp(b *testing.B, procs ...*testproc.Proc) {
+func (w *writer) warmUp(b testing.TB, procs ...*testproc.Proc) {
 	l := w.runN(b, 1, 1, 10*time.Minute, 1, nil, procs...)
 	if l.Lost > 0 {
 		b.Fatalf("warm-up change did not reach %s within 10 minutes", w.index)
@@ -72,7 +72,7 @@ func (w *writer) warmUp(b *testing.B, procs ...*testproc.Proc) {
 
 // run writes rate changes/s for d, waits for them to become searchable (at
 // most a minute after the last commit) and returns the latencies.
-func (w *writer) run(b *testing.B, rate int, d time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
+func (w *writer) run(b testing.TB, rate int, d time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
 	n := max(1, int(float64(rate)*d.Seconds()))
 	l := w.runN(b, rate, n, time.Minute, base, enq, procs...)
 	b.Logf("%s at %d/s: %d changes (achieved %.0f/s), p50 %.0f ms, p99 %.0f ms, max %.0f ms, %d not searchable",
@@ -80,7 +80,7 @@ func (w *writer) run(b *testing.B, rate int, d time.Duration, base int64, enq en
 	return l
 }
 
-func (w *writer) runN(b *testing.B, rate, n int, grace time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
+func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
 	ctx := context.Background()
 	workers := min(32, max(2, rate/150))
 	cfg, err := pgxpool.ParseConfig(w.pool.Config().ConnString())
@@ -242,7 +242,7 @@ func (w *writer) searchMarks(ctx context.Context, from, to int64) ([]int64, erro
 // waitCount waits until index counts want documents (searchable, no forced
 // refresh), failing when failed reports a reason or after timeout; it
 // returns the time since start.
-func waitCount(b *testing.B, search, index string, want int64, timeout time.Duration, failed func() string, start time.Time) time.Duration {
+func waitCount(b testing.TB, search, index string, want int64, timeout time.Duration, failed func() string, start time.Time) time.Duration {
 	ctx := context.Background()
 	tick := time.NewTicker(pollEvery * 5)
 	defer tick.Stop()
@@ -310,7 +310,7 @@ func deleteIndex(search, index string) {
 
 // startRedis runs a private redis-server (no persistence) on a free port
 // for PGSync's change queue; it stops when the benchmark ends.
-func startRedis(b *testing.B, bin, dir string) string {
+func startRedis(b testing.TB, bin, dir string) string {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	check(b, err)
 	addr := l.Addr().String()
@@ -336,7 +336,7 @@ func startRedis(b *testing.B, bin, dir string) string {
 	}
 }
 
-func hostPort(b *testing.B, dbURL string) (string, string) {
+func hostPort(b testing.TB, dbURL string) (string, string) {
 	u, err := url.Parse(dbURL)
 	check(b, err)
 	return u.Hostname(), u.Port()

@@ -34,6 +34,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -43,6 +44,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
@@ -125,28 +127,59 @@ type env struct {
 
 func BenchmarkPeers(b *testing.B) {
 	s := load(b)
-	e := setup(b, s)
-	res := &results{Date: time.Now().UTC(), Machine: machine(), Rows: s.Rows, Rounds: s.Rounds, Settings: s}
 	for range b.N {
-		for round := 1; round <= s.Rounds; round++ {
-			legs := []func(){func() { res.add(e.pgsync(b, round)) }, func() { res.add(e.outboxrelay(b, round)) }}
-			if round%2 == 0 {
-				legs[0], legs[1] = legs[1], legs[0]
-			}
-			for _, leg := range legs {
-				leg()
-			}
-		}
+		res := run(b, s)
+		check(b, res.write(s.Out))
+		table, err := os.ReadFile(filepath.Join(s.Out, "peers.md"))
+		check(b, err)
+		fmt.Printf("bench-peers:\n%s\n", table)
 	}
-	res.Follow = followStatus()
-	res.Debezium = debeziumStatus()
-	check(b, res.write(s.Out))
-	table, err := os.ReadFile(filepath.Join(s.Out, "peers.md"))
-	check(b, err)
-	fmt.Printf("bench-peers:\n%s\n", table)
 }
 
-func setup(b *testing.B, s settings) *env {
+// TestPeersSmallRound runs one small round of every leg, so a change that
+// breaks the harness fails `go test` rather than the next `make bench-peers`.
+func TestPeersSmallRound(t *testing.T) {
+	s := load(t)
+	s.Rows, s.Rounds, s.ChangeRates, s.EventRates, s.LegDuration, s.Out = 3000, 1, []int{20}, []int{20}, 2*time.Second, t.TempDir()
+	res := run(t, s)
+	require.NoError(t, res.write(s.Out))
+	kinds := map[string]int{}
+	for _, l := range res.Legs {
+		kinds[l.Tool+" / "+l.Kind]++
+		if l.Kind == kindInitial {
+			require.Positive(t, l.Seconds, "%+v", l)
+			continue
+		}
+		require.Equal(t, 40, l.Events, "%+v", l)
+		require.Zero(t, l.Lost, "%+v", l)
+		require.Len(t, l.latencies, l.Events)
+	}
+	require.Equal(t, map[string]int{pgsyncName + " / " + kindInitial: 1, pgsyncName + " / " + kindChanges: 1,
+		ourName + " / " + kindInitial: 1, ourName + " / " + kindEvents: 1, ourName + " / " + kindChanges: 1}, kinds)
+	for _, f := range []string{"peers.md", "peers.json", "peers-throughput.png", "peers-latency.png"} {
+		st, err := os.Stat(filepath.Join(s.Out, f))
+		require.NoError(t, err)
+		require.Positive(t, st.Size(), f)
+	}
+}
+
+// run measures every leg of every round.
+func run(tb testing.TB, s settings) *results {
+	e := setup(tb, s)
+	res := &results{Date: time.Now().UTC(), Machine: machine(), Rows: s.Rows, Rounds: s.Rounds, Settings: s, Debezium: debeziumStatus()}
+	for round := 1; round <= s.Rounds; round++ {
+		legs := []func(){func() { res.add(e.pgsync(tb, round)) }, func() { res.add(e.outboxrelay(tb, round)) }}
+		if round%2 == 0 {
+			legs[0], legs[1] = legs[1], legs[0]
+		}
+		for _, leg := range legs {
+			leg()
+		}
+	}
+	return res
+}
+
+func setup(b testing.TB, s settings) *env {
 	ctx := context.Background()
 	e := &env{s: s, brokers: stack.KafkaBrokers(b), search: stack.ElasticsearchURL(b), dir: b.TempDir(),
 		bad: s.Rows / 10_000, maxGroup: s.Rows}
@@ -178,7 +211,7 @@ func setup(b *testing.B, s settings) *env {
 
 // database creates a fresh database on the private cluster and seeds the
 // bench-e2e rows into it.
-func (e *env) database(b *testing.B, name string) (string, *pgxpool.Pool) {
+func (e *env) database(b testing.TB, name string) (string, *pgxpool.Pool) {
 	ctx := context.Background()
 	admin, err := pgx.Connect(ctx, e.pgBase)
 	check(b, err)
@@ -203,7 +236,7 @@ func (e *env) dropDatabase(name string) {
 }
 
 // pgsync runs PGSync's legs of one round.
-func (e *env) pgsync(b *testing.B, round int) []leg {
+func (e *env) pgsync(b testing.TB, round int) []leg {
 	dbName := fmt.Sprintf("pgsync_r%d", round)
 	index := stack.UniqueName("bench-peers-pgsync")
 	defer e.dropDatabase(dbName)
@@ -248,9 +281,11 @@ func (e *env) pgsync(b *testing.B, round int) []leg {
 		return ""
 	}, start)
 	cpu := processCPU(p)
-	check(b, p.Wait(5*time.Minute))
+	if err := p.Wait(5 * time.Minute); err != nil {
+		b.Fatalf("pgsync (initial sync) after every row was searchable: %v\n%s", err, lastLines(p.Stderr(), 40))
+	}
 	cpu = max(cpu, p.Cmd.ProcessState.UserTime()+p.Cmd.ProcessState.SystemTime())
-	legs := []leg{{Tool: "PGSync 7.3.0", Kind: kindInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
+	legs := []leg{{Tool: pgsyncName, Kind: kindInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
 	b.Logf("pgsync round %d: %d rows searchable in %s (process CPU %s)", round, want, took.Round(time.Millisecond), cpu.Round(time.Millisecond))
 
 	// Live changes: the daemon, single-row UPDATEs at each rate.
@@ -261,14 +296,14 @@ func (e *env) pgsync(b *testing.B, round int) []leg {
 	w.warmUp(b, d)
 	for i, rate := range e.s.ChangeRates {
 		l := w.run(b, rate, e.s.LegDuration, int64(round*100+i+1)*100_000_000, nil, d)
-		l.Tool, l.Kind, l.Round = "PGSync 7.3.0", kindChanges, round
+		l.Tool, l.Kind, l.Round = pgsyncName, kindChanges, round
 		legs = append(legs, l)
 	}
 	return legs
 }
 
 // outboxrelay runs outboxrelay's legs of one round with the product defaults.
-func (e *env) outboxrelay(b *testing.B, round int) []leg {
+func (e *env) outboxrelay(b testing.TB, round int) []leg {
 	ctx := context.Background()
 	dbName := fmt.Sprintf("outboxrelay_r%d", round)
 	defer e.dropDatabase(dbName)
@@ -331,26 +366,53 @@ func (e *env) outboxrelay(b *testing.B, round int) []leg {
 	}, start)
 	check(b, bp.Wait(5*time.Minute))
 	cpu := processCPU(pub) + processCPU(idx) - cpu0 + bp.Cmd.ProcessState.UserTime() + bp.Cmd.ProcessState.SystemTime()
-	legs := []leg{{Tool: "outboxrelay", Kind: kindInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
+	legs := []leg{{Tool: ourName, Kind: kindInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
 	b.Logf("outboxrelay round %d: %d documents searchable in %s (processes CPU %s)", round, want, took.Round(time.Millisecond), cpu.Round(time.Millisecond))
 
 	// Application events: the writer's UPDATE and its outbox event in one transaction.
 	w := &writer{pool: pool, maxGroup: e.maxGroup, search: e.search, index: alias, markField: "mark",
 		update: `UPDATE source_records SET payload = payload || jsonb_build_object('mark', $2::bigint) WHERE id = $1 RETURNING version`}
 	for i, rate := range e.s.EventRates {
-		l := w.run(b, rate, e.s.LegDuration, int64(round*100+50+i)*100_000_000, enqueue(topic), nil, pub, idx)
-		l.Tool, l.Kind, l.Round = "outboxrelay", kindEvents, round
+		l := w.run(b, rate, e.s.LegDuration, int64(round*100+50+i)*100_000_000, enqueue(topic), pub, idx)
+		l.Tool, l.Kind, l.Round = ourName, kindEvents, round
 		legs = append(legs, l)
 		if msg := alive(); msg != "" {
 			b.Fatal(msg)
 		}
+	}
+
+	// Table changes: `batcher run --follow` of an incremental job over the
+	// same table, woken by the NOTIFY trigger. It starts after the events
+	// legs, whose UPDATEs it would otherwise index too, and its first run
+	// covers every row (not counted: PGSync's daemon start is not either).
+	fspec := spec
+	fspec.Job, fspec.Mode, fspec.Vanished = "records-follow", batch.ModeIncremental, batch.VanishedKeep
+	fspec.Source.Cursor = []string{"change_seq"}
+	fspec.Document.Fields = append(slices.Clone(spec.Document.Fields), batch.Field{Name: "mark", From: "payload.mark", Type: "number"})
+	raw, err = json.Marshal(fspec)
+	check(b, err)
+	fspecFile := filepath.Join(e.dir, dbName+"-follow.json")
+	check(b, os.WriteFile(fspecFile, raw, 0o644))
+	tr := testproc.Run(b, time.Minute, e.bins["batcher"], penv, "follow-trigger", "--spec", fspecFile, "--install")
+	if tr.ExitCode() != 0 {
+		b.Fatalf("batcher follow-trigger: exit %d\n%s", tr.ExitCode(), tr.Stderr())
+	}
+	catchUp := time.Now()
+	fp := testproc.Start(b, e.bins["batcher"], penv, "run", "--spec", fspecFile, "--follow")
+	defer func() { _ = fp.Signal(syscall.SIGTERM); _ = fp.Wait(time.Minute) }()
+	w.warmUp(b, fp, pub, idx)
+	b.Logf("outboxrelay round %d: follower's first run and one change searchable in %s", round, time.Since(catchUp).Round(time.Millisecond))
+	for i, rate := range e.s.ChangeRates {
+		l := w.run(b, rate, e.s.LegDuration, int64(round*100+80+i)*100_000_000, nil, fp, pub, idx)
+		l.Tool, l.Kind, l.Round = ourName, kindChanges, round
+		legs = append(legs, l)
 	}
 	return legs
 }
 
 // migratedSeeded creates name on the private cluster, migrates it with the
 // batcher binary and seeds the rows.
-func (e *env) migratedSeeded(b *testing.B, name string) (string, *pgxpool.Pool) {
+func (e *env) migratedSeeded(b testing.TB, name string) (string, *pgxpool.Pool) {
 	ctx := context.Background()
 	admin, err := pgx.Connect(ctx, e.pgBase)
 	check(b, err)

@@ -51,23 +51,18 @@ type results struct {
 	Rounds   int       `json:"rounds"`
 	Settings settings  `json:"settings"`
 	Legs     []leg     `json:"legs"`
-	Follow   string    `json:"follow"`
 	Debezium string    `json:"debezium"`
 }
 
 func (r *results) add(l []leg) { r.Legs = append(r.Legs, l...) }
 
-// followStatus says why outboxrelay has no table-changes leg in this run.
-func followStatus() string {
-	return "not measured: `batcher run --follow` is not in this build (branch follow has not landed)"
-}
-
-// debeziumStatus says why Debezium has no leg in this run.
+// debeziumStatus says where the Debezium comparison is: make bench-peers
+// runs bench/peers/debezium's benchmark (its own test binary) after this one.
 func debeziumStatus() string {
-	if _, err := os.Stat(filepath.Join(stack.RepoRoot(), "bench", "peers", "debezium")); err == nil {
-		return "not measured: bench/peers/debezium is present but not wired into bench-peers yet"
+	if os.Getenv("BENCH_PEERS_DEBEZIUM") == "run" {
+		return "measured by bench/peers/debezium in the same `make bench-peers` run, printed after this table"
 	}
-	return "not measured: the Debezium harness (branch debezium, bench/peers/debezium) has not landed"
+	return "not measured: bench/peers/debezium has the harness (branch debezium) but no benchmark yet"
 }
 
 // median of f over the legs of tool and kind (and rate, for latency legs).
@@ -150,8 +145,14 @@ func (r *results) markdown() string {
 		return s, p99, true
 	}
 	for _, rate := range r.Settings.ChangeRates {
-		p, _, ok := lat(pgsyncName, kindChanges, rate)
-		fmt.Fprintf(&b, "| single-row UPDATEs at %d/s, commit → searchable | %s | %s | |\n", rate, cell(ok, p), r.Follow)
+		p, p99p, okP := lat(pgsyncName, kindChanges, rate)
+		o, p99o, okO := lat(ourName, kindChanges, rate)
+		ratio := "—"
+		if okP && okO {
+			ratio = fmt.Sprintf("**%.2f×** p99", p99o/p99p)
+		}
+		fmt.Fprintf(&b, "| single-row UPDATEs at %d/s, commit → searchable (PGSync `--daemon`; outboxrelay `batcher run --follow`) | %s | %s | %s |\n",
+			rate, cell(okP, p), cell(okO, o), ratio)
 	}
 	for _, rate := range r.Settings.EventRates {
 		o, _, ok := lat(ourName, kindEvents, rate)
