@@ -68,8 +68,8 @@ bench-e2e: build ## 1,000,000 rows from the source table to searchable documents
 bench-peers: build ## PGSync beside outboxrelay on the same rows, one run; table and plots into bench/results/ (BENCH_PEERS_ROWS=1000000)
 	@$(WITH_STACK) eval "$$(bench/peers/setup.sh)" && \
 	if $(GO) test -list '^Benchmark' ./bench/peers/debezium/ | grep -q '^Benchmark'; then export BENCH_PEERS_DEBEZIUM=run; fi && \
-	flock /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/peers/ && \
-	if [[ "$${BENCH_PEERS_DEBEZIUM:-}" == run ]]; then flock /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/peers/debezium/; \
+	flock -o /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/peers/ && \
+	if [[ "$${BENCH_PEERS_DEBEZIUM:-}" == run ]]; then flock -o /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/peers/debezium/; \
 	else echo "bench-peers: bench/peers/debezium has no benchmark yet; Debezium not measured"; fi
 
 .PHONY: demo
