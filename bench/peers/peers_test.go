@@ -24,7 +24,8 @@
 // user sees: _count / _search without a forced refresh.
 //
 // Results go to bench/results/ (BENCH_PEERS_OUT): peers.md (the table),
-// peers.json, peers-throughput.png and peers-latency.png (CDFs).
+// peers.json, peers-throughput.png and peers-latency.png (CDFs); with the
+// default directory the README's "Latest make bench-peers" shows the table.
 package bench_peers
 
 import (
@@ -133,6 +134,9 @@ func BenchmarkPeers(b *testing.B) {
 		table, err := os.ReadFile(filepath.Join(s.Out, "peers.md"))
 		check(b, err)
 		fmt.Printf("bench-peers:\n%s\n", table)
+		if rel, err := filepath.Rel(stack.RepoRoot(), s.Out); err == nil && rel == filepath.Join("bench", "results") {
+			check(b, updateReadme(filepath.Join(stack.RepoRoot(), "README.md"), rel, string(table)))
+		}
 	}
 }
 

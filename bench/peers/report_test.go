@@ -257,3 +257,21 @@ func (r *results) latencyPlot(file string) error {
 	}
 	return p.Save(8*vg.Inch, 5*vg.Inch, file)
 }
+
+// updateReadme puts the table and plots of the run between the bench-peers
+// markers of the README, so it shows the latest run; resultsDir is the
+// results' path relative to the README.
+func updateReadme(readme, resultsDir, table string) error {
+	raw, err := os.ReadFile(readme)
+	if err != nil {
+		return err
+	}
+	const begin, end = "<!-- bench-peers:begin -->\n", "<!-- bench-peers:end -->"
+	s := string(raw)
+	i, j := strings.Index(s, begin), strings.Index(s, end)
+	if i < 0 || j < i {
+		return fmt.Errorf("%s: no %q … %q markers", readme, strings.TrimSpace(begin), end)
+	}
+	table = strings.NewReplacer("](peers-", "]("+resultsDir+"/peers-").Replace(table)
+	return os.WriteFile(readme, []byte(s[:i+len(begin)]+table+s[j:]), 0o644)
+}
