@@ -146,12 +146,42 @@ func (s *server) database(tb testing.TB) (string, func()) {
 		once.Do(func() {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			s.admin(tb, ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active`, name)
+			s.dropSlots(tb, ctx, name)
 			s.admin(tb, ctx, fmt.Sprintf("DROP DATABASE IF EXISTS %s WITH (FORCE)", pgx.Identifier{name}.Sanitize()))
 		})
 	}
 	tb.Cleanup(drop)
 	return stack.WithDatabase(s.url, name), drop
+}
+
+// dropSlots drops the replication slots of database name. A peer that just
+// exited may still have its walsender on the slot for a moment: that one is
+// ended and the drop tried again, until none is left.
+func (s *server) dropSlots(tb testing.TB, ctx context.Context, name string) {
+	tb.Helper()
+	conn, err := pgx.Connect(ctx, s.url)
+	if err != nil {
+		tb.Fatalf("connect %s: %v", s.url, err)
+	}
+	defer conn.Close(ctx)
+	for {
+		var left int
+		err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE database = $1`, name).Scan(&left)
+		if err == nil && left == 0 {
+			return
+		}
+		if err == nil {
+			_, err = conn.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = $1 AND active`, name)
+		}
+		if err == nil {
+			_, err = conn.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active`, name)
+		}
+		select {
+		case <-ctx.Done():
+			tb.Fatalf("drop the replication slots of %s: %v (last error: %v)", name, ctx.Err(), err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }
 
 // createTopic creates a topic with the publisher bench's partition count;
@@ -197,6 +227,7 @@ type consumer struct {
 
 	mu       sync.Mutex
 	events   map[string]struct{}  // event ids seen: the publisher's ce_id, the EventRouter's id
+	times    []time.Time          // arrival of each distinct event, in order
 	first    map[string]time.Time // key → first arrival
 	records  []arrival
 	n, dupes int
@@ -241,6 +272,7 @@ func (c *consumer) loop() {
 				c.dupes++
 			} else {
 				c.events[id] = struct{}{}
+				c.times = append(c.times, now)
 			}
 			if _, seen := c.first[key]; !seen {
 				c.first[key] = now
@@ -419,20 +451,42 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// waitReady writes a probe event every second until one comes out of the
-// topic: then the peer holds its shards (publisher) or streams from its
-// slot (Debezium). It returns how long that took.
-func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *testproc.Proc, name string) time.Duration {
+// waitReady writes a probe transaction every second until every event of
+// one of them came out of the topic: then the peer holds its shards
+// (publisher) or streams from its slot (Debezium). A probe has one event in
+// each of the outbox's 64 partitions: Debezium reads a partition's schema
+// from the database the first time it sees a change from it (pgoutput
+// sends a relation message per partition, even via the root), which on a
+// loaded machine takes seconds for all 64; a peer is ready once that is
+// behind it. It returns how many probe events it wrote (they all arrive,
+// some perhaps after it returns).
+func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *testproc.Proc, name string) int {
 	tb.Helper()
 	start := time.Now()
 	deadline := start.Add(5 * time.Minute)
+	var probes [][]string
 	for i := 0; ; i++ {
-		key := fmt.Sprintf("probe-%d", i)
-		insertEvents(tb, pool, topic, []string{key}, 1)
+		var keys []string
+		if err := pool.QueryRow(context.Background(), probeKeysSQL, i).Scan(&keys); err != nil {
+			tb.Fatalf("probe keys: %v", err)
+		}
+		probes = append(probes, keys)
+		insertEvents(tb, pool, topic, keys, 1)
 		for until := time.Now().Add(time.Second); time.Now().Before(until); {
-			for j := 0; j <= i; j++ {
-				if _, ok := c.arrived(fmt.Sprintf("probe-%d", j)); ok {
-					return time.Since(start)
+			for _, keys := range probes {
+				all := true
+				for _, k := range keys {
+					if _, ok := c.arrived(k); !ok {
+						all = false
+						break
+					}
+				}
+				if all {
+					n := 0
+					for _, keys := range probes {
+						n += len(keys)
+					}
+					return n
 				}
 			}
 			select {
@@ -442,10 +496,18 @@ func waitReady(tb testing.TB, pool *pgxpool.Pool, c *consumer, topic string, p *
 			}
 		}
 		if time.Now().After(deadline) {
-			tb.Fatalf("%s: no probe event on %s after 5 minutes\nstderr:\n%s", name, topic, tail(p.Stderr(), 40))
+			tb.Fatalf("%s: no whole probe on %s after 5 minutes\nstderr:\n%s", name, topic, tail(p.Stderr(), 40))
 		}
 	}
 }
+
+// probeKeysSQL picks one key per outbox partition for probe $1.
+const probeKeysSQL = `
+SELECT array_agg(k) FROM (
+	SELECT DISTINCT ON (outboxrelay_shard(k)) k
+	FROM (SELECT 'probe-' || $1::int || '-' || g AS k FROM generate_series(1, 5000) AS g) AS candidates
+	ORDER BY outboxrelay_shard(k), k
+) AS one_per_shard`
 
 // insertSQL writes outbox rows the way both peers read them: topic and
 // aggregate type are both the Kafka topic (the publisher routes by the
@@ -468,12 +530,17 @@ func insertEvents(tb testing.TB, pool *pgxpool.Pool, topic string, keys []string
 type counts struct {
 	records, distinct, dupes int
 	first, last              time.Time
+	p10, p90                 time.Time // when the first 10% and 90% of the distinct events had arrived
 }
 
 func (c *consumer) counts() counts {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return counts{records: c.n, distinct: len(c.events), dupes: c.dupes, first: c.firstAt, last: c.lastAt}
+	r := counts{records: c.n, distinct: len(c.events), dupes: c.dupes, first: c.firstAt, last: c.lastAt}
+	if n := len(c.times); n > 0 {
+		r.p10, r.p90 = c.times[n/10], c.times[n*9/10]
+	}
+	return r
 }
 
 // kept returns a copy of the records seen (consumers made with keep).
