@@ -170,7 +170,9 @@ func TestPeersSmallRound(t *testing.T) {
 // run measures every leg of every round.
 func run(tb testing.TB, s settings) *results {
 	e := setup(tb, s)
-	res := &results{Date: time.Now().UTC(), Machine: machine(), Rows: s.Rows, Rounds: s.Rounds, Settings: s, Debezium: debeziumStatus()}
+	dz, err := loadDebezium()
+	check(tb, err)
+	res := &results{Date: time.Now().UTC(), Machine: machine(), Rows: s.Rows, Rounds: s.Rounds, Settings: s, Debezium: dz}
 	for round := 1; round <= s.Rounds; round++ {
 		legs := []func(){func() { res.add(e.pgsync(tb, round)) }, func() { res.add(e.outboxrelay(tb, round)) }}
 		if round%2 == 0 {

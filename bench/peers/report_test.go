@@ -45,24 +45,93 @@ type leg struct {
 }
 
 type results struct {
-	Date     time.Time `json:"date"`
-	Machine  string    `json:"machine"`
-	Rows     int       `json:"rows"`
-	Rounds   int       `json:"rounds"`
-	Settings settings  `json:"settings"`
-	Legs     []leg     `json:"legs"`
-	Debezium string    `json:"debezium"`
+	Date     time.Time       `json:"date"`
+	Machine  string          `json:"machine"`
+	Rows     int             `json:"rows"`
+	Rounds   int             `json:"rounds"`
+	Settings settings        `json:"settings"`
+	Legs     []leg           `json:"legs"`
+	Debezium *debeziumReport `json:"debezium,omitempty"`
 }
 
 func (r *results) add(l []leg) { r.Legs = append(r.Legs, l...) }
 
-// debeziumStatus says where the Debezium comparison is: make bench-peers
-// runs bench/peers/debezium's benchmark (its own test binary) after this one.
-func debeziumStatus() string {
-	if os.Getenv("BENCH_PEERS_DEBEZIUM") == "run" {
-		return "measured by bench/peers/debezium in the same `make bench-peers` run, printed after this table"
+// debeziumResult is one summary row of bench/peers/debezium's results
+// (its Result type; the fields this table shows).
+type debeziumResult struct {
+	Peer           string  `json:"peer"`
+	Scenario       string  `json:"scenario"`
+	Round          int     `json:"round"`
+	Events         int     `json:"events"`
+	EventsPerSec   float64 `json:"events_per_s"`
+	SteadyPerSec   float64 `json:"steady_events_per_s"`
+	OfferedPerSec  int     `json:"offered_per_s"`
+	AchievedPerSec float64 `json:"achieved_per_s"`
+	P50Ms          float64 `json:"p50_ms"`
+	P99Ms          float64 `json:"p99_ms"`
+	Missing        int     `json:"missing"`
+	PeerCPUSec     float64 `json:"peer_cpu_s"`
+}
+
+type debeziumReport struct {
+	Date    string           `json:"date"`
+	Summary []debeziumResult `json:"summary"`
+}
+
+// loadDebezium reads the Debezium benchmark's results when
+// BENCH_PEERS_DEBEZIUM_JSON names them (make bench-peers runs it first, in
+// the same run); nil otherwise.
+func loadDebezium() (*debeziumReport, error) {
+	path := os.Getenv("BENCH_PEERS_DEBEZIUM_JSON")
+	if path == "" {
+		return nil, nil
 	}
-	return "not measured: bench/peers/debezium has the harness (branch debezium) but no benchmark yet"
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("BENCH_PEERS_DEBEZIUM_JSON=%s: %w", path, err)
+	}
+	var r debeziumReport
+	if err := json.Unmarshal(raw, &r); err != nil {
+		return nil, fmt.Errorf("BENCH_PEERS_DEBEZIUM_JSON=%s: %w", path, err)
+	}
+	return &r, nil
+}
+
+// debeziumRows are the table rows of the Debezium comparison: the same
+// outbox rows relayed to Kafka by Debezium and by the publisher.
+func (r *results) debeziumRows(b *strings.Builder) {
+	if r.Debezium == nil {
+		b.WriteString("| Debezium 3.6.1 outbox → Kafka vs the publisher | not measured in this run (`make bench-peers` runs bench/peers/debezium first and passes its results in BENCH_PEERS_DEBEZIUM_JSON) | | |\n")
+		return
+	}
+	find := func(peer, scenario string, rate int) (debeziumResult, bool) {
+		for _, x := range r.Debezium.Summary {
+			if x.Peer == peer && x.Scenario == scenario && x.OfferedPerSec == rate {
+				return x, true
+			}
+		}
+		return debeziumResult{}, false
+	}
+	d, okD := find("debezium", "backlog", 0)
+	p, okP := find("publisher", "backlog", 0)
+	if okD && okP {
+		fmt.Fprintf(b, "| outbox → Kafka, a backlog of %d events: events/s (Debezium 3.6.1 embedded vs publisher; %s) | Debezium %.0f/s (CPU %.1f s) | publisher %.0f/s (CPU %.1f s) | **%.2f×** events/s |\n",
+			p.Events, r.Debezium.Date, d.EventsPerSec, d.PeerCPUSec, p.EventsPerSec, p.PeerCPUSec, p.EventsPerSec/d.EventsPerSec)
+	}
+	for _, x := range r.Debezium.Summary {
+		if x.Peer != "publisher" || x.Scenario != "latency" {
+			continue
+		}
+		cellFor := func(y debeziumResult) string {
+			return fmt.Sprintf("p50 %s / p99 %s (%.0f/s committed, %d missing)", ms(y.P50Ms), ms(y.P99Ms), y.AchievedPerSec, y.Missing)
+		}
+		dz, ok := find("debezium", "latency", x.OfferedPerSec)
+		dcell, ratio := "—", "—"
+		if ok {
+			dcell, ratio = "Debezium "+cellFor(dz), fmt.Sprintf("**%.2f×** p99", x.P99Ms/dz.P99Ms)
+		}
+		fmt.Fprintf(b, "| outbox → Kafka at %d events/s, commit → on Kafka | %s | publisher %s | %s |\n", x.OfferedPerSec, dcell, cellFor(x), ratio)
+	}
 }
 
 // median of f over the legs of tool and kind (and rate, for latency legs).
@@ -109,7 +178,7 @@ func (r *results) markdown() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "`make bench-peers` — %s, %s; %d rows (bench-e2e seed), %d round(s), OpenSearch %s; medians over rounds\n\n",
 		r.Date.Format("2006-01-02 15:04 UTC"), r.Machine, r.Rows, r.Rounds, searchVersion())
-	b.WriteString("| measurement | PGSync 7.3.0 | outboxrelay | outboxrelay / PGSync |\n|---|---|---|---|\n")
+	b.WriteString("| measurement | peer (PGSync 7.3.0; Debezium 3.6.1.Final) | outboxrelay | outboxrelay / peer |\n|---|---|---|---|\n")
 	sec := func(l leg) float64 { return l.Seconds }
 	ps, okP := r.median(pgsyncName, kindInitial, 0, sec)
 	os_, okO := r.median(ourName, kindInitial, 0, sec)
@@ -158,7 +227,7 @@ func (r *results) markdown() string {
 		o, _, ok := lat(ourName, kindEvents, rate)
 		fmt.Fprintf(&b, "| outbox.Enqueue events at %d/s (UPDATE + event in one transaction), commit → searchable | no outbox (PGSync follows tables) | %s | |\n", rate, cell(ok, o))
 	}
-	fmt.Fprintf(&b, "| Debezium 3.6.1 outbox → Kafka at 1k and 10k events/s vs the publisher | %s | | |\n", r.Debezium)
+	r.debeziumRows(&b)
 	b.WriteString("| Camel OpenSearch sink connector (indexer's peer) | not measured: not attempted in this version (see bench/peers/README.md) | | |\n")
 
 	b.WriteString("\nEvery leg:\n\n| round | tool | leg | result |\n|---|---|---|---|\n")
