@@ -114,7 +114,7 @@ func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64
 				// push the schedule back.
 				timer.Reset(time.Until(start.Add(time.Duration(i) * interval)))
 				<-timer.C
-				g := (first+i)*7919%int64(w.maxGroup) + 1
+				g := row(first+i, int64(w.maxGroup))
 				id := g*3 + g%2
 				if err := w.change(ctx, pool, id, base+i, enq); err != nil {
 					errs <- fmt.Errorf("change row %d: %w", id, err)
@@ -189,6 +189,24 @@ func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64
 	slices.Sort(l.latencies)
 	l.P50ms, l.P99ms, l.MaxMs = quantile(l.latencies, 0.50), quantile(l.latencies, 0.99), quantile(l.latencies, 1)
 	return l
+}
+
+// badEvery is the seed's demo.SeedOptions.BadEvery: every badEvery-th row
+// has no title, which the demo normalizer quarantines.
+const badEvery = 10_000
+
+// row is the k-th row a writer changes: g in 1..maxGroup, never a row the
+// normalizer quarantines (its change would never be searchable through the
+// batcher), spread over the table, and all different for k < the number of
+// valid rows.
+func row(k, maxGroup int64) int64 {
+	valid := maxGroup - maxGroup/badEvery
+	stride := int64(7919) // prime: coprime with valid unless it divides it
+	if valid%stride == 0 {
+		stride = 1
+	}
+	j := k * stride % valid
+	return j + j/(badEvery-1) + 1
 }
 
 // change is one transaction: the row's UPDATE and, for outboxrelay, its event.

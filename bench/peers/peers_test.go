@@ -188,7 +188,7 @@ func run(tb testing.TB, s settings) *results {
 func setup(b testing.TB, s settings) *env {
 	ctx := context.Background()
 	e := &env{s: s, brokers: stack.KafkaBrokers(b), search: stack.ElasticsearchURL(b), dir: b.TempDir(),
-		bad: s.Rows / 10_000, maxGroup: s.Rows}
+		bad: s.Rows / badEvery, maxGroup: s.Rows}
 
 	// PGSync reads the WAL through a logical replication slot: a private
 	// cluster with wal_level=logical (the stack's cluster, same settings
@@ -227,7 +227,7 @@ func (e *env) database(b testing.TB, name string) (string, *pgxpool.Pool) {
 	url := stack.WithDatabase(e.pgBase, name)
 	pool := stack.Pool(b, url)
 	t0 := time.Now()
-	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: e.s.Rows, BadEvery: 10_000}))
+	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: e.s.Rows, BadEvery: badEvery}))
 	b.Logf("%s: seeded %d rows in %s", name, e.s.Rows, time.Since(t0).Round(time.Millisecond))
 	return url, pool
 }
@@ -432,7 +432,7 @@ func (e *env) migratedSeeded(b testing.TB, name string) (string, *pgxpool.Pool) 
 	}
 	pool := stack.Pool(b, url)
 	t0 := time.Now()
-	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: e.s.Rows, BadEvery: 10_000}))
+	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: e.s.Rows, BadEvery: badEvery}))
 	b.Logf("%s: seeded %d rows in %s", name, e.s.Rows, time.Since(t0).Round(time.Millisecond))
 	return url, pool
 }
