@@ -68,6 +68,15 @@ bench-indexer: ## indexer throughput vs a raw bulk baseline
 bench-e2e: build ## 1,000,000 rows from the source table to searchable documents
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/e2e/
 
+.PHONY: bench-peers
+bench-peers: build ## PGSync and Debezium beside outboxrelay on the same rows, one run; table and plots into bench/results/ (BENCH_PEERS_ROWS=1000000)
+	@$(WITH_STACK) eval "$$(bench/peers/setup.sh)" && \
+	if $(GO) test -list '^Benchmark' ./bench/peers/debezium/ | grep -q '^Benchmark'; then \
+	  export DEBEZIUM_BENCH_OUT="$(CURDIR)/bench/results/debezium.json" BENCH_PEERS_DEBEZIUM_JSON="$(CURDIR)/bench/results/debezium.json" && \
+	  flock -o /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/peers/debezium/; \
+	else echo "bench-peers: bench/peers/debezium has no benchmark; Debezium not measured"; fi && \
+	flock -o /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/peers/
+
 .PHONY: demo
 demo: build ## the whole pipeline on the local stack: seed, batch, publish, index, change, follow (ROWS=200000)
 	@$(WITH_STACK) $(GO) run ./demo --rows $${ROWS:-200000}

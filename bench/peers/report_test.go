@@ -1,0 +1,346 @@
+package bench_peers
+
+import (
+	"encoding/json"
+	"fmt"
+	"image/color"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+
+	"github.com/outboxrelay/outboxrelay/internal/stack"
+)
+
+const (
+	kindInitial = "initial sync"
+	kindChanges = "table changes"
+	kindEvents  = "application events"
+)
+
+// leg is one measurement of one tool.
+type leg struct {
+	Tool       string  `json:"tool"`
+	Kind       string  `json:"kind"`
+	Round      int     `json:"round"`
+	Docs       int64   `json:"docs,omitempty"`        // initial sync: documents searchable at the end
+	Seconds    float64 `json:"seconds,omitempty"`     // initial sync: start → all searchable
+	ProcessCPU float64 `json:"process_cpu,omitempty"` // initial sync: CPU-s of the tool's own processes
+	Rate       int     `json:"rate,omitempty"`        // changes or events per second asked for
+	Achieved   float64 `json:"achieved,omitempty"`    // and committed
+	Events     int     `json:"events,omitempty"`
+	Lost       int     `json:"not_searchable,omitempty"` // not searchable a minute after the last commit
+	P50ms      float64 `json:"p50_ms,omitempty"`
+	P99ms      float64 `json:"p99_ms,omitempty"`
+	MaxMs      float64 `json:"max_ms,omitempty"`
+	latencies  []float64
+}
+
+type results struct {
+	Date     time.Time       `json:"date"`
+	Machine  string          `json:"machine"`
+	Rows     int             `json:"rows"`
+	Rounds   int             `json:"rounds"`
+	Settings settings        `json:"settings"`
+	Legs     []leg           `json:"legs"`
+	Debezium *debeziumReport `json:"debezium,omitempty"`
+}
+
+func (r *results) add(l []leg) { r.Legs = append(r.Legs, l...) }
+
+// debeziumResult is one summary row of bench/peers/debezium's results
+// (its Result type; the fields this table shows).
+type debeziumResult struct {
+	Peer           string  `json:"peer"`
+	Scenario       string  `json:"scenario"`
+	Round          int     `json:"round"`
+	Events         int     `json:"events"`
+	EventsPerSec   float64 `json:"events_per_s"`
+	SteadyPerSec   float64 `json:"steady_events_per_s"`
+	OfferedPerSec  int     `json:"offered_per_s"`
+	AchievedPerSec float64 `json:"achieved_per_s"`
+	P50Ms          float64 `json:"p50_ms"`
+	P99Ms          float64 `json:"p99_ms"`
+	Missing        int     `json:"missing"`
+	PeerCPUSec     float64 `json:"peer_cpu_s"`
+}
+
+type debeziumReport struct {
+	Date    string           `json:"date"`
+	Summary []debeziumResult `json:"summary"`
+}
+
+// loadDebezium reads the Debezium benchmark's results when
+// BENCH_PEERS_DEBEZIUM_JSON names them (make bench-peers runs it first, in
+// the same run); nil otherwise.
+func loadDebezium() (*debeziumReport, error) {
+	path := os.Getenv("BENCH_PEERS_DEBEZIUM_JSON")
+	if path == "" {
+		return nil, nil
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("BENCH_PEERS_DEBEZIUM_JSON=%s: %w", path, err)
+	}
+	var r debeziumReport
+	if err := json.Unmarshal(raw, &r); err != nil {
+		return nil, fmt.Errorf("BENCH_PEERS_DEBEZIUM_JSON=%s: %w", path, err)
+	}
+	return &r, nil
+}
+
+// debeziumRows are the table rows of the Debezium comparison: the same
+// outbox rows relayed to Kafka by Debezium and by the publisher.
+func (r *results) debeziumRows(b *strings.Builder) {
+	if r.Debezium == nil {
+		b.WriteString("| Debezium 3.6.1 outbox → Kafka vs the publisher | not measured in this run (`make bench-peers` runs bench/peers/debezium first and passes its results in BENCH_PEERS_DEBEZIUM_JSON) | | |\n")
+		return
+	}
+	find := func(peer, scenario string, rate int) (debeziumResult, bool) {
+		for _, x := range r.Debezium.Summary {
+			if x.Peer == peer && x.Scenario == scenario && x.OfferedPerSec == rate {
+				return x, true
+			}
+		}
+		return debeziumResult{}, false
+	}
+	d, okD := find("debezium", "backlog", 0)
+	p, okP := find("publisher", "backlog", 0)
+	if okD && okP {
+		fmt.Fprintf(b, "| outbox → Kafka, a backlog of %d events: events/s (Debezium 3.6.1 embedded vs publisher; %s) | Debezium %.0f/s (CPU %.1f s) | publisher %.0f/s (CPU %.1f s) | **%.2f×** events/s |\n",
+			p.Events, r.Debezium.Date, d.EventsPerSec, d.PeerCPUSec, p.EventsPerSec, p.PeerCPUSec, p.EventsPerSec/d.EventsPerSec)
+	}
+	for _, x := range r.Debezium.Summary {
+		if x.Peer != "publisher" || x.Scenario != "latency" {
+			continue
+		}
+		cellFor := func(y debeziumResult) string {
+			return fmt.Sprintf("p50 %s / p99 %s (%.0f/s committed, %d missing)", ms(y.P50Ms), ms(y.P99Ms), y.AchievedPerSec, y.Missing)
+		}
+		dz, ok := find("debezium", "latency", x.OfferedPerSec)
+		dcell, ratio := "—", "—"
+		if ok {
+			dcell, ratio = "Debezium "+cellFor(dz), fmt.Sprintf("**%.2f×** p99", x.P99Ms/dz.P99Ms)
+		}
+		fmt.Fprintf(b, "| outbox → Kafka at %d events/s, commit → on Kafka | %s | publisher %s | %s |\n", x.OfferedPerSec, dcell, cellFor(x), ratio)
+	}
+}
+
+// median of f over the legs of tool and kind (and rate, for latency legs).
+func (r *results) median(tool, kind string, rate int, f func(leg) float64) (float64, bool) {
+	var v []float64
+	for _, l := range r.Legs {
+		if l.Tool == tool && l.Kind == kind && l.Rate == rate {
+			v = append(v, f(l))
+		}
+	}
+	if len(v) == 0 {
+		return 0, false
+	}
+	slices.Sort(v)
+	return v[len(v)/2], true
+}
+
+func (r *results) write(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("results directory %s: %w", dir, err)
+	}
+	raw, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "peers.json"), raw, 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "peers.md"), []byte(r.markdown()), 0o644); err != nil {
+		return err
+	}
+	if err := r.throughputPlot(filepath.Join(dir, "peers-throughput.png")); err != nil {
+		return fmt.Errorf("throughput plot: %w", err)
+	}
+	if err := r.latencyPlot(filepath.Join(dir, "peers-latency.png")); err != nil {
+		return fmt.Errorf("latency plot: %w", err)
+	}
+	return nil
+}
+
+const pgsyncName, ourName = "PGSync 7.3.0", "outboxrelay"
+
+func (r *results) markdown() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "`make bench-peers` — %s, %s; %d rows (bench-e2e seed), %d round(s), OpenSearch %s; medians over rounds\n\n",
+		r.Date.Format("2006-01-02 15:04 UTC"), r.Machine, r.Rows, r.Rounds, searchVersion())
+	b.WriteString("| measurement | peer (PGSync 7.3.0; Debezium 3.6.1.Final) | outboxrelay | outboxrelay / peer |\n|---|---|---|---|\n")
+	sec := func(l leg) float64 { return l.Seconds }
+	ps, okP := r.median(pgsyncName, kindInitial, 0, sec)
+	os_, okO := r.median(ourName, kindInitial, 0, sec)
+	pcpu, _ := r.median(pgsyncName, kindInitial, 0, func(l leg) float64 { return l.ProcessCPU })
+	ocpu, _ := r.median(ourName, kindInitial, 0, func(l leg) float64 { return l.ProcessCPU })
+	cell := func(ok bool, s string) string {
+		if !ok {
+			return "—"
+		}
+		return s
+	}
+	ratio := "—"
+	if okP && okO {
+		ratio = fmt.Sprintf("**%.2f×** time", os_/ps)
+	}
+	fmt.Fprintf(&b, "| initial sync, source → all searchable | %s | %s | %s |\n",
+		cell(okP, fmt.Sprintf("%.1f s (%.0f docs/s)", ps, float64(r.Rows)/ps)),
+		cell(okO, fmt.Sprintf("%.1f s (%.0f docs/s)", os_, float64(r.Rows-r.Rows/10_000)/os_)), ratio)
+	fmt.Fprintf(&b, "| initial sync, CPU-s of the tool's processes | %s | %s (batcher+publisher+indexer) | |\n",
+		cell(okP, fmt.Sprintf("%.1f", pcpu)), cell(okO, fmt.Sprintf("%.1f", ocpu)))
+	lat := func(tool, kind string, rate int) (string, float64, bool) {
+		p50, ok := r.median(tool, kind, rate, func(l leg) float64 { return l.P50ms })
+		if !ok {
+			return "", 0, false
+		}
+		p99, _ := r.median(tool, kind, rate, func(l leg) float64 { return l.P99ms })
+		lost, _ := r.median(tool, kind, rate, func(l leg) float64 { return float64(l.Lost) })
+		ach, _ := r.median(tool, kind, rate, func(l leg) float64 { return l.Achieved })
+		s := fmt.Sprintf("p50 %s / p99 %s (%.0f/s committed)", ms(p50), ms(p99), ach)
+		if lost > 0 {
+			s += fmt.Sprintf(", %.0f not searchable after 60 s", lost)
+		}
+		return s, p99, true
+	}
+	for _, rate := range r.Settings.ChangeRates {
+		p, p99p, okP := lat(pgsyncName, kindChanges, rate)
+		o, p99o, okO := lat(ourName, kindChanges, rate)
+		ratio := "—"
+		if okP && okO {
+			ratio = fmt.Sprintf("**%.2f×** p99", p99o/p99p)
+		}
+		fmt.Fprintf(&b, "| single-row UPDATEs at %d/s, commit → searchable (PGSync `--daemon`; outboxrelay `batcher run --follow`) | %s | %s | %s |\n",
+			rate, cell(okP, p), cell(okO, o), ratio)
+	}
+	for _, rate := range r.Settings.EventRates {
+		o, _, ok := lat(ourName, kindEvents, rate)
+		fmt.Fprintf(&b, "| outbox.Enqueue events at %d/s (UPDATE + event in one transaction), commit → searchable | no outbox (PGSync follows tables) | %s | |\n", rate, cell(ok, o))
+	}
+	r.debeziumRows(&b)
+	b.WriteString("| Camel OpenSearch sink connector (indexer's peer) | not measured: not attempted in this version (see bench/peers/README.md) | | |\n")
+
+	b.WriteString("\nEvery leg:\n\n| round | tool | leg | result |\n|---|---|---|---|\n")
+	for _, l := range r.Legs {
+		var res string
+		if l.Kind == kindInitial {
+			res = fmt.Sprintf("%d docs in %.1f s, process CPU %.1f s", l.Docs, l.Seconds, l.ProcessCPU)
+		} else {
+			res = fmt.Sprintf("%d at %d/s (%.0f/s committed): p50 %s, p99 %s, max %s, %d not searchable", l.Events, l.Rate, l.Achieved, ms(l.P50ms), ms(l.P99ms), ms(l.MaxMs), l.Lost)
+		}
+		fmt.Fprintf(&b, "| %d | %s | %s | %s |\n", l.Round, l.Tool, l.Kind, res)
+	}
+	b.WriteString("\n![throughput](peers-throughput.png) ![latency](peers-latency.png)\n")
+	return b.String()
+}
+
+func ms(v float64) string {
+	if math.IsNaN(v) {
+		return "—"
+	}
+	if v >= 1000 {
+		return fmt.Sprintf("%.2f s", v/1000)
+	}
+	return fmt.Sprintf("%.0f ms", v)
+}
+
+func searchVersion() string {
+	out, err := exec.Command("bash", filepath.Join(stack.RepoRoot(), "scripts", "stack", "opensearch.sh"), "version").Output()
+	if err != nil {
+		return "?"
+	}
+	return strings.TrimSpace(string(out))
+}
+
+func (r *results) throughputPlot(file string) error {
+	p := plot.New()
+	p.Title.Text = fmt.Sprintf("Initial sync of %d rows: documents searchable per second", r.Rows)
+	p.Y.Label.Text = "docs/s (median over rounds)"
+	var names []string
+	var vals plotter.Values
+	for _, tool := range []string{pgsyncName, ourName} {
+		if v, ok := r.median(tool, kindInitial, 0, func(l leg) float64 { return float64(l.Docs) / l.Seconds }); ok {
+			names, vals = append(names, tool), append(vals, v)
+		}
+	}
+	if len(vals) == 0 {
+		return nil
+	}
+	bars, err := plotter.NewBarChart(vals, vg.Points(60))
+	if err != nil {
+		return err
+	}
+	bars.Color = color.RGBA{R: 60, G: 110, B: 180, A: 255}
+	p.Add(bars)
+	p.NominalX(names...)
+	return p.Save(6*vg.Inch, 4*vg.Inch, file)
+}
+
+func (r *results) latencyPlot(file string) error {
+	p := plot.New()
+	p.Title.Text = "commit → searchable (CDF, every round)"
+	p.X.Label.Text = "latency (ms, log scale)"
+	p.Y.Label.Text = "fraction of changes"
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.Legend.Top, p.Legend.Left = true, true
+	groups := map[string][]float64{}
+	var keys []string
+	for _, l := range r.Legs {
+		if l.Kind == kindInitial || len(l.latencies) == 0 {
+			continue
+		}
+		k := fmt.Sprintf("%s %s %d/s", l.Tool, l.Kind, l.Rate)
+		if _, ok := groups[k]; !ok {
+			keys = append(keys, k)
+		}
+		groups[k] = append(groups[k], l.latencies...)
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	var lines []any
+	for _, k := range keys {
+		v := groups[k]
+		slices.Sort(v)
+		step := max(1, len(v)/500)
+		var xys plotter.XYs
+		for i := 0; i < len(v); i += step {
+			xys = append(xys, plotter.XY{X: max(1, v[i]), Y: float64(i+1) / float64(len(v))})
+		}
+		xys = append(xys, plotter.XY{X: max(1, v[len(v)-1]), Y: 1})
+		lines = append(lines, k, xys)
+	}
+	if err := plotutil.AddLines(p, lines...); err != nil {
+		return err
+	}
+	return p.Save(8*vg.Inch, 5*vg.Inch, file)
+}
+
+// updateReadme puts the table and plots of the run between the bench-peers
+// markers of the README, so it shows the latest run; resultsDir is the
+// results' path relative to the README.
+func updateReadme(readme, resultsDir, table string) error {
+	raw, err := os.ReadFile(readme)
+	if err != nil {
+		return err
+	}
+	const begin, end = "<!-- bench-peers:begin -->\n", "<!-- bench-peers:end -->"
+	s := string(raw)
+	i, j := strings.Index(s, begin), strings.Index(s, end)
+	if i < 0 || j < i {
+		return fmt.Errorf("%s: no %q … %q markers", readme, strings.TrimSpace(begin), end)
+	}
+	table = strings.NewReplacer("](peers-", "]("+resultsDir+"/peers-").Replace(table)
+	return os.WriteFile(readme, []byte(s[:i+len(begin)]+table+s[j:]), 0o644)
+}
