@@ -69,7 +69,7 @@ type settings struct {
 	IndexerLanes    int    // E2E_BENCH_LANES, default 4
 	IndexerBatch    int    // E2E_BENCH_INDEXER_BATCH: documents per bulk, default 5000
 	RefreshInterval string // E2E_BENCH_REFRESH: index.refresh_interval of the index, default 30s ("" = product mapping, 1s)
-	PublisherEnv    string // E2E_BENCH_PUBLISHER_ENV: extra "K=V,K=V" settings of the publisher, both variants (to compare one setting)
+	PublisherEnv    string // E2E_BENCH_PUBLISHER_ENV: extra "K=V,K=V" settings of the publisher, both variants (to compare one setting, e.g. COMPRESSION=none)
 	IndexerEnv      string // E2E_BENCH_INDEXER_ENV: the same for the indexer
 }
 
