@@ -9,6 +9,7 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/internal/kafkakey"
 	"github.com/segmentio/kafka-go"
+	"github.com/segmentio/kafka-go/compress"
 )
 
 // producer sends records with kafka-go's Client: one Produce request per
@@ -27,6 +28,7 @@ import (
 type producer struct {
 	client   *kafka.Client
 	balancer kafka.Balancer // kafkakey.Balancer: the partition every stage agrees on
+	codec    compress.Compression
 
 	mu    sync.Mutex
 	parts map[string]topicParts // partition counts, from the transport's metadata cache
@@ -47,8 +49,9 @@ type topicParts struct {
 // transport's cache (itself refreshed every MetadataTTL) is asked again.
 const partsTTL = time.Second
 
-func newProducer(transport *kafka.Transport, brokers []string, topics []TopicSpec) *producer {
+func newProducer(transport *kafka.Transport, brokers []string, topics []TopicSpec, codec compress.Compression) *producer {
 	pr := &producer{
+		codec:    codec,
 		client:   &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport},
 		balancer: kafkakey.Balancer(),
 		parts:    map[string]topicParts{},
@@ -161,7 +164,7 @@ func (pr *producer) write(ctx context.Context, msgs []kafka.Message) error {
 		go func() {
 			defer wg.Done()
 			res, err := pr.client.Produce(ctx, &kafka.ProduceRequest{
-				Topic: k.topic, Partition: k.partition, RequiredAcks: kafka.RequireAll,
+				Topic: k.topic, Partition: k.partition, RequiredAcks: kafka.RequireAll, Compression: pr.codec,
 				Records: newMessageRecords(msgs, idx),
 			})
 			if err == nil && res.Error != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
+	"github.com/segmentio/kafka-go/compress"
 )
 
 var (
@@ -104,7 +105,9 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 			SASL:        cfg.SASL,
 		},
 	}
-	p.producer = newProducer(p.transport, cfg.Brokers, cfg.Topics)
+	var codec compress.Compression
+	_ = codec.UnmarshalText([]byte(cfg.Compression)) // validate checked it
+	p.producer = newProducer(p.transport, cfg.Brokers, cfg.Topics, codec)
 	return p, nil
 }
 

@@ -50,9 +50,6 @@ func moveAliases(ctx context.Context, client *elastic.Client, cfg Config, index 
 	if err != nil {
 		return nil, err
 	}
-	if slices.Equal(read, []string{index}) && slices.Equal(write, []string{index}) {
-		return nil, nil
-	}
 	gens, err := listGenerations(ctx, client, index)
 	if err != nil {
 		return nil, err
@@ -61,6 +58,20 @@ func moveAliases(ctx context.Context, client *elastic.Client, cfg Config, index 
 		return nil, fmt.Errorf("%w: index %s does not exist", ErrUnsafeMove, index)
 	}
 	meta := gens[0].Meta
+	if meta.BulkLoad != nil {
+		// Still in bulk-load mode (refresh off): searches would not see
+		// what it holds, nor anything written to it later.
+		if err := restoreSettings(ctx, client, index, *meta.BulkLoad); err != nil {
+			return nil, err
+		}
+		meta.BulkLoad = nil
+		if err := putMeta(ctx, client, index, meta); err != nil {
+			return nil, err
+		}
+	}
+	if slices.Equal(read, []string{index}) && slices.Equal(write, []string{index}) {
+		return nil, nil
+	}
 	if len(read) == 1 && read[0] != index {
 		if meta.PreviousUUID, err = indexUUID(ctx, client, read[0]); err != nil {
 			return nil, err

@@ -46,6 +46,9 @@ type GenerationMeta struct {
 	Previous     string `json:"previous,omitempty"`
 	PreviousUUID string `json:"previous_uuid,omitempty"`
 	CutoverAt    string `json:"cutover_at,omitempty"`
+	// BulkLoad is set while the generation is in bulk-load mode (see
+	// finishBulkLoad): the settings to restore.
+	BulkLoad *BulkLoad `json:"bulk_load,omitempty"`
 }
 
 // maxIndexName leaves room under the engines' 255-byte limit for the
@@ -91,8 +94,25 @@ func generationWriteAlias(index string) string { return index + "-write" }
 // generations had _meta: the adopt step) gets the write alias and, when it
 // has none, the _meta.
 func createGeneration(ctx context.Context, client *elastic.Client, alias, pv string, mapping []byte, extra map[string]any) (string, error) {
+	return createGenerationMode(ctx, client, alias, pv, mapping, extra, false)
+}
+
+// createGenerationMode is createGeneration, in bulk-load mode when bulk is
+// set (a generation the indexer builds from a topic).
+func createGenerationMode(ctx context.Context, client *elastic.Client, alias, pv string, mapping []byte, extra map[string]any, bulk bool) (string, error) {
 	index := GenerationIndex(alias, pv)
 	meta := GenerationMeta{Alias: alias, ProcessorVersion: pv, CreatedAt: time.Now().UTC().Format(time.RFC3339)}
+	if bulk {
+		var m map[string]any
+		if err := json.Unmarshal(mapping, &m); err != nil {
+			return "", fmt.Errorf("index mapping is not a JSON object: %w", err)
+		}
+		meta.BulkLoad = withBulkLoad(m)
+		var err error
+		if mapping, err = json.Marshal(m); err != nil {
+			return "", err
+		}
+	}
 	body, err := withMeta(mapping, meta)
 	if err != nil {
 		return "", err
@@ -109,8 +129,23 @@ func createGeneration(ctx context.Context, client *elastic.Client, alias, pv str
 		return "", err
 	}
 	if len(gens) == 1 && gens[0].Meta.ProcessorVersion == "" {
+		// Adopted: the index existed without a processor version (the
+		// empty one the indexer creates at its start has the name of the
+		// first generation). Still empty, it is built like a new one.
+		if meta.BulkLoad != nil {
+			if meta.BulkLoad, err = adoptBulkLoad(ctx, client, index); err != nil {
+				return "", err
+			}
+		}
 		if err := putMeta(ctx, client, index, meta); err != nil {
 			return "", err
+		}
+		if meta.BulkLoad != nil {
+			// After the _meta that records what to restore: a crash in
+			// between leaves nothing that is not restored.
+			if err := putSettings(ctx, client, index, map[string]any{"refresh_interval": "-1", "number_of_replicas": 0}); err != nil {
+				return "", err
+			}
 		}
 	} else if len(gens) == 1 && gens[0].Meta.ProcessorVersion != pv {
 		return "", fmt.Errorf("index %s holds processor version %q, not %q: it is not the generation of %q", index, gens[0].Meta.ProcessorVersion, pv, pv)
@@ -292,10 +327,11 @@ type router struct {
 
 	mu      sync.Mutex // held while a generation is ensured: rare, and lanes wait for it anyway
 	ensured map[[2]string]time.Time
+	bulk    map[string]bool // indices found in bulk-load mode, until finishBulkLoads ends it
 }
 
 func newRouter(client *elastic.Client, cfg Config, rules *recordRules) *router {
-	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}}
+	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}, bulk: map[string]bool{}}
 }
 
 // route sets the target of every document of a batch that carries a
@@ -337,6 +373,20 @@ func (r *router) target(ctx context.Context, alias, pv string) (string, error) {
 		if err := r.create(ctx, alias, r.rules.writeAliasOf(alias), pv); err != nil {
 			return "", err
 		}
+		if targets, err = AliasTargets(ctx, r.client, generationWriteAlias(index)); err != nil {
+			return "", err
+		}
+	}
+	// Another indexer (or this one before a restart) may have created it
+	// in bulk-load mode: this one ends the mode too when it catches up.
+	for _, t := range targets {
+		gens, err := listGenerations(ctx, r.client, t)
+		if err != nil {
+			return "", err
+		}
+		if len(gens) == 1 && gens[0].Meta.BulkLoad != nil {
+			r.bulk[t] = true
+		}
 	}
 	r.ensured[key] = time.Now()
 	return generationWriteAlias(index), nil
@@ -347,7 +397,7 @@ func (r *router) target(ctx context.Context, alias, pv string) (string, error) {
 // that index belongs to no processor version; otherwise the new
 // generation builds beside the live one until a [Cutover].
 func (r *router) create(ctx context.Context, alias, writeAlias, pv string) error {
-	index, err := createGeneration(ctx, r.client, alias, pv, r.mapping, nil)
+	index, err := createGenerationMode(ctx, r.client, alias, pv, r.mapping, nil, true)
 	if err != nil {
 		return err
 	}

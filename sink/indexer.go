@@ -418,6 +418,7 @@ func (ix *Indexer) runLane(ctx context.Context, bl *backlog, lane int, resolved 
 			return err
 		}
 		res.Lane = lane
+		ix.router.finishBulkLoads(ctx, bt.docs)
 		failpoint.Hit(FailpointAfterBulk)
 		resolved <- resolvedBatch{docs: bt.docs, res: res}
 		bl.release(bt)

@@ -12,8 +12,19 @@
 // batcher rows/s (its process exited), publisher events/s (outbox empty),
 // indexer docs/s (consumer lag zero and the index reconciled).
 //
-// The process settings are the tuned ones below; E2E_BENCH_* environment
-// variables override them to compare (see settings).
+// Two variants run one after the other, each a sub-benchmark: "defaults"
+// starts the three binaries with nothing but the settings a user must give
+// (the headline number: what a user gets), "tuned" with the settings below,
+// which E2E_BENCH_* environment variables override (see settings).
+// E2E_BENCH_VARIANTS=defaults (or tuned) runs one of them.
+//
+// By default the benchmark starts its own PostgreSQL, Kafka and OpenSearch
+// and warms them up with a run of 50,000 rows (E2E_BENCH_WARMUP; 0: none)
+// (E2E_BENCH_STACK=shared uses the servers of DATABASE_URL, KAFKA_BROKERS
+// and ELASTICSEARCH_URL instead), so that it can report the CPU-seconds
+// per 1,000 rows of every component: each server and each of the three
+// processes. On a machine shared with other work the CPU-seconds are the
+// measure to compare; the wall time moves with the load.
 package bench_e2e
 
 import (
@@ -22,8 +33,10 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -39,11 +52,14 @@ import (
 
 func TestMain(m *testing.M) { stack.Main(m) }
 
-// settings of one benchmark run. Each can be overridden by the environment
-// variable named in its comment.
+// settings of one benchmark run. In the tuned variant each can be
+// overridden by the environment variable named in its comment; the
+// defaults variant takes only Rows (E2E_BENCH_ROWS) and the topic's
+// partition count, and leaves the rest to the binaries' defaults.
 type settings struct {
+	Defaults        bool   // start the binaries without any of the settings below
 	Rows            int    // E2E_BENCH_ROWS, default 1,000,000
-	TopicPartitions int    // E2E_BENCH_PARTITIONS, default 8
+	TopicPartitions int    // E2E_BENCH_PARTITIONS, default 8 (defaults variant: 3, the indexer's TOPIC_PARTITIONS default)
 	BatcherWorkers  int    // E2E_BENCH_WORKERS: partitions (tenants) scanned at once, default 4
 	PartitionBy     string // E2E_BENCH_PARTITION_BY: spec source.partition, default tenant_id ("none" = one cursor)
 	ChunkSize       int    // E2E_BENCH_CHUNK: first chunk size, default 5000 (adapts between 1000 and 20000)
@@ -53,17 +69,31 @@ type settings struct {
 	IndexerLanes    int    // E2E_BENCH_LANES, default 4
 	IndexerBatch    int    // E2E_BENCH_INDEXER_BATCH: documents per bulk, default 5000
 	RefreshInterval string // E2E_BENCH_REFRESH: index.refresh_interval of the index, default 30s ("" = product mapping, 1s)
+	PublisherEnv    string // E2E_BENCH_PUBLISHER_ENV: extra "K=V,K=V" settings of the publisher, both variants (to compare one setting, e.g. COMPRESSION=none)
+	IndexerEnv      string // E2E_BENCH_INDEXER_ENV: the same for the indexer
 }
 
-func load() settings {
-	s := settings{Rows: 1_000_000, TopicPartitions: 8, BatcherWorkers: 4, PartitionBy: "tenant_id", ChunkSize: 5000,
+func productDefaults() settings {
+	return settings{Defaults: true, Rows: 1_000_000, TopicPartitions: 3, Publishers: 1, Indexers: 1}
+}
+
+func tuned() settings {
+	return settings{Rows: 1_000_000, TopicPartitions: 8, BatcherWorkers: 4, PartitionBy: "tenant_id", ChunkSize: 5000,
 		Publishers: 1, PublisherBatch: 2000, Indexers: 1, IndexerLanes: 4, IndexerBatch: 5000, RefreshInterval: "30s"}
+}
+
+// load applies the environment to s.
+func load(s settings) settings {
 	num := func(name string, v *int) {
 		if n, err := strconv.Atoi(os.Getenv(name)); err == nil {
 			*v = n
 		}
 	}
 	num("E2E_BENCH_ROWS", &s.Rows)
+	s.PublisherEnv, s.IndexerEnv = os.Getenv("E2E_BENCH_PUBLISHER_ENV"), os.Getenv("E2E_BENCH_INDEXER_ENV")
+	if s.Defaults {
+		return s
+	}
 	num("E2E_BENCH_PARTITIONS", &s.TopicPartitions)
 	num("E2E_BENCH_WORKERS", &s.BatcherWorkers)
 	num("E2E_BENCH_CHUNK", &s.ChunkSize)
@@ -81,14 +111,115 @@ func load() settings {
 	return s
 }
 
-func BenchmarkPipeline(b *testing.B) {
-	s := load()
-	for range b.N {
-		runOnce(b, s)
-	}
+// servers are the benchmark's own servers (nil with E2E_BENCH_STACK=shared).
+type servers struct {
+	postgres, kafka, search *stack.Server
 }
 
-func runOnce(b *testing.B, s settings) {
+// startServers starts a private PostgreSQL, Kafka and OpenSearch and points
+// the stack helpers at them for the rest of the benchmark.
+func startServers(b *testing.B) *servers {
+	if os.Getenv("E2E_BENCH_STACK") == "shared" {
+		return nil
+	}
+	s := &servers{postgres: stack.Private(b, "postgres"), kafka: stack.Private(b, "kafka"), search: stack.Private(b, "opensearch")}
+	b.Setenv("DATABASE_URL", s.postgres.Env)
+	b.Setenv("KAFKA_BROKERS", s.kafka.Env)
+	b.Setenv("ELASTICSEARCH_URL", s.search.Env)
+	return s
+}
+
+// cpu is the CPU time of each component over one run.
+type cpu struct {
+	Postgres, Kafka, Search, Batcher, Publisher, Indexer, Bench time.Duration
+}
+
+func (s *servers) read() cpu {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	c := cpu{Bench: time.Duration(ru.Utime.Nano() + ru.Stime.Nano())}
+	if s != nil {
+		c.Postgres, c.Kafka, c.Search = s.postgres.CPU(), s.kafka.CPU(), s.search.CPU()
+	}
+	return c
+}
+
+// procCPU is the CPU time of an exited process.
+func procCPU(p *testproc.Proc) time.Duration {
+	if p.Cmd.ProcessState == nil {
+		return 0
+	}
+	return p.Cmd.ProcessState.UserTime() + p.Cmd.ProcessState.SystemTime()
+}
+
+// result of one run.
+type result struct {
+	name                            string
+	rows                            int
+	total, batched, drained, caught time.Duration
+	cpu                             cpu
+}
+
+func BenchmarkPipeline(b *testing.B) {
+	srv := startServers(b)
+	want := strings.Split(os.Getenv("E2E_BENCH_VARIANTS"), ",")
+	if srv != nil {
+		// New JVMs spend their first minute compiling: a short run of the
+		// whole pipeline first, so the first variant is not charged for it.
+		w := productDefaults()
+		w.Rows = 50_000
+		if n, err := strconv.Atoi(os.Getenv("E2E_BENCH_WARMUP")); err == nil {
+			w.Rows = n
+		}
+		if w.Rows > 0 {
+			b.Logf("warm-up: %d rows (E2E_BENCH_WARMUP)", w.Rows)
+			runOnce(b, w, srv)
+		}
+	}
+	var results []result
+	for _, v := range []struct {
+		name string
+		s    settings
+	}{{"defaults", load(productDefaults())}, {"tuned", load(tuned())}} {
+		if want[0] != "" && !slices.Contains(want, v.name) {
+			continue
+		}
+		b.Run(v.name, func(b *testing.B) {
+			for range b.N {
+				r := runOnce(b, v.s, srv)
+				r.name = v.name
+				results = append(results, r)
+			}
+		})
+	}
+	table := resultTable(results, srv != nil)
+	b.Log("\n" + table)
+	fmt.Print(table)
+}
+
+// resultTable is one row per run: wall times and CPU-seconds per 1,000 rows
+// of each component.
+func resultTable(results []result, ownServers bool) string {
+	var out strings.Builder
+	out.WriteString("bench-e2e: wall time and CPU-seconds per 1,000 rows per component\n")
+	if !ownServers {
+		out.WriteString("(E2E_BENCH_STACK=shared: the servers' CPU is not measured)\n")
+	}
+	fmt.Fprintf(&out, "%-9s %8s %8s %8s %8s %8s | %8s %8s %8s %8s %8s %8s %8s %8s\n",
+		"variant", "rows", "e2e_s", "batch_s", "drain_s", "caught_s",
+		"postgres", "kafka", "search", "batcher", "publishr", "indexer", "bench", "total")
+	for _, r := range results {
+		per := func(d time.Duration) float64 { return d.Seconds() / float64(r.rows) * 1000 }
+		c := r.cpu
+		sum := c.Postgres + c.Kafka + c.Search + c.Batcher + c.Publisher + c.Indexer + c.Bench
+		fmt.Fprintf(&out, "%-9s %8d %8.1f %8.1f %8.1f %8.1f | %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f\n",
+			r.name, r.rows, r.total.Seconds(), r.batched.Seconds(), r.drained.Seconds(), r.caught.Seconds(),
+			per(c.Postgres), per(c.Kafka), per(c.Search), per(c.Batcher), per(c.Publisher), per(c.Indexer), per(c.Bench), per(sum))
+	}
+	return out.String()
+}
+
+func runOnce(b *testing.B, s settings, srv *servers) result {
 	ctx := context.Background()
 	b.StopTimer()
 	b.Logf("settings %+v", s)
@@ -114,8 +245,10 @@ func runOnce(b *testing.B, s settings) {
 	spec, err := batch.LoadSpec(filepath.Join(stack.RepoRoot(), "demo", "job.yaml"))
 	check(b, err)
 	spec.Topic = topic
-	spec.Source.Partition = s.PartitionBy
-	spec.Chunk = batch.ChunkSettings{Size: s.ChunkSize, Min: 1000, Max: 20_000, TargetDuration: batch.Duration(time.Second)}
+	if !s.Defaults {
+		spec.Source.Partition = s.PartitionBy
+		spec.Chunk = batch.ChunkSettings{Size: s.ChunkSize, Min: 1000, Max: 20_000, TargetDuration: batch.Duration(time.Second)}
+	}
 	dir := b.TempDir()
 	specFile := filepath.Join(dir, "job.json")
 	raw, err := json.Marshal(spec)
@@ -124,7 +257,7 @@ func runOnce(b *testing.B, s settings) {
 	env := []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "ELASTICSEARCH_URL=" + esURL,
 		"TOPIC=" + topic, "GROUP=" + topic, "ALIAS=" + alias, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json", "LOG_LEVEL=warn"}
 	with := func(extra ...string) []string { return append(append([]string{}, env...), extra...) }
-	if s.RefreshInterval != "" {
+	if s.RefreshInterval != "" && !s.Defaults {
 		// The built-in mapping with another refresh interval: the index is
 		// created by the first indexer from MAPPING_FILE.
 		var m map[string]any
@@ -139,17 +272,31 @@ func runOnce(b *testing.B, s settings) {
 
 	t0 := time.Now()
 	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: s.Rows, BadEvery: 10_000}))
+	// What seeding left to do (hint bits, statistics, dirty buffers) is not
+	// the pipeline's work: do it before the CPU counters are read.
+	_, err = pool.Exec(ctx, `VACUUM ANALYZE source_records`)
+	check(b, err)
+	_, err = pool.Exec(ctx, `CHECKPOINT`)
+	check(b, err)
 	b.Logf("seeded %d rows in %s", s.Rows, time.Since(t0).Round(time.Millisecond))
 	bad := int64(s.Rows / 10_000)
 
-	var procs []*testproc.Proc
+	var publishers, indexers []*testproc.Proc
 	for i := range s.Publishers {
-		procs = append(procs, testproc.Start(b, bins["publisher"], with("BATCH_SIZE="+strconv.Itoa(s.PublisherBatch), "PUBLISHER_ID=bench-"+strconv.Itoa(i)), "run"))
+		e := with("PUBLISHER_ID=bench-" + strconv.Itoa(i))
+		if !s.Defaults {
+			e = append(e, "BATCH_SIZE="+strconv.Itoa(s.PublisherBatch))
+		}
+		publishers = append(publishers, testproc.Start(b, bins["publisher"], append(e, envList(s.PublisherEnv)...), "run"))
 	}
 	for range s.Indexers {
-		procs = append(procs, testproc.Start(b, bins["indexer"], with("LANES="+strconv.Itoa(s.IndexerLanes), "BATCH_SIZE="+strconv.Itoa(s.IndexerBatch),
-			"BATCH_BYTES="+strconv.Itoa(16<<20)), "run"))
+		e := with()
+		if !s.Defaults {
+			e = append(e, "LANES="+strconv.Itoa(s.IndexerLanes), "BATCH_SIZE="+strconv.Itoa(s.IndexerBatch), "BATCH_BYTES="+strconv.Itoa(16<<20))
+		}
+		indexers = append(indexers, testproc.Start(b, bins["indexer"], append(e, envList(s.IndexerEnv)...), "run"))
 	}
+	procs := slices.Concat(publishers, indexers)
 	logs := func() string {
 		var out strings.Builder
 		for _, p := range procs {
@@ -158,9 +305,14 @@ func runOnce(b *testing.B, s settings) {
 		return out.String()
 	}
 
+	cpu0 := srv.read()
 	b.StartTimer()
 	start := time.Now()
-	bp := testproc.Start(b, bins["batcher"], with(), "run", "--spec", specFile, "--workers", strconv.Itoa(s.BatcherWorkers))
+	args := []string{"run", "--spec", specFile}
+	if !s.Defaults {
+		args = append(args, "--workers", strconv.Itoa(s.BatcherWorkers))
+	}
+	bp := testproc.Start(b, bins["batcher"], with(), args...)
 	var batched, drained, caught time.Duration
 	var peakBacklog int64
 	deadline := start.Add(20 * time.Minute)
@@ -205,6 +357,19 @@ func runOnce(b *testing.B, s settings) {
 	}
 	total := time.Since(start)
 	b.StopTimer()
+	used := srv.read()
+	for _, p := range procs {
+		_ = p.Signal(15)
+		_ = p.Wait(30 * time.Second)
+	}
+	used = cpu{Postgres: used.Postgres - cpu0.Postgres, Kafka: used.Kafka - cpu0.Kafka, Search: used.Search - cpu0.Search,
+		Bench: used.Bench - cpu0.Bench, Batcher: procCPU(bp)}
+	for _, p := range publishers {
+		used.Publisher += procCPU(p)
+	}
+	for _, p := range indexers {
+		used.Indexer += procCPU(p)
+	}
 
 	docs := float64(int64(s.Rows) - bad)
 	b.ReportMetric(total.Seconds(), "e2e_s")
@@ -218,10 +383,15 @@ func runOnce(b *testing.B, s settings) {
 		drained.Round(time.Millisecond), docs/drained.Seconds(), caught.Round(time.Millisecond), docs/caught.Seconds(), total.Round(time.Millisecond), peakBacklog)
 	b.Log(msg)
 	fmt.Println("bench-e2e:", msg)
-	for _, p := range procs {
-		_ = p.Signal(15)
-		_ = p.Wait(30 * time.Second)
+	return result{rows: s.Rows, total: total, batched: batched, drained: drained, caught: caught, cpu: used}
+}
+
+// envList splits "K=V,K=V" into environment entries.
+func envList(s string) []string {
+	if s == "" {
+		return nil
 	}
+	return strings.Split(s, ",")
 }
 
 func check(b *testing.B, err error) {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
+	"github.com/segmentio/kafka-go/compress"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/benchround"
@@ -284,10 +285,21 @@ func BenchmarkPublisher(b *testing.B) {
 // baseline produces the same records from memory the way the publisher's
 // producer does (outbox/producer.go): 64 shard goroutines, calls of up to
 // 2000 events / 1 MB, each call one kafka.Client.Produce request per
-// partition (murmur2 of the key, acks=all, no compression), sent in
+// partition (murmur2 of the key, acks=all, the publisher's default
+// compression: rawCodec), sent in
 // parallel, on one client with the publisher's transport settings. So the
 // ratio compares the publisher's database work and bookkeeping with the
 // same Kafka path, not with kafka.Writer's.
+// rawCodec is outbox.DefaultCompression, the codec the publishers under
+// test send with.
+var rawCodec = func() compress.Compression {
+	var c compress.Compression
+	if err := c.UnmarshalText([]byte(outbox.DefaultCompression)); err != nil {
+		panic(err)
+	}
+	return c
+}()
+
 func baseline(b *testing.B, brokers []string) measured {
 	topic, drop := createTopic(b, brokers)
 	defer drop()
@@ -365,7 +377,7 @@ func produce(client *kafka.Client, balancer kafka.Balancer, ids []int, msgs []ka
 	for p, records := range byPartition {
 		go func() {
 			res, err := client.Produce(context.Background(), &kafka.ProduceRequest{
-				Topic: msgs[0].Topic, Partition: p, RequiredAcks: kafka.RequireAll, Records: kafka.NewRecordReader(records...),
+				Topic: msgs[0].Topic, Partition: p, RequiredAcks: kafka.RequireAll, Compression: rawCodec, Records: kafka.NewRecordReader(records...),
 			})
 			if err == nil && res.Error != nil {
 				err = res.Error

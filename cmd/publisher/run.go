@@ -41,6 +41,7 @@ func runCommand() cli.Command {
 			fs.Bool(&listen, "listen", "LISTEN", true, "LISTEN for NOTIFY wake-ups and membership changes on a session connection of its own; false behind PgBouncer in transaction mode (which cannot LISTEN): polling only")
 			fs.Int(&cfg.BatchSize, "batch-size", "BATCH_SIZE", outbox.DefaultBatchSize, "most events per shard per Kafka write")
 			fs.Int(&cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", outbox.DefaultBatchBytes, "most bytes per Kafka write; a larger event is dead-lettered (keep <= broker message.max.bytes)")
+			fs.String(&cfg.Compression, "compression", "COMPRESSION", outbox.DefaultCompression, "codec of the record batches sent to Kafka: none, gzip, snappy, lz4 or zstd (consumers read any)")
 			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "timeout of one produce attempt (also cut to the shard's lease deadline)")
 			fs.Duration(&cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", outbox.DefaultRetryMaxElapsed, "time budget of one retry loop before the shard starts over from the database")
 			fs.Duration(&cfg.TopicWait, "topic-wait", "TOPIC_WAIT", outbox.DefaultTopicWait, "how long an event waits for a missing or forbidden topic before it is dead-lettered (topics are never auto-created: see topics ensure)")

@@ -110,3 +110,18 @@ func processTree(root int) time.Duration {
 	}
 	return total
 }
+
+// CPU returns the processor time the server has used since it started (for
+// PostgreSQL, the postmaster with its live and ended backends), so a
+// benchmark on a private server can split its CPU-seconds per component
+// without counting other users of the shared stack.
+func (s *Server) CPU() time.Duration {
+	switch s.Kind {
+	case "postgres":
+		return processTree(pidFile(filepath.Join(s.Dir, "postgres", "data", "postmaster.pid")))
+	case "kafka":
+		return processTime(pidFile(filepath.Join(s.Dir, "kafka", "kafka.pid")), false)
+	default:
+		return processTime(pidFile(filepath.Join(s.Dir, s.Kind, s.Kind+".pid")), false)
+	}
+}
