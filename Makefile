@@ -23,8 +23,9 @@ build: ## build the three binaries into bin/
 	$(GO) build -o bin/ ./cmd/batcher ./cmd/publisher ./cmd/indexer
 
 .PHONY: test
-test: test-alerts ## run every test against the real stack (starts it when needed)
+test: test-alerts ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round)
 	@$(WITH_STACK) $(STACK) versions && \
+	eval "$$(bench/peers/setup.sh)" && \
 	$(GO) test $(TEST_FLAGS) -v -run 'Smoke' ./internal/stack/ && \
 	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v '/internal/stack$$')
 

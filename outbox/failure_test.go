@@ -2,6 +2,8 @@ package outbox_test
 
 import (
 	"context"
+	cryptorand "crypto/rand"
+	"encoding/base64"
 	"encoding/json"
 	"strings"
 	"sync/atomic"
@@ -67,7 +69,11 @@ func TestPublishTooLargeGoesToDeadLetters(t *testing.T) {
 	brokers := stack.KafkaBrokers(t)
 	pool := stack.Pool(t, stack.Database(t))
 	topic := createTopic(t, brokers, 3)
-	big := `{"blob":"` + strings.Repeat("x", 1_200_000) + `"}`
+	// Random, so that compression (COMPRESSION, lz4 by default) does not
+	// bring it under the broker's 1 MB limit.
+	blob := make([]byte, 1_500_000)
+	_, _ = cryptorand.Read(blob)
+	big := `{"blob":"` + base64.StdEncoding.EncodeToString(blob) + `"}`
 	var evs []outbox.Event
 	for v := int64(1); v <= 5; v++ {
 		payload := json.RawMessage(`{"v":1}`)
