@@ -1,6 +1,7 @@
 package sink
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -101,7 +102,7 @@ func createGeneration(ctx context.Context, client *elastic.Client, alias, pv str
 // set (a generation the indexer builds from a topic).
 func createGenerationMode(ctx context.Context, client *elastic.Client, alias, pv string, mapping []byte, extra map[string]any, bulk bool) (string, error) {
 	index := GenerationIndex(alias, pv)
-	meta := GenerationMeta{Alias: alias, ProcessorVersion: pv, CreatedAt: time.Now().UTC().Format(time.RFC3339)}
+	meta := GenerationMeta{Alias: alias, ProcessorVersion: pv, CreatedAt: time.Now().UTC().Format(time.RFC3339Nano)}
 	if bulk {
 		var m map[string]any
 		if err := json.Unmarshal(mapping, &m); err != nil {
@@ -198,6 +199,14 @@ func putMeta(ctx context.Context, client *elastic.Client, index string, meta Gen
 	return nil
 }
 
+// createdAt is when g was created: Meta.CreatedAt (RFC 3339, with
+// nanoseconds since two generations may be created within one second),
+// the zero time when it has none.
+func (g Generation) createdAt() time.Time {
+	t, _ := time.Parse(time.RFC3339Nano, g.Meta.CreatedAt)
+	return t
+}
+
 // Generation is one physical index of an alias, as [Generations] lists it.
 type Generation struct {
 	Index string
@@ -287,7 +296,7 @@ func Generations(ctx context.Context, client *elastic.Client, alias, writeAlias 
 		out = append(out, g)
 	}
 	slices.SortFunc(out, func(a, b Generation) int {
-		return strings.Compare(a.Meta.CreatedAt+a.Index, b.Meta.CreatedAt+b.Index)
+		return cmp.Or(a.createdAt().Compare(b.createdAt()), strings.Compare(a.Index, b.Index))
 	})
 	return out, nil
 }

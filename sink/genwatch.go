@@ -30,7 +30,7 @@ func generationStates(gs []Generation) []string {
 		switch {
 		case g.Live:
 			out[i] = stateLive
-		case live == nil || g.Meta.CreatedAt > live.Meta.CreatedAt:
+		case live == nil || g.createdAt().After(live.createdAt()):
 			out[i] = stateBuilding
 		default:
 			out[i] = stateOld

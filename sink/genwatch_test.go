@@ -91,3 +91,28 @@ func TestGenerationDocsFollowARebuild(t *testing.T) {
 		return len(g[next]) == 1 && g[next][stateLive] == 30 && len(g[first]) == 1 && g[first][stateOld] == 20
 	})
 }
+
+// Two generations created within the same second: the later one is still
+// the one building, not an "old" one (created_at had whole seconds, and
+// TestGenerationDocsFollowARebuild failed on a fast run with the second
+// generation reported old).
+func TestGenerationCreatedInTheSameSecondIsBuilding(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	es := stack.ElasticsearchURL(t)
+	client, err := NewClient(es)
+	require.NoError(t, err)
+	cfg := Config{URL: es, Alias: stack.UniqueName("same")}.withDefaults()
+	t.Cleanup(func() { _, _ = client.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
+	first, err := createGeneration(ctx, client, cfg.Alias, "a", cfg.Mapping, map[string]any{cfg.Alias: map[string]any{}})
+	require.NoError(t, err)
+	next, err := createGeneration(ctx, client, cfg.Alias, "b", cfg.Mapping, nil)
+	require.NoError(t, err)
+	gens, err := Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
+	require.NoError(t, err)
+	states := map[string]string{}
+	for i, s := range generationStates(gens) {
+		states[gens[i].Index] = s
+	}
+	require.Equal(t, map[string]string{first: stateLive, next: stateBuilding}, states)
+}
