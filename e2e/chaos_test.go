@@ -201,7 +201,7 @@ func (c *chaos) start(s *slot) *testproc.Proc {
 		s.mu.Lock()
 		s.metrics = addr
 		s.mu.Unlock()
-		return p.startIndexer("LOG_LEVEL=warn", "METRICS_ADDR="+addr, "LANES=3", "FLUSH_INTERVAL=100ms",
+		return p.startIndexer("LOG_LEVEL=info", "METRICS_ADDR="+addr, "LANES=3", "FLUSH_INTERVAL=100ms",
 			"SESSION_TIMEOUT="+chaosIndexerSession.String(), "HEARTBEAT_INTERVAL=1s")
 	default:
 		return testproc.Start(c.t, p.batcherBin, p.env("LOG_LEVEL=info"), "run", "--spec", p.specFile,

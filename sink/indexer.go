@@ -186,10 +186,15 @@ func (ix *Indexer) kafkaLogger(what string) kafka.Logger {
 	})
 }
 
+// groupMember is the part of [kafka.ConsumerGroup] consume uses.
+type groupMember interface {
+	Next(ctx context.Context) (*kafka.Generation, error)
+}
+
 // consume joins one group generation after the other and reads its
 // partitions into the backlog, until ctx ends.
-func (ix *Indexer) consume(ctx context.Context, group *kafka.ConsumerGroup, bl *backlog) error {
-	var retry backoff.BackOff // set while joins fail
+func (ix *Indexer) consume(ctx context.Context, group groupMember, bl *backlog) error {
+	var failingSince time.Time // set while joins fail
 	for {
 		gen, err := group.Next(ctx)
 		if err != nil {
@@ -198,24 +203,22 @@ func (ix *Indexer) consume(ctx context.Context, group *kafka.ConsumerGroup, bl *
 			}
 			// The group reports a generation it could not join (a
 			// rebalance in progress, a member id the coordinator dropped
-			// while this process was stalled) and keeps trying on its own:
-			// wait and ask again, within the retry budget.
-			if retry == nil {
-				retry = ix.newBackOff(ctx)
+			// while this process was stalled) and tries again on its own
+			// once asked: after most errors it first waits
+			// JoinGroupBackoff, but after RebalanceInProgress it keeps its
+			// member id and must rejoin before the rebalance times out.
+			// So ask again at once; waiting here would have the member
+			// expelled, rejoin as a new one and start the next rebalance.
+			if failingSince.IsZero() {
+				failingSince = time.Now()
 			}
-			next := retry.NextBackOff()
-			if next == backoff.Stop {
+			if time.Since(failingSince) >= ix.cfg.RetryMaxElapsed {
 				return fmt.Errorf("join group %s on %s: %w", ix.cfg.Group, ix.cfg.Topic, err)
 			}
-			ix.log.Warn("joining the group failed; retrying", slog.String("error", err.Error()), slog.Duration("next", next))
-			select {
-			case <-time.After(next):
-			case <-ctx.Done():
-				return nil
-			}
+			ix.log.Warn("joining the group failed; retrying", slog.String("error", err.Error()))
 			continue
 		}
-		retry = nil
+		failingSince = time.Time{}
 		ix.consumeGeneration(ctx, gen, bl)
 		if ctx.Err() != nil {
 			return nil
@@ -295,11 +298,13 @@ func (ix *Indexer) consumeGeneration(ctx context.Context, gen *kafka.Generation,
 	case <-ctx.Done():
 		return // the group is closed after the final commits
 	}
+	ended := time.Now()
 	<-fetched
-	if n := bl.drop(g); n > 0 {
-		ix.log.Info("group generation ended; buffered messages dropped (read again by their partitions' owners)",
-			slog.Int("generation", int(gen.ID)), slog.Int("messages", n))
-	}
+	// The member must rejoin within the session timeout of its last
+	// heartbeat: how long the readers took to stop tells whether it can.
+	ix.log.Info("group generation ended",
+		slog.Int("generation", int(gen.ID)), slog.Duration("readers_stopped_in", time.Since(ended)),
+		slog.Int("buffered_messages_dropped", bl.drop(g)))
 }
 
 // fetch reads the generation's partitions from their starting offsets

@@ -1,0 +1,114 @@
+package sink
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
+)
+
+// scriptedGroup answers Next with its errors, one per call, then waits for
+// ctx; it counts the calls.
+type scriptedGroup struct {
+	mu    sync.Mutex
+	errs  []error
+	calls int
+	asked chan struct{} // a call past the script
+}
+
+func (g *scriptedGroup) Next(ctx context.Context) (*kafka.Generation, error) {
+	g.mu.Lock()
+	g.calls++
+	if len(g.errs) > 0 {
+		err := g.errs[0]
+		g.errs = g.errs[1:]
+		g.mu.Unlock()
+		return nil, err
+	}
+	g.mu.Unlock()
+	close(g.asked)
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+// After a failed join or sync, kafka-go waits on its own before it tries
+// again (JoinGroupBackoff), except after RebalanceInProgress, where it
+// keeps its member id and must rejoin before the rebalance times out. It
+// only tries again once Next is called: an indexer that waited its retry
+// backoff before asking again was expelled from the group, rejoined as a
+// new member, set off the next rebalance, and, with a backoff grown past
+// the session timeout, two indexers kept each other out of the group for
+// minutes (TestPipelineChaos in CI). So the indexer asks again at once.
+func TestAFailedJoinIsRetriedAtOnce(t *testing.T) {
+	t.Parallel()
+	cfg := Config{
+		URL: "http://127.0.0.1:1", Brokers: []string{"127.0.0.1:1"}, Topic: "t", Group: "g",
+		// A backoff far longer than the test: waiting it fails the test.
+		RetryInitial: time.Hour, RetryMax: time.Hour, RetryMaxElapsed: 2 * time.Hour,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+	ix, err := New(cfg)
+	require.NoError(t, err)
+	g := &scriptedGroup{errs: []error{kafka.RebalanceInProgress, kafka.RebalanceInProgress, kafka.UnknownMemberId}, asked: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- ix.consume(ctx, g, newBacklog(ix.cfg)) }()
+	select {
+	case <-g.asked:
+	case <-time.After(30 * time.Second):
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		t.Fatalf("the group was asked %d times in 30s after its failed joins; want 4 at once", g.calls)
+	}
+	cancel()
+	require.NoError(t, <-done)
+}
+
+// A group that cannot be joined for longer than RetryMaxElapsed stops the
+// indexer with the last error.
+func TestJoinFailuresPastTheRetryBudgetStop(t *testing.T) {
+	t.Parallel()
+	cfg := Config{
+		URL: "http://127.0.0.1:1", Brokers: []string{"127.0.0.1:1"}, Topic: "t", Group: "g",
+		RetryInitial: time.Millisecond, RetryMax: time.Millisecond, RetryMaxElapsed: 200 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+	ix, err := New(cfg)
+	require.NoError(t, err)
+	g := &failingGroup{err: kafka.GroupAuthorizationFailed}
+	err = ix.consume(context.Background(), g, newBacklog(ix.cfg))
+	require.ErrorIs(t, err, kafka.GroupAuthorizationFailed)
+	require.True(t, strings.Contains(err.Error(), "join group g on t"), err.Error())
+	require.GreaterOrEqual(t, g.elapsed(), 200*time.Millisecond)
+}
+
+// failingGroup fails every Next after a pause, as kafka-go does between
+// failed joins.
+type failingGroup struct {
+	err   error
+	first time.Time
+	last  time.Time
+}
+
+func (g *failingGroup) Next(ctx context.Context) (*kafka.Generation, error) {
+	now := time.Now()
+	if g.first.IsZero() {
+		g.first = now
+	}
+	g.last = now
+	select {
+	case <-time.After(10 * time.Millisecond):
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return nil, g.err
+}
+
+func (g *failingGroup) elapsed() time.Duration { return g.last.Sub(g.first) }
