@@ -21,9 +21,10 @@ import (
 // asked for are kept in the generation's _meta (GenerationMeta.BulkLoad)
 // and restored, followed by a refresh, by finishBulkLoad:
 //
-//   - by the indexer when a batch it resolved reached the end of its
-//     partitions (the generation has caught up with what was produced; an
-//     indexer that restarts reads the mode from the _meta again), and
+//   - by the indexer when a batch it resolved brought its partitions to
+//     within one batch of their end (the generation has caught up with
+//     what was produced; an indexer that restarts reads the mode from the
+//     _meta again), and
 //   - by every alias move to the generation (cutover, rollback), before the
 //     aliases move, so no cutover makes a generation live that is not
 //     refreshed or that would not refresh.
@@ -167,15 +168,19 @@ func bulkLoadSettings(ctx context.Context, client *elastic.Client, index string)
 	return body[index].Settings.Index, nil
 }
 
-// caughtUp reports whether every partition of the batch ended at the
-// partition's high watermark when its last message was fetched.
-func caughtUp(docs []*doc) bool {
+// caughtUp reports whether the batch brought every partition it holds to
+// within one batch (slack messages) of the partition's high watermark when
+// its last message was fetched. Not "at the high watermark": under a steady
+// stream a full batch often ends partway through one of its partitions, and
+// a first generation would stay unrefreshed, so unsearchable, for as long as
+// the stream lasted.
+func caughtUp(docs []*doc, slack int) bool {
 	last := map[int]*doc{}
 	for _, d := range docs {
 		last[d.msg.Partition] = d
 	}
 	for _, d := range last {
-		if d.msg.HighWaterMark > d.msg.Offset+1 {
+		if d.msg.HighWaterMark-(d.msg.Offset+1) >= int64(slack) {
 			return false
 		}
 	}
@@ -192,7 +197,7 @@ func (r *router) finishBulkLoads(ctx context.Context, docs []*doc) {
 		pending = append(pending, index)
 	}
 	r.mu.Unlock()
-	if len(pending) == 0 || !caughtUp(docs) {
+	if len(pending) == 0 || !caughtUp(docs, r.slack) {
 		return
 	}
 	for _, index := range pending {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/olivere/elastic/v7"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/stack"
@@ -116,4 +117,19 @@ func TestCutoverEndsTheBulkLoadFirst(t *testing.T) {
 	require.NoError(t, err)
 	require.Nil(t, gens[0].Meta.BulkLoad)
 	require.Equal(t, live, gens[0].Meta.Previous, "the rest of the cutover's record is kept")
+}
+
+// A batch counts as caught up when each of its partitions is within one
+// batch of its end: under a steady stream a full batch often ends partway
+// through one of its partitions.
+func TestCaughtUpAllowsOneBatchOfSlack(t *testing.T) {
+	t.Parallel()
+	d := func(p int, off, hwm int64) *doc {
+		return &doc{msg: kafka.Message{Partition: p, Offset: off, HighWaterMark: hwm}}
+	}
+	require.True(t, caughtUp([]*doc{d(0, 9, 10), d(1, 4, 5)}, 50), "both at the end")
+	require.True(t, caughtUp([]*doc{d(0, 9, 10), d(1, 4, 54)}, 50), "49 behind")
+	require.False(t, caughtUp([]*doc{d(0, 9, 10), d(1, 4, 55)}, 50), "50 behind")
+	require.True(t, caughtUp([]*doc{d(0, 1, 500), d(0, 480, 500)}, 50), "the partition's last message counts")
+	require.False(t, caughtUp(nil, 50), "an empty batch says nothing")
 }

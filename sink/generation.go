@@ -337,10 +337,11 @@ type router struct {
 	mu      sync.Mutex // held while a generation is ensured: rare, and lanes wait for it anyway
 	ensured map[[2]string]time.Time
 	bulk    map[string]bool // indices found in bulk-load mode, until finishBulkLoads ends it
+	slack   int             // how far from a partition's end still counts as caught up (BatchSize)
 }
 
 func newRouter(client *elastic.Client, cfg Config, rules *recordRules) *router {
-	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}, bulk: map[string]bool{}}
+	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}, bulk: map[string]bool{}, slack: cfg.BatchSize}
 }
 
 // route sets the target of every document of a batch that carries a
