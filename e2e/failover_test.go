@@ -109,42 +109,8 @@ func TestPublisherSurvivesLeaderFailover(t *testing.T) {
 	// Every version of every key is on the topic, and on every partition
 	// the first appearance of a key's versions is in commit order (a resend
 	// repeats records, it never puts a new version before an older one).
-	seen, dups := map[string]map[int64]bool{}, 0
-	var backwards []string
-	for part := range partitions {
-		r := kafka.NewReader(kafka.ReaderConfig{Brokers: brokers, Topic: p.topic, Partition: part, MaxWait: 250 * time.Millisecond})
-		end := partitionEnd(ctx, t, c, p.topic, part)
-		last := map[string]int64{}
-		for off := int64(0); off < end; {
-			rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-			m, err := r.ReadMessage(rctx)
-			cancel()
-			require.NoError(t, err, "partition %d offset %d", part, off)
-			off = m.Offset + 1
-			var v int64
-			for _, h := range m.Headers {
-				if h.Key == outbox.HeaderAggregateVersion {
-					v, _ = strconv.ParseInt(string(h.Value), 10, 64)
-				}
-			}
-			key := string(m.Key)
-			// A resend after a lost ack repeats a batch the log already has,
-			// so a repeat may follow newer versions; a version's FIRST
-			// appearance must never follow a newer one.
-			if v < last[key] && !seen[key][v] {
-				backwards = append(backwards, fmt.Sprintf("partition %d offset %d: key %s version %d after %d", part, m.Offset, key, v, last[key]))
-			}
-			if seen[key][v] {
-				dups++
-			}
-			if seen[key] == nil {
-				seen[key] = map[int64]bool{}
-			}
-			seen[key][v] = true
-			last[key] = max(last[key], v)
-		}
-		require.NoError(t, r.Close())
-	}
+	order := readTopicOrder(ctx, t, brokers, c, p.topic, partitions)
+	seen, dups, backwards := order.seen, order.dups, order.backwards
 	require.Len(t, seen, keys)
 	for key, vs := range seen {
 		require.Len(t, vs, versions, "key %s: versions on the topic", key)

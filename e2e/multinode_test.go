@@ -23,7 +23,6 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
-	"github.com/outboxrelay/outboxrelay/outbox"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
@@ -294,52 +293,4 @@ func docCount(ctx context.Context, es *elastic.Client, index string) int64 {
 		return -1
 	}
 	return n
-}
-
-// topicOrder is what readTopicOrder found.
-type topicOrder struct {
-	seen      map[string]map[int64]bool // versions per key
-	dups      int                       // records whose key and version came before
-	backwards []string                  // versions first seen after a newer one
-}
-
-// readTopicOrder reads every partition of topic from the start and checks
-// per-key order: a resend after a lost ack repeats records the log already
-// has, so a repeat may follow newer versions, but a version's FIRST
-// appearance must never follow a newer one.
-func readTopicOrder(ctx context.Context, t *testing.T, brokers []string, c *kafka.Client, topic string, partitions int) topicOrder {
-	t.Helper()
-	o := topicOrder{seen: map[string]map[int64]bool{}}
-	for part := range partitions {
-		r := kafka.NewReader(kafka.ReaderConfig{Brokers: brokers, Topic: topic, Partition: part, MaxWait: 250 * time.Millisecond})
-		end := partitionEnd(ctx, t, c, topic, part)
-		last := map[string]int64{}
-		for off := int64(0); off < end; {
-			rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-			m, err := r.ReadMessage(rctx)
-			cancel()
-			require.NoError(t, err, "partition %d offset %d", part, off)
-			off = m.Offset + 1
-			var v int64
-			for _, h := range m.Headers {
-				if h.Key == outbox.HeaderAggregateVersion {
-					v, _ = strconv.ParseInt(string(h.Value), 10, 64)
-				}
-			}
-			key := string(m.Key)
-			if v < last[key] && !o.seen[key][v] {
-				o.backwards = append(o.backwards, fmt.Sprintf("partition %d offset %d: key %s version %d after %d", part, m.Offset, key, v, last[key]))
-			}
-			if o.seen[key][v] {
-				o.dups++
-			}
-			if o.seen[key] == nil {
-				o.seen[key] = map[int64]bool{}
-			}
-			o.seen[key][v] = true
-			last[key] = max(last[key], v)
-		}
-		require.NoError(t, r.Close())
-	}
-	return o
 }

@@ -40,9 +40,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/segmentio/kafka-go"
-
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/benchround"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
@@ -223,25 +222,8 @@ func runOnce(b *testing.B, s settings, srv *servers) result {
 	ctx := context.Background()
 	b.StopTimer()
 	b.Logf("settings %+v", s)
-	dbURL := stack.Database(b)
-	pool := stack.Pool(b, dbURL)
-	brokers := stack.KafkaBrokers(b)
-	esURL := stack.ElasticsearchURL(b)
-	es, err := sink.NewClient(esURL)
-	check(b, err)
-	topic, alias := stack.UniqueName("bench-e2e"), stack.UniqueName("bench-e2e")
-	b.Cleanup(func() { _, _ = es.DeleteIndex(alias + "_v*").Do(context.Background()) })
-	kc := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
-	res, err := kc.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{Topic: topic, NumPartitions: s.TopicPartitions, ReplicationFactor: 1}}})
-	check(b, err)
-	for _, e := range res.Errors {
-		check(b, e)
-	}
-
-	bins := map[string]string{}
-	for _, n := range []string{"batcher", "publisher", "indexer"} {
-		bins[n] = testproc.Build(b, n)
-	}
+	pl := benchround.NewPipeline(b, "bench-e2e", s.TopicPartitions)
+	pool, brokers, es, topic, alias, bins := pl.Pool, pl.Brokers, pl.Search, pl.Topic, pl.Alias, pl.Bins
 	spec, err := batch.LoadSpec(filepath.Join(stack.RepoRoot(), "demo", "job.yaml"))
 	check(b, err)
 	spec.Topic = topic
@@ -254,8 +236,7 @@ func runOnce(b *testing.B, s settings, srv *servers) result {
 	raw, err := json.Marshal(spec)
 	check(b, err)
 	check(b, os.WriteFile(specFile, raw, 0o644))
-	env := []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "ELASTICSEARCH_URL=" + esURL,
-		"TOPIC=" + topic, "GROUP=" + topic, "ALIAS=" + alias, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json", "LOG_LEVEL=warn"}
+	env := pl.Env
 	with := func(extra ...string) []string { return append(append([]string{}, env...), extra...) }
 	if s.RefreshInterval != "" && !s.Defaults {
 		// The built-in mapping with another refresh interval: the index is

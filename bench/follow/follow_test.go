@@ -38,6 +38,7 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/benchround"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
@@ -74,24 +75,8 @@ func runOnce(b *testing.B, rate int, window time.Duration) {
 	b.StopTimer()
 	updates := rate * int(window/time.Second)
 	rows := updates + 1000
-	dbURL := stack.Database(b)
-	pool := stack.Pool(b, dbURL)
-	brokers := stack.KafkaBrokers(b)
-	esURL := stack.ElasticsearchURL(b)
-	es, err := sink.NewClient(esURL)
-	check(b, err)
-	topic, alias := stack.UniqueName("bench-follow"), stack.UniqueName("bench-follow")
-	b.Cleanup(func() { _, _ = es.DeleteIndex(alias + "_v*").Do(context.Background()) })
-	kc := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
-	res, err := kc.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{Topic: topic, NumPartitions: 6, ReplicationFactor: 1}}})
-	check(b, err)
-	for _, e := range res.Errors {
-		check(b, e)
-	}
-	bins := map[string]string{}
-	for _, n := range []string{"batcher", "publisher", "indexer"} {
-		bins[n] = testproc.Build(b, n)
-	}
+	pl := benchround.NewPipeline(b, "bench-follow", 6)
+	pool, brokers, es, topic, alias, bins := pl.Pool, pl.Brokers, pl.Search, pl.Topic, pl.Alias, pl.Bins
 	spec, err := batch.LoadSpec(filepath.Join(stack.RepoRoot(), "demo", "job.yaml"))
 	check(b, err)
 	spec.Job, spec.Mode, spec.Vanished, spec.Topic = "records-follow", batch.ModeIncremental, batch.VanishedKeep, topic
@@ -101,8 +86,7 @@ func runOnce(b *testing.B, rate int, window time.Duration) {
 	raw, err := json.Marshal(spec)
 	check(b, err)
 	check(b, os.WriteFile(specFile, raw, 0o644))
-	env := []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + strings.Join(brokers, ","), "ELASTICSEARCH_URL=" + esURL,
-		"TOPIC=" + topic, "GROUP=" + topic, "ALIAS=" + alias, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json", "LOG_LEVEL=warn"}
+	env := pl.With()
 	env = append(env, strings.Fields(os.Getenv("FOLLOW_BENCH_ENV"))...)
 	if v := os.Getenv("FOLLOW_BENCH_REFRESH"); v != "" {
 		// The built-in mapping with another refresh interval, from
