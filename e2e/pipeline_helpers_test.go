@@ -371,32 +371,27 @@ func (p *pipeline) topicStats(ctx context.Context) (records, duplicates int64) {
 		if part.End <= part.First {
 			continue
 		}
-		conn, err := kafka.DialLeader(ctx, "tcp", p.brokers[0], p.topic, part.Partition)
-		require.NoError(p.tb, err)
-		_, err = conn.Seek(part.First, kafka.SeekAbsolute)
-		require.NoError(p.tb, err)
+		// A Reader, not one connection's fetches: it fetches again after a
+		// slow or empty response instead of failing the test.
+		r := kafka.NewReader(kafka.ReaderConfig{Brokers: p.brokers, Topic: p.topic, Partition: part.Partition, MaxWait: 250 * time.Millisecond, MaxBytes: 16 << 20})
+		require.NoError(p.tb, r.SetOffset(part.First))
 		for next := part.First; next < part.End; {
-			require.NoError(p.tb, conn.SetReadDeadline(time.Now().Add(30*time.Second)))
-			batch := conn.ReadBatch(1, 16<<20)
-			for {
-				m, err := batch.ReadMessage()
-				if err != nil {
-					break
-				}
-				next = m.Offset + 1
-				records++
-				for _, h := range m.Headers {
-					if h.Key == "ce_id" {
-						if _, dup := seen[string(h.Value)]; dup {
-							duplicates++
-						}
-						seen[string(h.Value)] = struct{}{}
+			rctx, cancel := context.WithTimeout(ctx, time.Minute)
+			m, err := r.ReadMessage(rctx)
+			cancel()
+			require.NoError(p.tb, err, "read %s/%d at %d", p.topic, part.Partition, next)
+			next = m.Offset + 1
+			records++
+			for _, h := range m.Headers {
+				if h.Key == "ce_id" {
+					if _, dup := seen[string(h.Value)]; dup {
+						duplicates++
 					}
+					seen[string(h.Value)] = struct{}{}
 				}
 			}
-			require.NoError(p.tb, batch.Close(), "read %s/%d at %d", p.topic, part.Partition, next)
 		}
-		require.NoError(p.tb, conn.Close())
+		require.NoError(p.tb, r.Close())
 	}
 	return records, duplicates
 }
