@@ -666,7 +666,9 @@ SELECT (SELECT count(*) FROM src),
 // generation), and so does the chunk span's traceparent ("tp", NULL while
 // tracing is off: no header).
 func (c *compiled) outboxCTE(b *builder) string {
-	headers := `jsonb_strip_nulls(jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `, ` + b.c(outbox.HeaderTraceParent, "text") + `, ` + b.p("tp", "text") + `))`
+	// The same for every event of the statement: a scalar subquery is an
+	// InitPlan, built once instead of once per row.
+	headers := `(SELECT jsonb_strip_nulls(jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `, ` + b.c(outbox.HeaderTraceParent, "text") + `, ` + b.p("tp", "text") + `)))`
 	return "ev AS (\n" + outbox.InsertEventsSQL(outbox.EventSelect{
 		EventID:          `outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `)`,
 		Topic:            b.c(c.spec.Topic, "text"),
