@@ -47,14 +47,8 @@ func (g *scriptedGroup) Next(ctx context.Context) (*kafka.Generation, error) {
 // minutes (TestPipelineChaos in CI). So the indexer asks again at once.
 func TestAFailedJoinIsRetriedAtOnce(t *testing.T) {
 	t.Parallel()
-	cfg := Config{
-		URL: "http://127.0.0.1:1", Brokers: []string{"127.0.0.1:1"}, Topic: "t", Group: "g",
-		// A backoff far longer than the test: waiting it fails the test.
-		RetryInitial: time.Hour, RetryMax: time.Hour, RetryMaxElapsed: 2 * time.Hour,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-	}
-	ix, err := New(cfg)
-	require.NoError(t, err)
+	// A backoff far longer than the test: waiting it fails the test.
+	ix := offlineIndexer(t, time.Hour, 2*time.Hour)
 	g := &scriptedGroup{errs: []error{kafka.RebalanceInProgress, kafka.RebalanceInProgress, kafka.UnknownMemberId}, asked: make(chan struct{})}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -75,20 +69,27 @@ func TestAFailedJoinIsRetriedAtOnce(t *testing.T) {
 // indexer with the last error.
 func TestJoinFailuresPastTheRetryBudgetStop(t *testing.T) {
 	t.Parallel()
-	cfg := Config{
-		URL: "http://127.0.0.1:1", Brokers: []string{"127.0.0.1:1"}, Topic: "t", Group: "g",
-		RetryInitial: time.Millisecond, RetryMax: time.Millisecond, RetryMaxElapsed: 200 * time.Millisecond,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-	}
-	ix, err := New(cfg)
-	require.NoError(t, err)
+	ix := offlineIndexer(t, time.Millisecond, 200*time.Millisecond)
 	g := &failingGroup{err: kafka.GroupAuthorizationFailed}
 	start := time.Now()
-	err = ix.consume(context.Background(), g, newBacklog(ix.cfg))
+	err := ix.consume(context.Background(), g, newBacklog(ix.cfg))
 	require.ErrorIs(t, err, kafka.GroupAuthorizationFailed)
 	require.True(t, strings.Contains(err.Error(), "join group g on t"), err.Error())
 	require.GreaterOrEqual(t, time.Since(start), 200*time.Millisecond, "stopped before the retry budget was spent")
 	require.Greater(t, g.calls, 2, "asked again after the first failures")
+}
+
+// offlineIndexer is an Indexer for topic t and group g whose retries wait
+// backoff each and give up after budget; consume is all its tests call.
+func offlineIndexer(t *testing.T, backoff, budget time.Duration) *Indexer {
+	t.Helper()
+	ix, err := New(Config{
+		URL: "http://127.0.0.1:1", Brokers: []string{"127.0.0.1:1"}, Topic: "t", Group: "g",
+		RetryInitial: backoff, RetryMax: backoff, RetryMaxElapsed: budget,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	require.NoError(t, err)
+	return ix
 }
 
 // failingGroup fails every Next after a pause, as kafka-go does between
