@@ -201,6 +201,9 @@ func (ix *Indexer) consume(ctx context.Context, group groupMember, bl *backlog) 
 			if ctx.Err() != nil {
 				return nil
 			}
+			if errors.Is(err, kafka.ErrGroupClosed) {
+				return fmt.Errorf("join group %s on %s: %w", ix.cfg.Group, ix.cfg.Topic, err)
+			}
 			// The group reports a generation it could not join (a
 			// rebalance in progress, a member id the coordinator dropped
 			// while this process was stalled) and tries again on its own
