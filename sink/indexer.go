@@ -49,6 +49,9 @@ type Indexer struct {
 	onBatch func(Batch)
 
 	genRefresh time.Duration // watchGenerations' interval; 0: generationRefresh (tests shorten it)
+	// closeReader closes a generation's partition reader; nil: Close
+	// (tests slow it down).
+	closeReader func(*kgo.Client)
 
 	clientIdentity // GroupReady (ready.go)
 }
@@ -353,11 +356,30 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 		<-ctx.Done()
 		return
 	}
-	defer client.Close()
+	// Closed in the background: Close waits for the client's requests in
+	// flight (fetches, offset lookups, each retried for up to 30 s), and
+	// the member must rejoin within its session timeout once the
+	// generation has ended. Waiting for it here kept readers from stopping
+	// for 23–32 s in CI, longer than the 6 s session: each indexer was
+	// expelled in turn, rejoined as a new member and ended the other's
+	// generation, and the lag stayed put (TestPipelineChaos). Nothing reads
+	// from the client once fetch has returned.
+	defer func() {
+		if ix.closeReader != nil {
+			go ix.closeReader(client)
+			return
+		}
+		go client.Close()
+	}()
+	started, first := time.Now(), true
 	for {
 		fetches := client.PollRecords(ctx, ix.cfg.BatchSize)
 		if ctx.Err() != nil {
 			return
+		}
+		if first && fetches.NumRecords() > 0 {
+			first = false
+			ix.log.Info("partition readers delivering", slog.Int("generation", int(g.id)), slog.Duration("first_records_after", time.Since(started)))
 		}
 		fetches.EachError(func(topic string, p int32, err error) {
 			// The client retries on its own.

@@ -2,15 +2,19 @@ package sink
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kgo"
 )
 
 // scriptedGroup answers Next with its errors, one per call, then waits for
@@ -107,4 +111,74 @@ func (g *failingGroup) Next(ctx context.Context) (*kafka.Generation, error) {
 		return nil, ctx.Err()
 	}
 	return nil, g.err
+}
+
+// countingHandler counts the records whose message contains substr.
+type countingHandler struct {
+	substr string
+	n      *atomic.Int64
+	attrs  []slog.Attr
+}
+
+func (h countingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h countingHandler) Handle(_ context.Context, r slog.Record) error {
+	if strings.Contains(r.Message, h.substr) {
+		h.n.Add(1)
+	}
+	return nil
+}
+func (h countingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h countingHandler) WithGroup(string) slog.Handler      { return h }
+
+// A generation's end must not wait for its partition reader to close: the
+// member has to rejoin within its session timeout, and a reader's Close
+// waits for the requests it has in flight (23–32 s in CI under load).
+// Here every Close takes 10 s, longer than the 6 s session: a second
+// indexer joins, the first one's generation ends, and it must rejoin at
+// once instead of being expelled ("Unknown Member ID") and taking the
+// other's partitions away in turn.
+func TestASlowReaderCloseDoesNotCostTheMembership(t *testing.T) {
+	t.Parallel()
+	es := stack.ElasticsearchURL(t)
+	f := newFixture(t, es, es, 4)
+	var failedJoins atomic.Int64
+	cfg := f.cfg
+	cfg.Logger = slog.New(countingHandler{substr: "joining the group failed", n: &failedJoins})
+	slowClose := func(c *kgo.Client) {
+		time.Sleep(10 * time.Second)
+		c.Close()
+	}
+	join := func() {
+		ix, err := New(cfg)
+		require.NoError(t, err)
+		ix.closeReader = slowClose
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- ix.Run(ctx) }()
+		t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	}
+	produce := func(from, n int) {
+		recs := make([]rec, n)
+		for i := range recs {
+			recs[i] = upsert(fmt.Sprintf("s-%04d", from+i), 1, docN(from+i))
+		}
+		f.produce(recs...)
+	}
+	produce(0, 200)
+	join()
+	f.waitCaughtUp(cfg.Group, time.Minute)
+	join() // the first member's generation ends
+	produce(200, 200)
+	f.waitCaughtUp(cfg.Group, time.Minute)
+	// Both members are in the stable group: no member was expelled on the
+	// way.
+	eventually(t, 30*time.Second, func() error {
+		members, err := groupMembers(f, cfg.Group)
+		if err == nil && members != 2 {
+			err = fmt.Errorf("%d members in the stable group, want 2", members)
+		}
+		return err
+	})
+	require.Zero(t, failedJoins.Load(), "failed joins: a member was expelled while its reader closed")
+	require.Len(t, f.search(cfg.Alias), 400)
 }
