@@ -117,7 +117,6 @@ func (g *failingGroup) Next(ctx context.Context) (*kafka.Generation, error) {
 type countingHandler struct {
 	substr string
 	n      *atomic.Int64
-	attrs  []slog.Attr
 }
 
 func (h countingHandler) Enabled(context.Context, slog.Level) bool { return true }
