@@ -39,15 +39,7 @@ func TestPublisherSurvivesLeaderFailover(t *testing.T) {
 	p := newPipeline(t, pipelineOptions{TopicPartitions: 1})
 	p.brokers = brokers
 	const partitions = 3
-	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
-	ct, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
-		Topic: p.topic, NumPartitions: partitions, ReplicationFactor: 3,
-		ConfigEntries: []kafka.ConfigEntry{{ConfigName: "min.insync.replicas", ConfigValue: "2"}},
-	}}})
-	require.NoError(t, err)
-	for _, e := range ct.Errors {
-		require.NoError(t, e)
-	}
+	c := createReplicatedTopic(ctx, t, brokers, p.topic, partitions)
 
 	// keys × versions events, enqueued in commit order (version 1 of every
 	// key, then version 2, …) in small transactions, so the publisher is

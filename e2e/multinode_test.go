@@ -83,15 +83,7 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	require.NoError(t, err)
 	p.es = es
 	const partitions = 3
-	kcl := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
-	ct, err := kcl.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
-		Topic: p.topic, NumPartitions: partitions, ReplicationFactor: 3,
-		ConfigEntries: []kafka.ConfigEntry{{ConfigName: "min.insync.replicas", ConfigValue: "2"}},
-	}}})
-	require.NoError(t, err)
-	for _, e := range ct.Errors {
-		require.NoError(t, e)
-	}
+	kcl := createReplicatedTopic(ctx, t, brokers, p.topic, partitions)
 
 	metrics := freeAddr(t)
 	pub := p.startPublisher("LOG_LEVEL=warn", "BATCH_SIZE=200")

@@ -549,3 +549,20 @@ func readTopicOrder(ctx context.Context, t *testing.T, brokers []string, c *kafk
 	}
 	return o
 }
+
+// createReplicatedTopic creates topic on a three-broker cluster, three
+// replicas and min.insync.replicas 2 (one broker may die without losing an
+// acknowledged record), and returns a client of the cluster.
+func createReplicatedTopic(ctx context.Context, t *testing.T, brokers []string, topic string, partitions int) *kafka.Client {
+	t.Helper()
+	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
+	ct, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
+		Topic: topic, NumPartitions: partitions, ReplicationFactor: 3,
+		ConfigEntries: []kafka.ConfigEntry{{ConfigName: "min.insync.replicas", ConfigValue: "2"}},
+	}}})
+	require.NoError(t, err)
+	for _, e := range ct.Errors {
+		require.NoError(t, e)
+	}
+	return c
+}

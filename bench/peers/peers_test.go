@@ -218,18 +218,28 @@ func setup(b testing.TB, s settings) *env {
 // database creates a fresh database on the private cluster and seeds the
 // bench-e2e rows into it.
 func (e *env) database(b testing.TB, name string) (string, *pgxpool.Pool) {
+	url := e.createDatabase(b, name)
+	return url, e.seed(b, name, url)
+}
+
+// createDatabase creates name on the private cluster and returns its URL.
+func (e *env) createDatabase(b testing.TB, name string) string {
 	ctx := context.Background()
 	admin, err := pgx.Connect(ctx, e.pgBase)
 	check(b, err)
 	_, err = admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
 	check(b, err)
 	check(b, admin.Close(ctx))
-	url := stack.WithDatabase(e.pgBase, name)
+	return stack.WithDatabase(e.pgBase, name)
+}
+
+// seed fills the database at url with the bench-e2e rows.
+func (e *env) seed(b testing.TB, name, url string) *pgxpool.Pool {
 	pool := stack.Pool(b, url)
 	t0 := time.Now()
-	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: e.s.Rows, BadEvery: badEvery}))
+	check(b, demo.Seed(context.Background(), pool, demo.SeedOptions{Rows: e.s.Rows, BadEvery: badEvery}))
 	b.Logf("%s: seeded %d rows in %s", name, e.s.Rows, time.Since(t0).Round(time.Millisecond))
-	return url, pool
+	return pool
 }
 
 func (e *env) dropDatabase(name string) {
@@ -419,22 +429,12 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 // migratedSeeded creates name on the private cluster, migrates it with the
 // batcher binary and seeds the rows.
 func (e *env) migratedSeeded(b testing.TB, name string) (string, *pgxpool.Pool) {
-	ctx := context.Background()
-	admin, err := pgx.Connect(ctx, e.pgBase)
-	check(b, err)
-	_, err = admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
-	check(b, err)
-	check(b, admin.Close(ctx))
-	url := stack.WithDatabase(e.pgBase, name)
+	url := e.createDatabase(b, name)
 	mig := testproc.Run(b, 5*time.Minute, e.bins["batcher"], []string{"DATABASE_URL=" + url, "LOG_LEVEL=warn"}, "migrate")
 	if mig.ExitCode() != 0 {
 		b.Fatalf("batcher migrate: exit %d\n%s", mig.ExitCode(), mig.Stderr())
 	}
-	pool := stack.Pool(b, url)
-	t0 := time.Now()
-	check(b, demo.Seed(ctx, pool, demo.SeedOptions{Rows: e.s.Rows, BadEvery: badEvery}))
-	b.Logf("%s: seeded %d rows in %s", name, e.s.Rows, time.Since(t0).Round(time.Millisecond))
-	return url, pool
+	return url, e.seed(b, name, url)
 }
 
 func machine() string {
