@@ -32,6 +32,8 @@ type backlog struct {
 	// only those of partitions that are not busy (the ones a lane may take).
 	docs, bytes, freeDocs, freeBytes int
 	takers                           int // lanes waiting in take
+	inflight                         int // batches taken and not released
+	delivering                       bool
 	scratch                          []*partBacklog
 
 	ready chan struct{} // a waiting lane may find a batch now
@@ -120,11 +122,30 @@ func (b *backlog) put(ctx context.Context, d *doc) error {
 	return nil
 }
 
+// deliver marks the start of one fetch's messages, put one by one, and
+// returns the function that marks their end. While a fetch is being put, a
+// partial batch waits (up to FlushInterval) for the rest of it.
+func (b *backlog) deliver() (done func()) {
+	b.mu.Lock()
+	b.delivering = true
+	b.mu.Unlock()
+	return func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		b.delivering = false
+		if b.takers > 0 && b.freeDocs > 0 {
+			signal(b.ready)
+		}
+	}
+}
+
 // take waits for a batch: BatchSize documents or BatchBytes from partitions
 // that are not busy, or less once the oldest of them has waited
-// FlushInterval. It takes the partitions whose oldest message came first
-// first, which is the order the reader delivered them in, so no partition
-// falls behind for long.
+// FlushInterval, or at once when no batch is in flight and no fetch is
+// being put (group commit: an idle indexer sends what it has, a busy one
+// gathers while its bulks are in the engine). It takes the partitions whose
+// oldest message came first first, which is the order the reader delivered
+// them in, so no partition falls behind for long.
 func (b *backlog) take(ctx context.Context) (*batch, error) {
 	var timer *time.Timer
 	defer func() {
@@ -185,9 +206,11 @@ func (b *backlog) takeLocked(now time.Time) (*batch, time.Duration) {
 		return nil, 0
 	}
 	slices.SortFunc(free, func(x, y *partBacklog) int { return x.docs[0].fetched.Compare(y.docs[0].fetched) })
-	if waited := now.Sub(free[0].docs[0].fetched); b.freeDocs < b.batchDocs && b.freeBytes < b.batchBytes && waited < b.flushInterval {
+	idle := b.inflight == 0 && !b.delivering
+	if waited := now.Sub(free[0].docs[0].fetched); !idle && b.freeDocs < b.batchDocs && b.freeBytes < b.batchBytes && waited < b.flushInterval {
 		return nil, b.flushInterval - waited
 	}
+	b.inflight++
 	bt := &batch{docs: make([]*doc, 0, min(b.freeDocs, b.batchDocs))}
 	size := 0
 	for _, p := range free {
@@ -226,6 +249,7 @@ func (b *backlog) takeLocked(now time.Time) (*batch, time.Duration) {
 func (b *backlog) release(bt *batch) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	b.inflight--
 	for _, p := range bt.parts {
 		p.busy = false
 		b.freeDocs += len(p.docs)

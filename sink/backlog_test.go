@@ -81,13 +81,85 @@ func TestBacklogTakesTheOldestFreePartitionsFirst(t *testing.T) {
 
 func TestBacklogFlushInterval(t *testing.T) {
 	t.Parallel()
-	b, clock := newTestBacklog(1, 100, 200*time.Millisecond)
-	require.NoError(t, b.put(context.Background(), msgDoc(0, 0)))
+	b, clock := newTestBacklog(2, 100, 200*time.Millisecond)
+	ctx := context.Background()
+	require.NoError(t, b.put(ctx, msgDoc(1, 0)))
+	inFlight, _ := b.takeLocked(clock.now())
+	require.NotNil(t, inFlight)
+	require.NoError(t, b.put(ctx, msgDoc(0, 0)))
 	bt, wait := b.takeLocked(clock.advance(150 * time.Millisecond))
-	require.Nil(t, bt, "a partial batch waits for the flush interval")
+	require.Nil(t, bt, "a partial batch waits for the flush interval while another is in flight")
 	require.Equal(t, 50*time.Millisecond, wait)
 	bt, _ = b.takeLocked(clock.advance(wait))
 	require.Equal(t, map[int][]int64{0: {0}}, offsets(bt))
+}
+
+// Group commit: with no batch in flight, a partial batch goes at once (an
+// idle indexer does not add the flush interval to every change's latency);
+// while one is in flight, the next gathers until it is released.
+func TestBacklogIdleSendsAtOnce(t *testing.T) {
+	t.Parallel()
+	b, clock := newTestBacklog(2, 100, time.Hour)
+	ctx := context.Background()
+	require.NoError(t, b.put(ctx, msgDoc(0, 0)))
+	first, wait := b.takeLocked(clock.now())
+	require.Zero(t, wait)
+	require.Equal(t, map[int][]int64{0: {0}}, offsets(first), "nothing in flight: a partial batch goes at once")
+
+	require.NoError(t, b.put(ctx, msgDoc(1, 0)))
+	require.NoError(t, b.put(ctx, msgDoc(1, 1)))
+	bt, wait := b.takeLocked(clock.advance(time.Millisecond))
+	require.Nil(t, bt, "a batch in flight: the next one gathers")
+	require.Equal(t, time.Hour-time.Millisecond, wait)
+
+	b.release(first)
+	bt, _ = b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{1: {0, 1}}, offsets(bt), "released: what gathered goes at once")
+}
+
+// A fetch's messages are put one by one; an idle lane waits for the rest of
+// them instead of sending the first alone.
+func TestBacklogWaitsForTheRestOfADelivery(t *testing.T) {
+	t.Parallel()
+	b, clock := newTestBacklog(1, 100, time.Hour)
+	ctx := context.Background()
+	done := b.deliver()
+	require.NoError(t, b.put(ctx, msgDoc(0, 0)))
+	bt, wait := b.takeLocked(clock.now())
+	require.Nil(t, bt, "mid-delivery")
+	require.Equal(t, time.Hour, wait)
+	require.NoError(t, b.put(ctx, msgDoc(0, 1)))
+	done()
+	bt, _ = b.takeLocked(clock.now())
+	require.Equal(t, map[int][]int64{0: {0, 1}}, offsets(bt))
+
+	// A lane waiting in take is woken by the end of the delivery.
+	done = b.deliver()
+	require.NoError(t, b.put(ctx, msgDoc(1, 0)))
+	b.release(bt)
+	got := make(chan *batch)
+	go func() {
+		bt, err := b.take(ctx)
+		if err == nil {
+			got <- bt
+		}
+	}()
+	for {
+		b.mu.Lock()
+		waiting := b.takers
+		b.mu.Unlock()
+		if waiting == 1 {
+			break
+		}
+		runtime.Gosched()
+	}
+	done()
+	select {
+	case bt := <-got:
+		require.Equal(t, map[int][]int64{1: {0}}, offsets(bt))
+	case <-time.After(10 * time.Second):
+		t.Fatal("the end of the delivery did not wake the waiting lane")
+	}
 }
 
 func TestBacklogBatchBytes(t *testing.T) {

@@ -125,7 +125,8 @@ type Config struct {
 	BatchSize int
 	// BatchBytes bounds a bulk request by document bytes. Default 5 MiB.
 	BatchBytes int
-	// FlushInterval bounds how long a partial batch waits. Default 200ms.
+	// FlushInterval bounds how long a partial batch waits while another
+	// batch is in flight; with none in flight it goes at once. Default 200ms.
 	FlushInterval time.Duration
 	// Lanes is the number of bulk requests in flight at once. A partition is
 	// in at most one of them at a time, so per-partition order holds.

@@ -386,6 +386,7 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 			ix.log.Warn("fetch failed; retrying", slog.String("topic", topic), slog.Int("partition", int(p)), slog.String("error", err.Error()))
 		})
 		var stopped bool
+		delivered := bl.deliver()
 		fetches.EachPartition(func(fp kgo.FetchTopicPartition) {
 			for _, r := range fp.Records {
 				if stopped {
@@ -401,6 +402,7 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 				stopped = bl.put(ctx, d) != nil
 			}
 		})
+		delivered()
 		if stopped {
 			return
 		}

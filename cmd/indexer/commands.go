@@ -72,7 +72,7 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Int(&s.cfg.TopicPartitions, "topic-partitions", "TOPIC_PARTITIONS", sink.DefaultTopicPartitions, "partitions of the topic when it is missing at start and the indexer creates it (keep equal to the publisher's)")
 	fs.Int(&s.cfg.BatchSize, "batch-size", "BATCH_SIZE", sink.DefaultBatchSize, "documents per bulk request at most")
 	fs.Int(&s.cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", sink.DefaultBatchBytes, "document bytes per bulk request at most")
-	fs.Duration(&s.cfg.FlushInterval, "flush-interval", "FLUSH_INTERVAL", sink.DefaultFlushInterval, "how long a partial batch waits for more messages")
+	fs.Duration(&s.cfg.FlushInterval, "flush-interval", "FLUSH_INTERVAL", sink.DefaultFlushInterval, "how long a partial batch waits for more messages while another bulk is in flight (with none in flight it is sent at once)")
 	fs.Int(&s.cfg.Lanes, "lanes", "LANES", sink.DefaultLanes, "concurrent bulk requests (a partition is in one at a time)")
 	fs.Float(&s.cfg.MaxRate, "max-rate", "MAX_RATE", 0, "documents per second for the whole process (0 = no cap; 429s slow down anyway)")
 	fs.Duration(&s.cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", sink.DefaultRetryMaxElapsed, "give up (exit 1, nothing committed) when a batch is refused this long")
