@@ -440,7 +440,9 @@ func (ix *Indexer) runLane(ctx context.Context, bl *backlog, lane int, resolved 
 		if err != nil {
 			return nil // ctx ended
 		}
+		startProcessSpans(ctx, bt.docs)
 		res, err := ix.resolve(ctx, bt.docs)
+		endProcessSpans(bt.docs, err)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil // abandoned uncommitted: replayed by whoever owns the partitions next
