@@ -239,6 +239,10 @@ func (r *Runner) sweepChunkWithRetry(ctx context.Context, st stmt, token string,
 }
 
 func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {
+	// As a scan chunk's: the span's traceparent goes into the tombstones'
+	// events, and the publisher and the indexer continue its trace.
+	ctx, span := tracing.Start(ctx, "batch.sweep_chunk")
+	defer span.End()
 	tx, err := r.pool.Begin(ctx)
 	if err != nil {
 		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)
