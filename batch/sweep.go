@@ -230,7 +230,7 @@ func (r *Runner) sweepChunkWithRetry(ctx context.Context, st stmt, token string,
 	}
 	notify := func(err error, d time.Duration) {
 		if r.cfg.Metrics != nil {
-			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, "sweep").Inc()
+			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, reasonSweep).Inc()
 		}
 		log.Warn("sweep chunk rolled back; retrying", slog.String("error", err.Error()), slog.Duration("backoff", d))
 	}

@@ -634,7 +634,7 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 				}
 				saw429 = saw429 || elastic.IsStatusCode(err, http.StatusTooManyRequests)
 				reqErr = err
-				ix.m.retries.WithLabelValues("request").Add(float64(len(chunk)))
+				ix.m.retries.WithLabelValues(retryRequest).Add(float64(len(chunk)))
 				retry = append(retry, chunk...)
 				continue
 			}
@@ -655,11 +655,11 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 				case outcomeRetry:
 					if r.Status == http.StatusTooManyRequests {
 						saw429 = true
-						ix.m.retries.WithLabelValues("item_429").Inc()
+						ix.m.retries.WithLabelValues(retryItem429).Inc()
 					} else if r.Status >= 500 {
-						ix.m.retries.WithLabelValues("item_5xx").Inc()
+						ix.m.retries.WithLabelValues(retryItem5xx).Inc()
 					} else {
-						ix.m.retries.WithLabelValues("item_other").Inc()
+						ix.m.retries.WithLabelValues(retryItemOther).Inc()
 					}
 					if reqErr == nil {
 						reqErr = r.itemError()
