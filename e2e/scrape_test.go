@@ -146,7 +146,8 @@ var needsARebuild = []string{`indexer_generation_docs{state="building"}`}
 // real Prometheus and checks, through its HTTP API, that the series the
 // alert rules and the dashboard select exist with the labels they use and
 // move the way the rules assume: the backlog rises while no publisher can
-// reach Kafka and falls to 0 after, processed rows reach the row count,
+// reach Kafka and falls to 0 after, processed rows reach the row count and
+// the finished run is neither failed nor stalled,
 // the shards are all owned, the lag per partition goes to 0, and the
 // quarantine and dead-letter alerts fire on the scraped labels.
 func TestScrapedMetricsMatchTheRulesAndDashboard(t *testing.T) {
@@ -192,6 +193,9 @@ func TestScrapedMetricsMatchTheRulesAndDashboard(t *testing.T) {
 	// what BatchRunFailed watches after a batcher has exited.
 	prom.waitFor(t, fmt.Sprintf(`max(batch_runs{job="publisher",exported_job=%q,state="succeeded"})`, p.spec.Job), func(v float64) bool { return v == 1 }, time.Minute, procs)
 	prom.waitFor(t, fmt.Sprintf(`max(batch_runs{job="publisher",exported_job=%q,state="failed"})`, p.spec.Job), func(v float64) bool { return v == 0 }, time.Minute, procs)
+	// And what BatchRunStalled watches: the run ended with its batcher
+	// alive, so nothing is stalled (the series is there, at 0).
+	prom.waitFor(t, fmt.Sprintf(`max(batch_run_stalled_seconds{job="publisher",exported_job=%q})`, p.spec.Job), func(v float64) bool { return v == 0 }, time.Minute, procs)
 
 	t.Logf("%s: all rows processed", time.Since(start).Round(time.Second))
 	// The backlog rose, its oldest event ages, and the stuck publisher says
