@@ -240,11 +240,11 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 	}
 	notify := func(err error, d time.Duration) {
 		retries++
-		reason := "transient"
+		reason := reasonTransient
 		if isLockTimeout(err) {
-			reason = "lock_timeout"
+			reason = reasonLockTimeout
 		} else if _, ok := retryAfter(err); ok {
-			reason = "retry_after"
+			reason = reasonRetryAfter
 		}
 		// A lock wait or an error is a strong signal: cut the size at once.
 		sizer.Backoff()

@@ -59,6 +59,27 @@ func NewMetrics(reg prometheus.Registerer, db DB) *Metrics {
 	return m
 }
 
+// The reason label values of batch_retry_total.
+const (
+	reasonTransient   = "transient"    // a retryable database error or a lost connection
+	reasonLockTimeout = "lock_timeout" // the chunk waited lock_timeout for a lock
+	reasonRetryAfter  = "retry_after"  // a custom processor's service asked for a pause
+	reasonSweep       = "sweep"        // a sweep chunk rolled back
+)
+
+// forJob creates job's retry and lock-wait series at zero, so that a scrape
+// before the first retry or lock wait already has a line for each (and a
+// rule sees the first increase from 0, not a series appearing).
+func (m *Metrics) forJob(job string) {
+	if m == nil {
+		return
+	}
+	for _, reason := range []string{reasonTransient, reasonLockTimeout, reasonRetryAfter, reasonSweep} {
+		m.Retries.WithLabelValues(job, reason)
+	}
+	m.LockWait.WithLabelValues(job)
+}
+
 // inflight moves batch_items_inflight by n rows.
 func (m *Metrics) inflight(job string, n int) {
 	if m != nil && n != 0 {

@@ -329,6 +329,10 @@ func RetryQuarantine(ctx context.Context, db DB, spec Spec, proc Processor) (Ret
 }
 
 func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []string) (int, int64, error) {
+	// As a scan chunk's: the span's traceparent goes into the events of
+	// the rows that now pass.
+	ctx, span := tracing.Start(ctx, "batch.quarantine_retry")
+	defer span.End()
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return 0, 0, err

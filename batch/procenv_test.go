@@ -230,3 +230,37 @@ func TestIdempotencyKeyDiffersPerChunk(t *testing.T) {
 		}
 	}
 }
+
+// A runner's retry and lock-wait series exist at 0 from its start, one
+// per retry reason, so a scrape before the first retry has a line for each.
+func TestRetryAndLockWaitSeriesStartAtZero(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	m := batch.NewMetrics(reg, nil)
+	_, err := batch.NewRunner(nil, spec(), batch.Config{Metrics: m})
+	require.NoError(t, err)
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	reasons := map[string]float64{}
+	lockWaits := 0
+	for _, mf := range mfs {
+		for _, s := range mf.GetMetric() {
+			if !hasLabel(s, "job", "records") {
+				continue
+			}
+			switch mf.GetName() {
+			case "batch_retry_total":
+				for _, l := range s.GetLabel() {
+					if l.GetName() == "reason" {
+						reasons[l.GetValue()] = s.GetCounter().GetValue()
+					}
+				}
+			case "batch_lock_wait_seconds":
+				lockWaits++
+				require.Zero(t, s.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	require.Equal(t, map[string]float64{"transient": 0, "lock_timeout": 0, "retry_after": 0, "sweep": 0}, reasons)
+	require.Equal(t, 1, lockWaits)
+}

@@ -169,6 +169,7 @@ func NewRunner(pool *pgxpool.Pool, spec Spec, cfg Config) (*Runner, error) {
 	if err := cfg.validateFor(spec); err != nil {
 		return nil, err
 	}
+	cfg.Metrics.forJob(spec.Job)
 	return &Runner{pool: pool, spec: spec, cfg: cfg, limiter: newLimiter(cfg.RateLimit, cfg.RateBurst)}, nil
 }
 

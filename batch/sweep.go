@@ -230,7 +230,7 @@ func (r *Runner) sweepChunkWithRetry(ctx context.Context, st stmt, token string,
 	}
 	notify := func(err error, d time.Duration) {
 		if r.cfg.Metrics != nil {
-			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, "sweep").Inc()
+			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, reasonSweep).Inc()
 		}
 		log.Warn("sweep chunk rolled back; retrying", slog.String("error", err.Error()), slog.Duration("backoff", d))
 	}
@@ -239,6 +239,10 @@ func (r *Runner) sweepChunkWithRetry(ctx context.Context, st stmt, token string,
 }
 
 func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {
+	// As a scan chunk's: the span's traceparent goes into the tombstones'
+	// events, and the publisher and the indexer continue its trace.
+	ctx, span := tracing.Start(ctx, "batch.sweep_chunk")
+	defer span.End()
 	tx, err := r.pool.Begin(ctx)
 	if err != nil {
 		return 0, nil, 0, fmt.Errorf("begin sweep chunk: %w", err)

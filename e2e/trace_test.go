@@ -20,9 +20,12 @@ import (
 
 // TestTraceFollowsARowThroughTheThreeStages drives the batcher, the
 // publisher and the indexer in this process against the real servers, with
-// the SDK's in-memory exporter: the row's outbox event carries the chunk
-// span's traceparent, and the publish span and the bulk span link to it.
-// Not parallel: the tracer is process-wide.
+// the SDK's in-memory exporter: a row's trace is one trace, the batcher's
+// batch.chunk span (whose traceparent the row's outbox event carries), the
+// publisher's outbox.send span for the row as its child, and the indexer's
+// sink.process span for the row as the child of that; the batch spans
+// (outbox.publish, sink.bulk) link to the row's message spans. Not
+// parallel: the tracer is process-wide.
 func TestTraceFollowsARowThroughTheThreeStages(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -91,10 +94,36 @@ FROM generate_series(1, 3) g`)
 		}
 	}
 
+	// One trace: chunk -> outbox.send -> sink.process, for the row's key.
+	send := ofKey(spanByName("outbox.send"), "2")
+	require.Len(t, send, 1, "outbox.send spans of row 2")
+	require.Equal(t, trace.SpanKindProducer, send[0].SpanKind)
+	require.Equal(t, row.TraceID(), send[0].SpanContext.TraceID(), "outbox.send is in the row's trace")
+	require.Equal(t, row.SpanID(), send[0].Parent.SpanID(), "outbox.send is a child of the chunk span")
+	process := ofKey(spanByName("sink.process"), "2")
+	require.NotEmpty(t, process, "sink.process spans of row 2")
+	for _, p := range process {
+		require.Equal(t, trace.SpanKindConsumer, p.SpanKind)
+		require.Equal(t, row.TraceID(), p.SpanContext.TraceID(), "sink.process is in the row's trace")
+		require.Equal(t, send[0].SpanContext.SpanID(), p.Parent.SpanID(), "sink.process is a child of outbox.send")
+	}
 	publish := spanByName("outbox.publish")
-	require.True(t, linksTo(publish, row), "no outbox.publish span links to the row's chunk span %s (%d publish spans)", tp2, len(publish))
+	require.True(t, linksTo(publish, send[0].SpanContext), "no outbox.publish span links to the row's outbox.send span (%d publish spans)", len(publish))
 	bulk := spanByName("sink.bulk")
-	require.True(t, linksTo(bulk, row), "no sink.bulk span links to the row's chunk span %s (%d bulk spans)", tp2, len(bulk))
+	require.True(t, linksTo(bulk, process[0].SpanContext), "no sink.bulk span links to the row's sink.process span (%d bulk spans)", len(bulk))
+}
+
+// ofKey is the spans of the message with Kafka key key.
+func ofKey(spans []tracetest.SpanStub, key string) []tracetest.SpanStub {
+	var out []tracetest.SpanStub
+	for _, s := range spans {
+		for _, a := range s.Attributes {
+			if a.Key == "messaging.kafka.message.key" && a.Value.AsString() == key {
+				out = append(out, s)
+			}
+		}
+	}
+	return out
 }
 
 func hasSpan(spans []tracetest.SpanStub, sc trace.SpanContext) bool {

@@ -8,7 +8,10 @@ package outbox
 //	headers = ce_specversion "1.0", ce_id = event id, ce_source,
 //	          ce_type = "outboxrelay.<event type>", ce_subject = aggregate id,
 //	          ce_time (RFC 3339), content-type, ce_aggregateversion (decimal),
-//	          ce_aggregatetype, and traceparent when the event carries one.
+//	          ce_aggregatetype, and traceparent when the event carries one
+//	          (while tracing is on and the event's context is sampled, the
+//	          traceparent of the publisher's span for the event, a child of
+//	          the event's).
 //
 // The indexer reads the version and the event type from these headers, and
 // ce_processorversion, which the batcher puts into its events' own headers,

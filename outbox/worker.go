@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // shardWorker publishes one leased shard: one batch at a time, so one key's
@@ -124,6 +125,7 @@ type pendingEvent struct {
 	msg  kafka.Message
 	err  error // set when the event is dead
 	code int32
+	span trace.Span // the event's producer span; nil while tracing is off
 }
 
 // publishBatch sends and records one batch read from the shard, and returns
@@ -155,10 +157,12 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 	}
 	w.fit(len(all), len(events), bytes)
 	b.all = all
+	startSendSpans(ctx, all)
 	ctx, span := startPublishSpan(ctx, all)
 	defer span.End()
 
 	retried, err := w.produce(ctx, b)
+	endSendSpans(all, err)
 	if err != nil {
 		return nil, err
 	}

@@ -65,7 +65,7 @@ func (ix *Indexer) bisect(ctx context.Context, docs []*doc, buf *bytes.Buffer, p
 	if len(docs) == 1 {
 		return append(parts, bulkPart{docs: docs, results: []bulkItemResult{refusedItem(err)}, refused: true, cause: err})
 	}
-	ix.m.retries.WithLabelValues("bisect").Add(float64(len(docs)))
+	ix.m.retries.WithLabelValues(retryBisect).Add(float64(len(docs)))
 	half := len(docs) / 2
 	parts = ix.bisect(ctx, docs[:half], buf, parts)
 	return ix.bisect(ctx, docs[half:], buf, parts)

@@ -442,7 +442,9 @@ func (ix *Indexer) runLane(ctx context.Context, bl *backlog, lane int, resolved 
 		if err != nil {
 			return nil // ctx ended
 		}
+		startProcessSpans(ctx, bt.docs)
 		res, err := ix.resolve(ctx, bt.docs)
+		endProcessSpans(bt.docs, err)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil // abandoned uncommitted: replayed by whoever owns the partitions next
@@ -634,7 +636,7 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 				}
 				saw429 = saw429 || elastic.IsStatusCode(err, http.StatusTooManyRequests)
 				reqErr = err
-				ix.m.retries.WithLabelValues("request").Add(float64(len(chunk)))
+				ix.m.retries.WithLabelValues(retryRequest).Add(float64(len(chunk)))
 				retry = append(retry, chunk...)
 				continue
 			}
@@ -655,11 +657,11 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 				case outcomeRetry:
 					if r.Status == http.StatusTooManyRequests {
 						saw429 = true
-						ix.m.retries.WithLabelValues("item_429").Inc()
+						ix.m.retries.WithLabelValues(retryItem429).Inc()
 					} else if r.Status >= 500 {
-						ix.m.retries.WithLabelValues("item_5xx").Inc()
+						ix.m.retries.WithLabelValues(retryItem5xx).Inc()
 					} else {
-						ix.m.retries.WithLabelValues("item_other").Inc()
+						ix.m.retries.WithLabelValues(retryItemOther).Inc()
 					}
 					if reqErr == nil {
 						reqErr = r.itemError()

@@ -6,12 +6,21 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
+// The reason label values of indexer_retries_total.
+const (
+	retryRequest   = "request"    // the whole bulk request failed (counted per document)
+	retryItem429   = "item_429"   // an item refused with 429 (engine overloaded)
+	retryItem5xx   = "item_5xx"   // an item refused with a 5xx status
+	retryItemOther = "item_other" // an item refused with another retryable error
+	retryBisect    = "bisect"     // a request refused in a way one item can cause, sent again in halves (per document)
+)
+
 // metrics are the indexer's Prometheus series. Names start with indexer_.
 type metrics struct {
 	docs        *prometheus.CounterVec // result = indexed | deleted | conflict | dead_lettered | skipped
-	retries     *prometheus.CounterVec // reason = item_429 | item_5xx | item_other | request
+	retries     *prometheus.CounterVec // reason = item_429 | item_5xx | item_other | request | bisect
 	deadLetters *prometheus.CounterVec // code
-	skipped     *prometheus.CounterVec // reason = aggregate_type | event_type | null_value
+	skipped     *prometheus.CounterVec // reason = aggregate_type | event_type | null_value | txn_marker
 	bulkSeconds prometheus.Histogram
 	bulkDocs    prometheus.Histogram
 	bulkBytes   prometheus.Histogram
@@ -79,6 +88,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "indexer_dead_letter_topic_messages",
 			Help: "Messages in the dead-letter topic (state=stored) and those of them not re-published by `indexer dead-letter replay` yet (state=pending); alert on pending > 0.",
 		}, []string{"state"}),
+	}
+	// Every known reason's series exists from the start, at 0: a scrape
+	// before the first retry or skip has a line for it, and a rule sees
+	// the first increase rather than a series appearing.
+	for _, reason := range []string{retryRequest, retryItem429, retryItem5xx, retryItemOther, retryBisect} {
+		m.retries.WithLabelValues(reason)
+	}
+	for _, reason := range []string{SkipAggregateType, SkipEventType, SkipNullValue, SkipTxnMarker} {
+		m.skipped.WithLabelValues(reason)
 	}
 	if reg != nil {
 		reg.MustRegister(m.docs, m.retries, m.deadLetters, m.skipped, m.bulkSeconds, m.bulkDocs, m.bulkBytes, m.lag, m.rateLimit, m.commitErrs, m.deadLetterTopic, m.generationDocs)

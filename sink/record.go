@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -127,6 +128,9 @@ type doc struct {
 	// skip is set (to a Skip* reason) when the deployment does not index
 	// the message.
 	skip string
+	// span is the message's consumer span while the lane resolves it; nil
+	// while tracing is off.
+	span trace.Span
 }
 
 // itemError is why a document was dead-lettered.

@@ -103,7 +103,7 @@ func runCommand() cli.Command {
 				return cli.UsageError("%v", err)
 			}
 			health.AddCheck("shards", pub.Ready)
-			reg.MustRegister(batch.NewRunStates(pool, logger)) // failed runs outlive their batcher
+			reg.MustRegister(batch.NewRunStates(pool, logger)) // failed and abandoned runs outlive their batcher
 			if err := metrics.Serve(hard, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}

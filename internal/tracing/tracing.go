@@ -7,15 +7,19 @@
 // as OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG say (the SDK reads them;
 // default parentbased_always_on). OTEL_SDK_DISABLED=true keeps it off. While
 // off, [Start] and [StartLinked] return the caller's context and a no-op
-// span without allocating, and [TraceParent] returns "".
+// span without allocating, [StartMessage] returns nil, and [TraceParent]
+// returns "".
 //
-// A row's trace: the batcher starts a span per chunk and writes its W3C
-// traceparent into each outbox event's headers; the publisher forwards that
-// header to Kafka unchanged (it is the message's creation context) and its
-// span per publish batch links to every event's context; the indexer's span
-// per bulk request links to every message's context. Links, not parents,
-// because a batch holds events of many traces (the OpenTelemetry messaging
-// conventions do the same).
+// A row's trace is one trace, as the OpenTelemetry messaging conventions
+// build it: the batcher starts a span per chunk and writes its W3C
+// traceparent into each outbox event's headers; the publisher starts a
+// producer span per event as a child of that context and sends its
+// traceparent in the Kafka record's traceparent header; the indexer starts
+// a consumer span per message as a child of the header's context, ended
+// when the message is resolved. The batch spans (the publisher's per
+// publish batch, the indexer's per bulk request) carry events of many
+// traces, so they start traces of their own and link to each message's
+// span.
 package tracing
 
 import (
@@ -28,6 +32,7 @@ import (
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/resource"
@@ -106,12 +111,12 @@ func Start(ctx context.Context, name string) (context.Context, trace.Span) {
 	return (*t).Start(ctx, name)
 }
 
-// StartLinked starts span name with a link to each of the n W3C
-// traceparent values tp(i) returns ("" or malformed: no link; one link per
-// distinct context); the batch span of the publisher (kind producer) and
-// the indexer (consumer). n is recorded as
-// messaging.batch.message_count. While tracing is off tp is never called.
-func StartLinked(ctx context.Context, name string, kind trace.SpanKind, n int, tp func(i int) string) (context.Context, trace.Span) {
+// StartLinked starts span name with a link to each of the n span contexts
+// sc(i) returns (an invalid one: no link; one link per distinct context);
+// the batch span of the publisher (kind producer) and the indexer
+// (consumer). n is recorded as messaging.batch.message_count. While
+// tracing is off sc is never called.
+func StartLinked(ctx context.Context, name string, kind trace.SpanKind, n int, sc func(i int) trace.SpanContext) (context.Context, trace.Span) {
 	t := tracer.Load()
 	if t == nil {
 		return ctx, trace.SpanFromContext(ctx)
@@ -123,19 +128,50 @@ func StartLinked(ctx context.Context, name string, kind trace.SpanKind, n int, t
 	}
 	seen := make(map[id]struct{}, n)
 	for i := range n {
-		sc, ok := Parse(tp(i))
-		if !ok {
+		c := sc(i)
+		if !c.IsValid() {
 			continue
 		}
-		k := id{sc.TraceID(), sc.SpanID()}
+		k := id{c.TraceID(), c.SpanID()}
 		if _, dup := seen[k]; dup {
-			continue // one link per context: a chunk's events share one
+			continue // one link per context: events without a span of their own share their chunk's
 		}
 		seen[k] = struct{}{}
-		links = append(links, trace.Link{SpanContext: sc})
+		links = append(links, trace.Link{SpanContext: c})
 	}
 	return (*t).Start(ctx, name, trace.WithLinks(links...), trace.WithSpanKind(kind),
 		trace.WithAttributes(attribute.Int("messaging.batch.message_count", n)))
+}
+
+// StartMessage starts span name of one message (kind producer or consumer)
+// as a child of parent, the W3C traceparent the message carries. It returns
+// nil, without allocating, when tracing is off or parent is empty,
+// malformed or not sampled: such a message gets no span, and its
+// traceparent travels on unchanged. End the span with [End].
+func StartMessage(ctx context.Context, name string, kind trace.SpanKind, parent string) trace.Span {
+	t := tracer.Load()
+	if t == nil || parent == "" {
+		return nil
+	}
+	sc, ok := Parse(parent)
+	if !ok || !sc.IsSampled() {
+		return nil
+	}
+	_, span := (*t).Start(trace.ContextWithRemoteSpanContext(ctx, sc), name, trace.WithSpanKind(kind))
+	return span
+}
+
+// End ends span, a [StartMessage] span or nil, with an error status when
+// err is not nil.
+func End(span trace.Span, err error) {
+	if span == nil {
+		return
+	}
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
 }
 
 // TraceParent is the W3C traceparent of ctx's span: "" when tracing is off
@@ -144,7 +180,11 @@ func TraceParent(ctx context.Context) string {
 	if tracer.Load() == nil {
 		return ""
 	}
-	sc := trace.SpanContextFromContext(ctx)
+	return Format(trace.SpanContextFromContext(ctx))
+}
+
+// Format is the W3C traceparent of sc: "" when sc is not valid.
+func Format(sc trace.SpanContext) string {
 	if !sc.IsValid() {
 		return ""
 	}

@@ -2,10 +2,12 @@ package tracing
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
@@ -25,8 +27,13 @@ func TestOffByDefaultCostsNoAllocation(t *testing.T) {
 	allocs := testing.AllocsPerRun(100, func() {
 		c, span := Start(ctx, "x")
 		span.End()
-		c, span = StartLinked(c, "y", trace.SpanKindProducer, 10, func(int) string { called = true; return "" })
+		c, span = StartLinked(c, "y", trace.SpanKindProducer, 10, func(int) trace.SpanContext { called = true; return trace.SpanContext{} })
 		span.End()
+		msg := StartMessage(c, "z", trace.SpanKindConsumer, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+		if msg != nil {
+			t.Fatal("a message span while off")
+		}
+		End(msg, nil)
 		if TraceParent(c) != "" || Arg(c) != nil {
 			t.Fatal("a traceparent while off")
 		}
@@ -43,7 +50,7 @@ func TestSetupRefusesAnUnsupportedProtocol(t *testing.T) {
 	require.False(t, Enabled())
 }
 
-func TestLinkedSpanLinksEachDistinctTraceParent(t *testing.T) {
+func TestLinkedSpanLinksEachDistinctContext(t *testing.T) {
 	exp := tracetest.NewInMemoryExporter()
 	Use(sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp)))
 	t.Cleanup(func() { Use(nil) })
@@ -53,13 +60,56 @@ func TestLinkedSpanLinksEachDistinctTraceParent(t *testing.T) {
 	sc, ok := Parse(tp)
 	require.True(t, ok, tp)
 	require.Equal(t, chunk.SpanContext().SpanID(), sc.SpanID())
-	parents := []string{tp, "", "garbage", tp}
-	_, span := StartLinked(context.Background(), "publish", trace.SpanKindProducer, len(parents), func(i int) string { return parents[i] })
+	_, bad := Parse("garbage")
+	require.False(t, bad)
+	contexts := []trace.SpanContext{sc, {}, sc}
+	_, span := StartLinked(context.Background(), "publish", trace.SpanKindProducer, len(contexts), func(i int) trace.SpanContext { return contexts[i] })
 	span.End()
 	spans := exp.GetSpans()
 	require.Len(t, spans, 2)
 	require.Len(t, spans[1].Links, 1)
 	require.Equal(t, sc.SpanID(), spans[1].Links[0].SpanContext.SpanID())
+}
+
+// A message span continues the message's trace as a child of its
+// traceparent; a message without a sampled traceparent gets none.
+func TestMessageSpanIsAChildOfTheMessagesTraceParent(t *testing.T) {
+	exp := tracetest.NewInMemoryExporter()
+	Use(sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp)))
+	t.Cleanup(func() { Use(nil) })
+	ctx, chunk := Start(context.Background(), "chunk")
+	parent := TraceParent(ctx)
+	chunk.End()
+
+	span := StartMessage(context.Background(), "send", trace.SpanKindProducer, parent)
+	require.NotNil(t, span)
+	child := Format(span.SpanContext())
+	End(span, errors.New("rejected"))
+	spans := exp.GetSpans()
+	require.Len(t, spans, 2)
+	send := spans[1]
+	require.Equal(t, chunk.SpanContext().TraceID(), send.SpanContext.TraceID())
+	require.Equal(t, chunk.SpanContext().SpanID(), send.Parent.SpanID())
+	require.True(t, send.Parent.IsRemote())
+	require.Equal(t, trace.SpanKindProducer, send.SpanKind)
+	require.Equal(t, codes.Error, send.Status.Code)
+	sc, ok := Parse(child)
+	require.True(t, ok, child)
+	require.Equal(t, send.SpanContext.SpanID(), sc.SpanID())
+
+	for _, tc := range []struct {
+		name   string
+		parent string
+	}{
+		{name: "none", parent: ""},
+		{name: "malformed", parent: "garbage"},
+		{name: "not sampled", parent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Nil(t, StartMessage(context.Background(), "send", trace.SpanKindProducer, tc.parent))
+		})
+	}
+	require.Len(t, exp.GetSpans(), 2)
 }
 
 // An endpoint turns tracing on: spans record, traceparents are written,
