@@ -18,11 +18,12 @@ import (
 )
 
 // The indexer through the engine's HTTPS proxy, with basic auth (the
-// password from a file) and with an API key (from a file): the index
-// equals the source. A wrong password, a wrong API key, an untrusted CA or
-// a missing or foreign client certificate ends it within seconds in one
-// line naming the setting, shows no secret, and writes nothing: no index,
-// no committed offset.
+// password from a file) and with an API key (key and URL from files; the
+// publisher reads DATABASE_URL_FILE): the index equals the source. A wrong
+// password (user info in ELASTICSEARCH_URL_FILE), a wrong API key, an
+// untrusted CA or a missing or foreign client certificate ends it within
+// seconds in one line naming the setting, shows no secret, and writes
+// nothing: no index, no committed offset.
 func TestPipelineThroughSecuredSearch(t *testing.T) {
 	t.Parallel()
 	ss := stack.SecuredSearch(t)
@@ -41,7 +42,7 @@ func TestPipelineThroughSecuredSearch(t *testing.T) {
 				"ELASTICSEARCH_USERNAME=" + s["ELASTICSEARCH_USERNAME"], "ELASTICSEARCH_PASSWORD_FILE=" + secret(t, "search-password", s["ELASTICSEARCH_PASSWORD"])}
 		}},
 		{"API key", func(t *testing.T) []string {
-			return []string{"ELASTICSEARCH_URL=" + s["SEARCH_APIKEY_URL"], "ELASTICSEARCH_CA_FILE=" + s["ELASTICSEARCH_CA_FILE"],
+			return []string{"ELASTICSEARCH_URL=", "ELASTICSEARCH_URL_FILE=" + secret(t, "search-url", s["SEARCH_APIKEY_URL"]), "ELASTICSEARCH_CA_FILE=" + s["ELASTICSEARCH_CA_FILE"],
 				"ELASTICSEARCH_API_KEY_FILE=" + secret(t, "search-api-key", s["ELASTICSEARCH_API_KEY"])}
 		}},
 	} {
@@ -51,7 +52,7 @@ func TestPipelineThroughSecuredSearch(t *testing.T) {
 			const rows = 1000
 			p := newPipeline(t, pipelineOptions{TopicPartitions: 3})
 			require.NoError(t, demo.Seed(ctx, p.pool, demo.SeedOptions{Rows: rows}))
-			pub := p.startPublisher("LOG_LEVEL=warn")
+			pub := p.startPublisher("LOG_LEVEL=warn", "DATABASE_URL=", "DATABASE_URL_FILE="+secret(t, "database-url", p.dbURL))
 			ix := p.startIndexer(append([]string{"LOG_LEVEL=warn"}, tc.env(t)...)...)
 			procs := func() string { return "publisher:\n" + tail(pub.Stderr(), 20) + "\nindexer:\n" + tail(ix.Stderr(), 20) }
 			p.runBatcher(3 * time.Minute)
@@ -82,7 +83,7 @@ func TestPipelineThroughSecuredSearch(t *testing.T) {
 			env  []string
 			want []string
 		}{
-			{"wrong password", []string{"ELASTICSEARCH_URL=" + withUser(s["SEARCH_BASIC_URL"], s["ELASTICSEARCH_USERNAME"], wrongPassword),
+			{"wrong password", []string{"ELASTICSEARCH_URL=", "ELASTICSEARCH_URL_FILE=" + secret(t, "search-url", withUser(s["SEARCH_BASIC_URL"], s["ELASTICSEARCH_USERNAME"], wrongPassword)),
 				"ELASTICSEARCH_CA_FILE=" + s["ELASTICSEARCH_CA_FILE"]}, []string{"401", "ELASTICSEARCH_PASSWORD"}},
 			{"wrong API key", []string{"ELASTICSEARCH_URL=" + s["SEARCH_APIKEY_URL"], "ELASTICSEARCH_CA_FILE=" + s["ELASTICSEARCH_CA_FILE"],
 				"ELASTICSEARCH_API_KEY=" + apiKeyID + ":" + wrongKey}, []string{"401", "ELASTICSEARCH_API_KEY"}},
