@@ -11,6 +11,13 @@
 // rebuilds every document into a new index generation while searches keep
 // reading the old one, cuts the read alias over and searches the new
 // documents. Ctrl-C stops everything it started.
+//
+// It is a demo of the local, plaintext stack only: its own connections
+// (the topic it creates, the index it reads) use no TLS, SASL or search
+// credentials, so it refuses to start when a Kafka or search security
+// setting is in the environment rather than hand it to the binaries it
+// starts and connect around it. See README, "Connecting to a secured
+// cluster", for running the binaries against a secured cluster.
 package main
 
 import (
@@ -27,6 +34,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -70,6 +78,10 @@ func main() {
 		fmt.Fprintln(os.Stderr, "demo: DATABASE_URL, KAFKA_BROKERS and ELASTICSEARCH_URL must be set (make demo starts the stack and sets them)")
 		os.Exit(2)
 	}
+	if set := securitySettings(os.Environ()); len(set) > 0 {
+		fmt.Fprintf(os.Stderr, "demo: %s set: the demo runs on the local plaintext stack only; unset them (see README, \"Connecting to a secured cluster\", to run the binaries on a secured cluster)\n", strings.Join(set, ", "))
+		os.Exit(2)
+	}
 	if c.rows <= 0 {
 		fmt.Fprintf(os.Stderr, "demo: ROWS=%d: want a positive number\n", c.rows)
 		os.Exit(2)
@@ -89,6 +101,26 @@ func main() {
 		fmt.Fprintf(os.Stderr, "\ndemo: %v\n", err)
 		os.Exit(1)
 	}
+}
+
+// securitySettings returns the non-empty Kafka and search security
+// settings, and the file forms of the URLs, in environ (names only).
+func securitySettings(environ []string) []string {
+	var set []string
+	for _, kv := range environ {
+		name, value, _ := strings.Cut(kv, "=")
+		if value == "" {
+			continue
+		}
+		switch {
+		case strings.HasPrefix(name, "KAFKA_TLS"), strings.HasPrefix(name, "KAFKA_SASL_"),
+			strings.HasPrefix(name, "ELASTICSEARCH_") && name != "ELASTICSEARCH_URL",
+			name == "DATABASE_URL_FILE":
+			set = append(set, name)
+		}
+	}
+	slices.Sort(set)
+	return set
 }
 
 func envInt(name string, def int) int {

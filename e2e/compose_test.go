@@ -37,6 +37,7 @@ type composeService struct {
 	DependsOn   map[string]map[string]any `yaml:"depends_on"`
 	Healthcheck map[string]any            `yaml:"healthcheck"`
 	Volumes     []string                  `yaml:"volumes"`
+	Secrets     []string                  `yaml:"secrets"`
 }
 
 func loadCompose(t *testing.T, name string) composeFile {

@@ -41,7 +41,10 @@ func onSecuredKafka(t *testing.T, k *stack.SecureKafka, partitions int) *pipelin
 }
 
 // The whole pipeline over the secured listeners, every mechanism used by
-// one of the two services: all rows reach the index.
+// one of the two services: `publisher topics ensure` creates the topic,
+// all rows reach the index, a poison record is dead-lettered, and
+// `indexer dead-letter replay` re-publishes it, all over the same secured
+// listener as the service.
 func TestPipelineOverSecuredKafka(t *testing.T) {
 	t.Parallel()
 	k := stack.SecuredKafka(t)
@@ -53,9 +56,20 @@ func TestPipelineOverSecuredKafka(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			const rows = 2000
-			p := onSecuredKafka(t, k, 3)
+			p := newPipeline(t, pipelineOptions{TopicPartitions: 1})
+			p.brokers = []string{k.Env} // the test's own checks use the plaintext listener
+			pubEnv := append([]string{"LOG_LEVEL=warn"}, secureEnv(t, k, tc.publisher)...)
+			ensure := testproc.Run(t, time.Minute, p.publisherBin, p.env(append(pubEnv, "TOPICS="+p.topic, "TOPIC_PARTITIONS=3", "TOPIC_REPLICATION_FACTOR=1")...), "topics", "ensure")
+			require.Equal(t, 0, ensure.ExitCode(), ensure.Stderr())
+			require.Regexp(t, p.topic+`\s+3\s+created`, ensure.Stdout())
+
+			// A record of no known event type: the indexer dead-letters it.
+			w := &kafka.Writer{Addr: kafka.TCP(k.Env), Topic: p.topic, BatchTimeout: 10 * time.Millisecond}
+			require.NoError(t, w.WriteMessages(ctx, kafka.Message{Key: []byte("poison-1"), Value: []byte(`{"not":"an event"}`)}))
+			require.NoError(t, w.Close())
+
 			require.NoError(t, demo.Seed(ctx, p.pool, demo.SeedOptions{Rows: rows}))
-			pub := p.startPublisher(append([]string{"LOG_LEVEL=warn"}, secureEnv(t, k, tc.publisher)...)...)
+			pub := p.startPublisher(pubEnv...)
 			ixEnv := append([]string{"LOG_LEVEL=warn"}, secureEnv(t, k, tc.indexer)...)
 			ix := p.startIndexer(ixEnv...)
 			procs := func() string { return "publisher:\n" + tail(pub.Stderr(), 20) + "\nindexer:\n" + tail(ix.Stderr(), 20) }
@@ -65,7 +79,25 @@ func TestPipelineOverSecuredKafka(t *testing.T) {
 			require.EqualValues(t, rows, s.Report.IndexDocs)
 			pubDL, ixDL := p.deadLetters(ctx)
 			require.Zero(t, pubDL)
-			require.Zero(t, ixDL)
+			require.EqualValues(t, 1, ixDL, "the poison record")
+
+			// The replay reads the dead-letter topic and writes to the topic
+			// over the secured listener; the running indexer meets the
+			// record again and dead-letters it again.
+			replay := testproc.Run(t, time.Minute, p.indexerBin, p.env(ixEnv...), "dead-letter", "replay")
+			require.Equal(t, 0, replay.ExitCode(), replay.Stderr())
+			require.Contains(t, replay.Stdout(), "re-published 1 message(s)")
+			deadline := time.Now().Add(time.Minute)
+			for {
+				st, err := p.status(ctx)
+				require.NoError(t, err)
+				if st.DeadLettered == 2 && st.TotalLag() == 0 {
+					require.EqualValues(t, 1, st.DeadLetterPending, "the first dead letter is replayed, the second not yet")
+					break
+				}
+				require.True(t, time.Now().Before(deadline), "the replayed record was not dead-lettered again: %+v\n%s", st, procs())
+				pause(ctx, 250*time.Millisecond)
+			}
 
 			// The status command reads lag over the same secured listener.
 			st := testproc.Run(t, time.Minute, p.indexerBin, p.env(ixEnv...), "status")

@@ -21,11 +21,16 @@ import (
 // allows it.
 func TestCutoverRefusesToHideDocumentsWithoutProcessorVersion(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testCutoverRefusesToHideDocumentsWithoutProcessorVersion)
+}
+
+func testCutoverRefusesToHideDocumentsWithoutProcessorVersion(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(stack.ElasticsearchURL(t))
+	client, err := sink.NewClient(engineURL)
 	require.NoError(t, err)
-	cfg := sink.Config{URL: stack.ElasticsearchURL(t), Alias: stack.UniqueName("cut-app")}.WithDefaults()
+	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("cut-app")}.WithDefaults()
 
 	// The live generation (v1), as the indexer creates it, and the v2 one
 	// built beside it.
@@ -80,12 +85,17 @@ SELECT 'src', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', false 
 // its generations under that alias: the cutover checks and moves those.
 func TestCutoverOfARoutedJobMovesItsOwnAlias(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testCutoverOfARoutedJobMovesItsOwnAlias)
+}
+
+func testCutoverOfARoutedJobMovesItsOwnAlias(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(stack.ElasticsearchURL(t))
+	client, err := sink.NewClient(engineURL)
 	require.NoError(t, err)
 	orders := stack.UniqueName("cut-orders")
-	cfg := sink.Config{URL: stack.ElasticsearchURL(t), Alias: stack.UniqueName("cut-main"), Routes: map[string]string{"orders": orders}}.WithDefaults()
+	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("cut-main"), Routes: map[string]string{"orders": orders}}.WithDefaults()
 	live, err := sink.EnsureIndex(ctx, client, orders, orders+"-write", cfg.Mapping)
 	require.NoError(t, err)
 	next := sink.GenerationIndex(orders, "v2")

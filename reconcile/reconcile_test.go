@@ -163,9 +163,14 @@ FROM generate_series(1, $1) g`, n)
 // goes first, and the event carries the row's processor version.
 func TestReconcileFindsDocumentsOfAnotherProcessorVersion(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testReconcileFindsDocumentsOfAnotherProcessorVersion)
+}
+
+func testReconcileFindsDocumentsOfAnotherProcessorVersion(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(stack.ElasticsearchURL(t))
+	client, err := sink.NewClient(engineURL)
 	require.NoError(t, err)
 	index := stack.UniqueName("reconcile-pv")
 	_, err = client.CreateIndex(index).BodyString(`{"settings":{"number_of_shards":1,"number_of_replicas":0,"index.gc_deletes":"1s"},"mappings":{"properties":{"_bucket":{"type":"integer"},"_idv":{"type":"long"},"_deleted":{"type":"boolean"},"_pv":{"type":"keyword"}}}}`).Do(ctx)

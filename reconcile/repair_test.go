@@ -36,10 +36,10 @@ type repairFixture struct {
 	index  string
 }
 
-func newRepairFixture(t *testing.T) *repairFixture {
+func newRepairFixture(t *testing.T, engineURL string) *repairFixture {
 	t.Helper()
 	ctx := context.Background()
-	client, err := sink.NewClient(stack.ElasticsearchURL(t))
+	client, err := sink.NewClient(engineURL)
 	require.NoError(t, err)
 	f := &repairFixture{pool: stack.Pool(t, stack.Database(t)), client: client, index: stack.UniqueName("reconcile")}
 	_, err = client.CreateIndex(f.index).BodyString(testMapping).Do(ctx)
@@ -90,8 +90,13 @@ func extraIDs(rep reconcile.Report) []string {
 // comparison: a repair deletes only this source's live extras.
 func TestRepairDeletesOnlyThisSourcesLiveExtras(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testRepairDeletesOnlyThisSourcesLiveExtras)
+}
+
+func testRepairDeletesOnlyThisSourcesLiveExtras(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
-	f := newRepairFixture(t)
+	f := newRepairFixture(t, engineURL)
 	f.rows(t, "src", "s-", 200, true)
 	f.rows(t, "orders", "o-", 40, true)                                                                      // another producer, same index
 	f.rows(t, "src", "stray-", 4, false)                                                                     // this source's, not in normalized_records: extras
@@ -129,8 +134,13 @@ VALUES ('src', 'stray-1', '{"title":"late"}', 2, 'v1', false), ('src', 'stray-2'
 // is refused unless forced.
 func TestReconcileSourceAndRepairSafety(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testReconcileSourceAndRepairSafety)
+}
+
+func testReconcileSourceAndRepairSafety(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
-	f := newRepairFixture(t)
+	f := newRepairFixture(t, engineURL)
 	f.rows(t, "t", "", 500, true)
 
 	rep, err := reconcile.Run(ctx, reconcile.Config{DB: f.pool, Search: f.client, Index: f.index, Source: "source_records"})

@@ -73,8 +73,13 @@ func TestGenerationIsBuiltInBulkLoadModeUntilCaughtUp(t *testing.T) {
 // once, and later writes become searchable again.
 func TestCutoverEndsTheBulkLoadFirst(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testCutoverEndsTheBulkLoadFirst)
+}
+
+func testCutoverEndsTheBulkLoadFirst(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
-	es := stack.ElasticsearchURL(t)
+	es := engineURL
 	client, err := NewClient(es)
 	require.NoError(t, err)
 	cfg := Config{URL: es, Alias: stack.UniqueName("bulkcut"),

@@ -14,8 +14,13 @@ import (
 // rollback to it would empty every search, so it is refused.
 func TestRollbackRefusesAGenerationRecreatedAfterTheCutover(t *testing.T) {
 	t.Parallel()
+	stack.EachEngine(t, testRollbackRefusesAGenerationRecreatedAfterTheCutover)
+}
+
+func testRollbackRefusesAGenerationRecreatedAfterTheCutover(t *testing.T, engineURL string) {
+	t.Parallel()
 	ctx := context.Background()
-	es := stack.ElasticsearchURL(t)
+	es := engineURL
 	client, err := NewClient(es)
 	require.NoError(t, err)
 	cfg := Config{URL: es, Alias: stack.UniqueName("rb")}.withDefaults()

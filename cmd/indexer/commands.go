@@ -43,7 +43,7 @@ func (s *settings) registerKafka(fs *cli.FlagSet) {
 }
 
 func (s *settings) registerEngine(fs *cli.FlagSet) {
-	fs.Secret(&s.cfg.URL, "elasticsearch-url", "ELASTICSEARCH_URL", "", "search engine URL, e.g. http://127.0.0.1:9200, or several nodes' URLs comma-separated (required)")
+	fs.SecretOrFile(&s.cfg.URL, "elasticsearch-url", "ELASTICSEARCH_URL", "search engine URL, e.g. http://127.0.0.1:9200, or several nodes' URLs comma-separated (required)")
 	s.engineSec.Register(fs)
 	fs.String(&s.cfg.Alias, "alias", "ALIAS", sink.DefaultAlias, "read alias users search (filters out delete tombstones)")
 	fs.String(&s.cfg.WriteAlias, "write-alias", "WRITE_ALIAS", "", `alias the indexer writes through ("" = <alias>-write)`)

@@ -39,7 +39,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			fs := cli.NewFlagSet("indexer reconcile", "Summarises both sides per id bucket (count and a hash of id, version, deleted, processor version), reads id by id\nonly the buckets that differ, and reports missing, stale and extra documents. Run it when the\npipeline is drained: events in flight show up as drift. Exit code 4 when drift is found and not\nrepaired.")
 			common.RegisterDatabase(fs)
 			common.RegisterLogging(fs)
-			fs.Secret(&url, "elasticsearch-url", "ELASTICSEARCH_URL", "", "search engine URL, e.g. http://127.0.0.1:9200, or several nodes' URLs comma-separated (required)")
+			fs.SecretOrFile(&url, "elasticsearch-url", "ELASTICSEARCH_URL", "search engine URL, e.g. http://127.0.0.1:9200, or several nodes' URLs comma-separated (required)")
 			es.Register(fs)
 			fs.String(&alias, "alias", "ALIAS", sink.DefaultAlias, "read alias of the index")
 			fs.String(&writeAlias, "write-alias", "WRITE_ALIAS", "", `unfiltered alias compared (tombstones included) ("" = <alias>-write)`)

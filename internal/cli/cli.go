@@ -133,6 +133,13 @@ type FlagSet struct {
 	synopsis string
 	settings []*setting
 	lookup   func(string) (string, bool)
+	// files are the *_FILE forms of secrets, read at the end of Parse.
+	files []*secretFile
+}
+
+type secretFile struct {
+	dst       *string
+	env, file string // ENV and the file named by ENV_FILE
 }
 
 type setting struct {
@@ -168,6 +175,20 @@ func (f *FlagSet) String(p *string, name, env, def, usage string) {
 func (f *FlagSet) Secret(p *string, name, env, def, usage string) {
 	f.String(p, name, env, def, usage)
 	f.settings[len(f.settings)-1].secret = true
+}
+
+// SecretOrFile is Secret plus its file form: --NAME-file / ENV_FILE names
+// a file (a Docker or Kubernetes secret) whose content, one trailing
+// newline removed, is the value. Setting both is an error.
+func (f *FlagSet) SecretOrFile(p *string, name, env, usage string) {
+	f.Secret(p, name, env, "", usage)
+	sf := &secretFile{dst: p, env: env}
+	f.files = append(f.files, sf)
+	fileEnv := ""
+	if env != "" {
+		fileEnv = env + "_FILE"
+	}
+	f.String(&sf.file, name+"-file", fileEnv, "", "file holding --"+name+" (instead of "+env+")")
 }
 
 // Int binds an int setting.
@@ -230,6 +251,23 @@ func (f *FlagSet) Parse(args []string) ([]string, error) {
 			return nil, flag.ErrHelp
 		}
 		return nil, UsageError("%v (see --help)", err)
+	}
+	for _, sf := range f.files {
+		if sf.file == "" {
+			continue
+		}
+		if *sf.dst != "" {
+			return nil, UsageError("%s and %s_FILE are both set: set one", sf.env, sf.env)
+		}
+		b, err := os.ReadFile(sf.file)
+		if err != nil {
+			return nil, UsageError("%s_FILE=%q: %v", sf.env, sf.file, err)
+		}
+		v := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
+		if v == "" {
+			return nil, UsageError("%s_FILE=%q: the file is empty", sf.env, sf.file)
+		}
+		*sf.dst = v
 	}
 	return f.fs.Args(), nil
 }

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -43,6 +45,59 @@ func TestFlagSetBadEnvNamesTheVariable(t *testing.T) {
 	var ee *cli.ExitError
 	require.True(t, errors.As(err, &ee))
 	require.Equal(t, cli.ExitUsage, ee.Code)
+}
+
+// A secret given as NAME or as the file NAME_FILE names (a Docker or
+// Kubernetes secret, one trailing newline dropped); both, an unreadable or
+// an empty file is an error naming the variables, never the secret.
+func TestFlagSetSecretOrFile(t *testing.T) {
+	t.Parallel()
+	const secret = "postgres://app:s3cret@db:5432/app"
+	dir := t.TempDir()
+	file := filepath.Join(dir, "url")
+	require.NoError(t, os.WriteFile(file, []byte(secret+"\n"), 0o600))
+	empty := filepath.Join(dir, "empty")
+	require.NoError(t, os.WriteFile(empty, []byte("\n"), 0o600))
+	for _, tc := range []struct {
+		name    string
+		env     map[string]string
+		args    []string
+		want    string
+		wantErr string
+	}{
+		{name: "value", env: map[string]string{"DATABASE_URL": secret}, want: secret},
+		{name: "file", env: map[string]string{"DATABASE_URL_FILE": file}, want: secret},
+		{name: "file flag", args: []string{"--database-url-file", file}, want: secret},
+		{name: "neither", want: ""},
+		{name: "both", env: map[string]string{"DATABASE_URL": secret, "DATABASE_URL_FILE": file}, wantErr: "DATABASE_URL and DATABASE_URL_FILE are both set: set one"},
+		{name: "missing file", env: map[string]string{"DATABASE_URL_FILE": filepath.Join(dir, "nope")}, wantErr: `DATABASE_URL_FILE="` + filepath.Join(dir, "nope") + `": open`},
+		{name: "empty file", env: map[string]string{"DATABASE_URL_FILE": empty}, wantErr: `DATABASE_URL_FILE="` + empty + `": the file is empty`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var url string
+			fs := cli.NewFlagSet("x run", "")
+			fs.SetLookupEnv(func(k string) (string, bool) { v, ok := tc.env[k]; return v, ok })
+			fs.SecretOrFile(&url, "database-url", "DATABASE_URL", "connection string")
+			_, err := fs.Parse(tc.args)
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				require.NotContains(t, err.Error(), "s3cret")
+				var ee *cli.ExitError
+				require.ErrorAs(t, err, &ee)
+				require.Equal(t, cli.ExitUsage, ee.Code)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, url)
+		})
+	}
+	var url string
+	fs := cli.NewFlagSet("x run", "")
+	fs.SecretOrFile(&url, "database-url", "DATABASE_URL", "connection string")
+	var help bytes.Buffer
+	fs.PrintUsage(&help)
+	require.Contains(t, help.String(), "--database-url-file  (env DATABASE_URL_FILE")
 }
 
 func TestDispatch(t *testing.T) {

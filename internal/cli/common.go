@@ -22,9 +22,10 @@ type Common struct {
 	LogLevel string
 }
 
-// RegisterDatabase adds --database-url / DATABASE_URL.
+// RegisterDatabase adds --database-url / DATABASE_URL and its file form
+// --database-url-file / DATABASE_URL_FILE (the URL may hold a password).
 func (c *Common) RegisterDatabase(fs *FlagSet) {
-	fs.Secret(&c.DatabaseURL, "database-url", "DATABASE_URL", "", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (required)")
+	fs.SecretOrFile(&c.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (required)")
 }
 
 // RegisterLogging adds --log-format and --log-level.

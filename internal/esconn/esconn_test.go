@@ -24,6 +24,8 @@ func TestBuildSettings(t *testing.T) {
 	t.Parallel()
 	pw := filepath.Join(t.TempDir(), "pw")
 	require.NoError(t, os.WriteFile(pw, []byte("s3cret\n"), 0o600))
+	keyFile := filepath.Join(t.TempDir(), "api-key")
+	require.NoError(t, os.WriteFile(keyFile, []byte("id2:key2\n"), 0o600))
 	for _, tc := range []struct {
 		name string
 		url  string
@@ -36,6 +38,8 @@ func TestBuildSettings(t *testing.T) {
 		{"password and file", "https://h:9200", esconn.Settings{Username: "u", Password: "s3cret", PasswordFile: pw}, "ELASTICSEARCH_PASSWORD_FILE"},
 		{"URL user info and username", "https://u:s3cret@h:9200", esconn.Settings{Username: "u", Password: "x"}, "ELASTICSEARCH_URL"},
 		{"API key and basic auth", "https://u:s3cret@h:9200", esconn.Settings{APIKey: "k"}, "ELASTICSEARCH_API_KEY"},
+		{"API key and file", "https://h:9200", esconn.Settings{APIKey: "s3cret", APIKeyFile: keyFile}, "ELASTICSEARCH_API_KEY_FILE"},
+		{"missing API key file", "https://h:9200", esconn.Settings{APIKeyFile: pw + ".none"}, "ELASTICSEARCH_API_KEY_FILE"},
 		{"cert without key", "https://h:9200", esconn.Settings{CertFile: pw}, "ELASTICSEARCH_KEY_FILE"},
 		{"CA without PEM", "https://h:9200", esconn.Settings{CAFile: pw}, "ELASTICSEARCH_CA_FILE"},
 	} {
@@ -62,9 +66,13 @@ func TestBuildSettings(t *testing.T) {
 	conn, err = esconn.Settings{APIKey: "id1:key1"}.Build(srv.URL)
 	require.NoError(t, err)
 	require.NoError(t, conn.Probe(context.Background(), nil))
+	conn, err = esconn.Settings{APIKeyFile: keyFile}.Build(srv.URL) // the trailing newline is dropped
+	require.NoError(t, err)
+	require.NoError(t, conn.Probe(context.Background(), nil))
 	require.Equal(t, []string{
 		"Basic " + base64.StdEncoding.EncodeToString([]byte("elastic:s3cret")),
 		"ApiKey " + base64.StdEncoding.EncodeToString([]byte("id1:key1")),
+		"ApiKey " + base64.StdEncoding.EncodeToString([]byte("id2:key2")),
 	}, got)
 }
 

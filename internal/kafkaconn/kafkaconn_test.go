@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+	"github.com/segmentio/kafka-go/sasl/plain"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
@@ -25,6 +26,8 @@ func TestBuildRefusesIncompleteSettings(t *testing.T) {
 	dir := t.TempDir()
 	pwFile := filepath.Join(dir, "pw")
 	require.NoError(t, os.WriteFile(pwFile, []byte("s3cret-from-file\n"), 0o600))
+	userFile := filepath.Join(dir, "user")
+	require.NoError(t, os.WriteFile(userFile, []byte("bob\n"), 0o600))
 	notPEM := filepath.Join(dir, "ca.pem")
 	require.NoError(t, os.WriteFile(notPEM, []byte("not a certificate"), 0o600))
 
@@ -39,6 +42,8 @@ func TestBuildRefusesIncompleteSettings(t *testing.T) {
 		{"unknown mechanism", kafkaconn.Settings{Mechanism: "GSSAPI", Username: "alice", Password: "s3cret"}, "KAFKA_SASL_MECHANISM"},
 		{"password and password file", kafkaconn.Settings{Mechanism: "PLAIN", Username: "alice", Password: "s3cret", PasswordFile: pwFile}, "KAFKA_SASL_PASSWORD_FILE"},
 		{"missing password file", kafkaconn.Settings{Mechanism: "PLAIN", Username: "alice", PasswordFile: filepath.Join(dir, "none")}, "KAFKA_SASL_PASSWORD_FILE"},
+		{"user and user file", kafkaconn.Settings{Mechanism: "PLAIN", Username: "alice", UsernameFile: userFile, Password: "s3cret"}, "KAFKA_SASL_USERNAME_FILE"},
+		{"missing user file", kafkaconn.Settings{Mechanism: "PLAIN", UsernameFile: filepath.Join(dir, "none"), Password: "s3cret"}, "KAFKA_SASL_USERNAME_FILE"},
 		{"CA file without PEM", kafkaconn.Settings{TLS: true, CAFile: notPEM}, "KAFKA_TLS_CA_FILE"},
 		{"cert without key", kafkaconn.Settings{CertFile: notPEM}, "KAFKA_TLS_KEY_FILE"},
 		{"key without cert", kafkaconn.Settings{KeyFile: notPEM}, "KAFKA_TLS_CERT_FILE"},
@@ -56,6 +61,13 @@ func TestBuildRefusesIncompleteSettings(t *testing.T) {
 	require.Equal(t, "SCRAM-SHA-256", sec.SASL.Name())
 	require.Nil(t, sec.TLS)
 	require.Equal(t, "SASL_PLAINTEXT SCRAM-SHA-256 as alice", sec.String())
+
+	// Both credentials from files (Docker/Kubernetes secrets), the
+	// trailing newline dropped.
+	sec, err = kafkaconn.Settings{Mechanism: "PLAIN", UsernameFile: userFile, PasswordFile: pwFile}.Build(nil)
+	require.NoError(t, err)
+	require.Equal(t, plain.Mechanism{Username: "bob", Password: "s3cret-from-file"}, sec.SASL)
+	require.Equal(t, "SASL_PLAINTEXT PLAIN as bob", sec.String())
 
 	plain, err := kafkaconn.Settings{}.Build(nil)
 	require.NoError(t, err)
