@@ -159,10 +159,19 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 	require.Equal(t, 0, bt.ExitCode(), "resumed v2 run:\n%s", tail(bt.Stderr(), 20))
 
 	// Not ready while rows changed behind the scanner wait for the
-	// catch-up, unless the writer happened to miss the window.
+	// catch-up. One more round of changes after the run makes sure some
+	// did, whatever the writer's timing.
 	stopWriter()
 	require.Positive(t, updated.Load(), "rows updated during the rebuild")
 	require.Positive(t, deleted.Load(), "rows soft-deleted during the rebuild")
+	c, err := demo.Mutate(ctx, p.pool, 500, 5000, -1)
+	require.NoError(t, err)
+	require.Positive(t, c.Updated+c.Deleted)
+	noCatchUp := testproc.Run(t, time.Minute, p.indexerBin, p.env(), "cutover", "--job", p.spec.Job)
+	require.Equal(t, cli.ExitConflict, noCatchUp.ExitCode(), "cutover before the catch-up: %s", noCatchUp.Stdout())
+	require.Regexp(t, `\d+ row\(s\) of public\.source_records changed after run \S+ read them`, noCatchUp.Stderr())
+	require.Contains(t, noCatchUp.Stderr(), "the catch-up")
+	requireAliasOn(t, p, v1)
 
 	// Catch-up: the same spec again, a new run with a new boundary; only
 	// rows whose source version changed yield events.
