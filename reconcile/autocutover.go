@@ -62,6 +62,11 @@ func AutoCutover(ctx context.Context, cfg sink.Config, opts AutoCutoverOptions) 
 			switch {
 			case ctx.Err() != nil:
 				return nil
+			case skip == skipNoJob:
+				if waiting[job] != skip {
+					l.Info("automatic cutover: the job has not run yet (no spec in batch_jobs); checking again every interval")
+					waiting[job] = skip
+				}
 			case skip == skipRolledBack:
 				if waiting[job] != res.Index+skip {
 					l.Info("automatic cutover: the generation was live before and was rolled back from; left to the operator (indexer cutover --job)",
@@ -96,6 +101,7 @@ func AutoCutover(ctx context.Context, cfg sink.Config, opts AutoCutoverOptions) 
 
 // Why a round of [AutoCutover] did not try a generation.
 const (
+	skipNoJob      = "no job"      // the job has not run yet (batch_jobs has no spec)
 	skipMissing    = "missing"     // no indexer has created it yet
 	skipLive       = "live"        // the read alias points at it
 	skipRolledBack = "rolled back" // live before, not now
@@ -108,6 +114,9 @@ const (
 // It moved the aliases when both are empty.
 func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job string) (res CutoverResult, alias, skip string, err error) {
 	j, err := LoadJob(ctx, db, job)
+	if errors.Is(err, ErrUnknownJob) {
+		return res, "", skipNoJob, nil
+	}
 	if err != nil {
 		return res, "", "", err
 	}
