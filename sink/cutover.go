@@ -143,6 +143,10 @@ func Rollback(ctx context.Context, cfg Config) (from, into string, err error) {
 }
 
 // DropGeneration deletes a generation index that neither alias points at.
+// A generation is an index whose generation metadata names cfg's alias, or
+// the index the indexer creates at its start (<alias>_v1, which has none
+// until a v1 event adopts it); another index that merely shares the
+// alias's prefix is not the indexer's to delete.
 func DropGeneration(ctx context.Context, cfg Config, index string) error {
 	cfg = cfg.withDefaults()
 	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
@@ -159,6 +163,10 @@ func DropGeneration(ctx context.Context, cfg Config, index string) error {
 	}
 	if g := gens[i]; g.Live || g.Writes {
 		return fmt.Errorf("%w: %s is the live generation of alias %s (cut over or roll back first)", ErrUnsafeMove, index, cfg.Alias)
+	}
+	if g := gens[i]; g.Meta.Alias != cfg.Alias && index != cfg.Alias+"_v1" {
+		return fmt.Errorf("%w: %s is not a generation of alias %s: its mapping has no generation metadata (_meta.%s), so no indexer created it for a processor version; "+
+			"delete it with the engine's API if it is yours to delete", ErrUnsafeMove, index, cfg.Alias, metaKey)
 	}
 	_, err = client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + url.PathEscape(index)})
 	if err != nil {

@@ -112,7 +112,8 @@ func dropCommand(stdout io.Writer) cli.Command {
 			var s settings
 			var index string
 			fs := cli.NewFlagSet("indexer generations drop", "Deletes a generation index of the alias that neither the read alias nor the write alias points\n"+
-				"at. A rollback to it is impossible afterwards. Refused with exit 3 for the live generation.")
+				"at. A rollback to it is impossible afterwards. Refused with exit 3 for the live generation and for\n"+
+				"an index the indexer did not create as a generation of the alias.")
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
 			fs.String(&index, "index", "", "", "the generation index to delete, e.g. records_v1 (required)")
