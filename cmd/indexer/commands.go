@@ -236,7 +236,7 @@ func statusCommand(stdout io.Writer) cli.Command {
 		Summary: "print consumer lag per partition, dead-letter counts, the aliases and their index generations",
 		Run: func(ctx context.Context, args []string) error {
 			var s settings
-			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases and their index generations (live, building, old) are shown when ELASTICSEARCH_URL\nis set; a building generation's progress against normalized_records when DATABASE_URL is too.")
+			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases and their index generations (live, building, old) are shown when ELASTICSEARCH_URL\nis set; a building generation's progress against normalized_records, and the scan of the run\nbuilding it (batch_runs), when DATABASE_URL is too.")
 			s.common.RegisterDatabase(fs)
 			s.registerKafka(fs)
 			s.registerEngine(fs)
@@ -261,6 +261,9 @@ func statusCommand(stdout io.Writer) cli.Command {
 					defer pool.Close()
 					if st.RowsByPV, err = sink.NormalizedRowsByPV(ctx, pool); err != nil {
 						logger.Warn("no generation progress", slog.String("error", err.Error()))
+					}
+					if st.ScanByPV, err = sink.ScanByPV(ctx, pool); err != nil {
+						logger.Warn("no scan progress", slog.String("error", err.Error()))
 					}
 				}
 			}
