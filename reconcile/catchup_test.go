@@ -146,6 +146,7 @@ WHERE id IN (SELECT id FROM source_records ORDER BY created_at, id LIMIT 5)`)
 
 	r, err := reconcile.CheckGeneration(ctx, f.cfg, f.pool, f.spec.Job)
 	require.NoError(t, err)
+	require.True(t, r.SourceCompared)
 	require.Equal(t, batch.Behind{Changed: 8, Missing: 4, Gone: 2}, r.Behind)
 	require.NotEmpty(t, r.Rebuild)
 	require.Empty(t, r.CatchUp)

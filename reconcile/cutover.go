@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"time"
 
@@ -59,8 +60,13 @@ type Readiness struct {
 	// version started after Rebuild finished ("" when none). Rows behind
 	// with no catch-up are a refusal (the rebuild's scan missed them); after
 	// a catch-up they are changes in flight, which writers always make.
+	// SourceCompared is false when the source was not compared: while the
+	// latest run has not succeeded (the cutover is refused anyway, and the
+	// comparison reads the whole scope), or when the stored spec names no
+	// source table.
 	Behind           batch.Behind
 	Rebuild, CatchUp string
+	SourceCompared   bool
 	// Live is the generation the read alias points at now. Unversioned
 	// counts its documents (tombstones aside) that carry no processor
 	// version and whose id the generation at Index lacks: events enqueued
@@ -77,12 +83,20 @@ type Readiness struct {
 func (r Readiness) Ready() bool { return len(r.Missing) == 0 }
 
 func (r Readiness) String() string {
-	s := fmt.Sprintf("job %s, processor version %s, index %s: run %s %d/%d partitions succeeded, %d/%d documents, %d drifted, %d rows of another processor version, %d source rows changed since read",
-		r.Job, r.ProcessorVersion, r.Index, cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions, r.IndexDocs, r.SourceRows, r.Drift, r.RowsOtherPV, r.Behind.Total())
+	s := fmt.Sprintf("job %s, processor version %s, index %s: run %s %d/%d partitions succeeded, %d/%d documents, %d drifted, %d rows of another processor version, %s source rows changed since read",
+		r.Job, r.ProcessorVersion, r.Index, cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions, r.IndexDocs, r.SourceRows, r.Drift, r.RowsOtherPV, r.behind())
 	if len(r.Missing) > 0 {
 		s += "; missing: " + strings.Join(r.Missing, "; ")
 	}
 	return s
+}
+
+// behind is Behind.Total, or "-" when the source was not compared.
+func (r Readiness) behind() string {
+	if !r.SourceCompared {
+		return "-"
+	}
+	return strconv.FormatInt(r.Behind.Total(), 10)
 }
 
 // CheckGeneration checks whether the generation of job's current processor
@@ -151,8 +165,10 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	if r.Unversioned, r.Live, err = unversionedOnlyInLive(ctx, client, cfg.Alias, r.Index); err != nil {
 		return r, err
 	}
-	if err := checkSource(ctx, db, j, &r); err != nil {
-		return r, err
+	if r.Run != "" && r.Succeeded == r.Partitions {
+		if err := checkSource(ctx, db, j, &r); err != nil {
+			return r, err
+		}
 	}
 	if r.RowsOtherPV > 0 {
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
@@ -206,8 +222,8 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 			return res, fmt.Errorf("%w: cutover of alias %s to %s%s: %s", sink.ErrUnsafeMove, cfg.Alias, r.Index, waited, strings.Join(r.Missing, "; "))
 		}
 		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, "waiting: %d/%d documents in %s, %d drifted, %d rows to rebuild, %d source rows changed since read, run %s %d/%d partitions\n",
-				r.IndexDocs, r.SourceRows, r.Index, r.Drift, r.RowsOtherPV, r.Behind.Total(), cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions)
+			fmt.Fprintf(opts.Progress, "waiting: %d/%d documents in %s, %d drifted, %d rows to rebuild, %s source rows changed since read, run %s %d/%d partitions\n",
+				r.IndexDocs, r.SourceRows, r.Index, r.Drift, r.RowsOtherPV, r.behind(), cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions)
 		}
 		select {
 		case <-ctx.Done():
@@ -293,6 +309,7 @@ func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) err
 	if r.Behind, err = batch.CountBehind(ctx, db, spec); err != nil {
 		return err
 	}
+	r.SourceCompared = true
 	err = db.QueryRow(ctx, rebuildRunsSQL, j.Name, j.ProcessorVersion).Scan(&r.Rebuild, &r.CatchUp)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return fmt.Errorf("find the rebuild run of job %s: %w", j.Name, err)
