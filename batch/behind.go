@@ -38,6 +38,7 @@ func (b Behind) Total() int64 { return b.Changed + b.Missing + b.Gone }
 // each, cheap next to a run, not free on a large table.
 func CountBehind(ctx context.Context, db DB, s Spec) (Behind, error) {
 	var out Behind
+	s = s.withDefaults()
 	c, err := compile(ctx, db, s)
 	if err != nil {
 		return out, err
