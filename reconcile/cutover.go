@@ -315,7 +315,7 @@ func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) err
 		return fmt.Errorf("find the rebuild run of job %s: %w", j.Name, err)
 	}
 	if r.Behind.Total() > 0 && r.Rebuild != "" && r.CatchUp == "" {
-		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of %s.%s changed after run %s read them (%d updated or soft-deleted, %d inserted, %d deleted); "+
+		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of %s.%s changed after run %s read them (%d updated or soft-deleted, %d new in the scope, %d gone from it); "+
 			"run the job again (batcher run --spec with the job's spec, or batcher run --job %s: the catch-up) and cut over after it",
 			r.Behind.Total(), spec.Source.Schema, spec.Source.Table, r.Rebuild, r.Behind.Changed, r.Behind.Missing, r.Behind.Gone, j.Name))
 	}
