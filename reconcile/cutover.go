@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/olivere/elastic/v7"
 
+	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
@@ -50,6 +52,21 @@ type Readiness struct {
 	// Drift counts the ids that differ.
 	SourceRows, IndexDocs int64
 	Drift                 int
+	// Behind counts the rows of the job's scope in the source table that
+	// normalized_records does not hold at ProcessorVersion as they are now
+	// (see [batch.CountBehind]): changed, inserted or deleted after a run
+	// read them. Rebuild is the job's first run at ProcessorVersion that
+	// succeeded (the generation's rebuild), CatchUp the first run at that
+	// version started after Rebuild finished ("" when none). Rows behind
+	// with no catch-up are a refusal (the rebuild's scan missed them); after
+	// a catch-up they are changes in flight, which writers always make.
+	// SourceCompared is false when the source was not compared: while the
+	// latest run has not succeeded (the cutover is refused anyway, and the
+	// comparison reads the whole scope), or when the stored spec names no
+	// source table.
+	Behind           batch.Behind
+	Rebuild, CatchUp string
+	SourceCompared   bool
 	// Live is the generation the read alias points at now. Unversioned
 	// counts its documents (tombstones aside) that carry no processor
 	// version and whose id the generation at Index lacks: events enqueued
@@ -66,19 +83,29 @@ type Readiness struct {
 func (r Readiness) Ready() bool { return len(r.Missing) == 0 }
 
 func (r Readiness) String() string {
-	s := fmt.Sprintf("job %s, processor version %s, index %s: run %s %d/%d partitions succeeded, %d/%d documents, %d drifted, %d rows of another processor version",
-		r.Job, r.ProcessorVersion, r.Index, cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions, r.IndexDocs, r.SourceRows, r.Drift, r.RowsOtherPV)
+	s := fmt.Sprintf("job %s, processor version %s, index %s: run %s %d/%d partitions succeeded, %d/%d documents, %d drifted, %d rows of another processor version, %s source rows changed since read",
+		r.Job, r.ProcessorVersion, r.Index, cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions, r.IndexDocs, r.SourceRows, r.Drift, r.RowsOtherPV, r.behind())
 	if len(r.Missing) > 0 {
 		s += "; missing: " + strings.Join(r.Missing, "; ")
 	}
 	return s
 }
 
+// behind is Behind.Total, or "-" when the source was not compared.
+func (r Readiness) behind() string {
+	if !r.SourceCompared {
+		return "-"
+	}
+	return strconv.FormatInt(r.Behind.Total(), 10)
+}
+
 // CheckGeneration checks whether the generation of job's current processor
 // version may go live: the job's latest run at that version succeeded in
 // every partition, every normalized row of the job's source carries that
-// version, and the generation index matches normalized_records exactly
-// (reconcile, processor version included, no drift).
+// version, the generation index matches normalized_records exactly
+// (reconcile, processor version included, no drift), and, when rows of the
+// source table changed after a run read them (Readiness.Behind), a run at
+// that version started after the rebuild run finished (the catch-up).
 func CheckGeneration(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job string) (Readiness, error) {
 	cfg = cfg.WithDefaults()
 	var r Readiness
@@ -138,6 +165,11 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	if r.Unversioned, r.Live, err = unversionedOnlyInLive(ctx, client, cfg.Alias, r.Index); err != nil {
 		return r, err
 	}
+	if r.Run != "" && r.Succeeded == r.Partitions {
+		if err := checkSource(ctx, db, j, &r); err != nil {
+			return r, err
+		}
+	}
 	if r.RowsOtherPV > 0 {
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
 			"(a run at %s has not reached them, or quarantined them: batcher quarantine list --job %s)", r.RowsOtherPV, j.SourceName, j.ProcessorVersion, j.ProcessorVersion, job))
@@ -190,8 +222,8 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 			return res, fmt.Errorf("%w: cutover of alias %s to %s%s: %s", sink.ErrUnsafeMove, cfg.Alias, r.Index, waited, strings.Join(r.Missing, "; "))
 		}
 		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, "waiting: %d/%d documents in %s, %d drifted, %d rows to rebuild, run %s %d/%d partitions\n",
-				r.IndexDocs, r.SourceRows, r.Index, r.Drift, r.RowsOtherPV, cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions)
+			fmt.Fprintf(opts.Progress, "waiting: %d/%d documents in %s, %d drifted, %d rows to rebuild, %s source rows changed since read, run %s %d/%d partitions\n",
+				r.IndexDocs, r.SourceRows, r.Index, r.Drift, r.RowsOtherPV, r.behind(), cmp.Or(r.Run, "-"), r.Succeeded, r.Partitions)
 		}
 		select {
 		case <-ctx.Done():
@@ -244,4 +276,48 @@ func unversionedOnlyInLive(ctx context.Context, client *elastic.Client, alias, i
 		}
 		hidden += int64(len(ids)) - found
 	}
+}
+
+// rebuildRunsSQL finds job $1's rebuild at processor version $2 (its first
+// run at that version that succeeded in every partition) and the first run
+// at that version created after the rebuild finished (its partitions and
+// its sweep), "" when there is none.
+const rebuildRunsSQL = `
+WITH runs AS (
+  SELECT r.logical_run_id, min(r.created_at) AS created, bool_and(r.state = 'succeeded') AS ok,
+         coalesce(greatest(max(r.finished_at), (SELECT w.finished_at FROM batch_sweeps w WHERE w.job = $1 AND w.logical_run_id = r.logical_run_id)),
+                  min(r.created_at)) AS finished
+  FROM batch_runs r WHERE r.job = $1 AND r.processor_version = $2 AND r.state <> 'superseded'
+  GROUP BY r.logical_run_id
+), rebuild AS (SELECT * FROM runs WHERE ok ORDER BY created, logical_run_id LIMIT 1)
+SELECT rebuild.logical_run_id,
+       coalesce((SELECT c.logical_run_id FROM runs c WHERE c.created > rebuild.finished ORDER BY c.created LIMIT 1), '')
+FROM rebuild`
+
+// checkSource counts the rows of the job's scope that changed after a run
+// read them and refuses when the rebuild was not followed by a catch-up.
+// A stored spec without a source table (not one the batcher wrote) has
+// nothing to compare.
+func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) error {
+	if j.Source.Table == "" {
+		return nil
+	}
+	spec, err := batch.LoadJobSpec(ctx, db, j.Name)
+	if err != nil {
+		return err
+	}
+	if r.Behind, err = batch.CountBehind(ctx, db, spec); err != nil {
+		return err
+	}
+	r.SourceCompared = true
+	err = db.QueryRow(ctx, rebuildRunsSQL, j.Name, j.ProcessorVersion).Scan(&r.Rebuild, &r.CatchUp)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("find the rebuild run of job %s: %w", j.Name, err)
+	}
+	if r.Behind.Total() > 0 && r.Rebuild != "" && r.CatchUp == "" {
+		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of %s.%s changed after run %s read them (%d updated or soft-deleted, %d new in the scope, %d gone from it); "+
+			"run the job again (batcher run --spec with the job's spec, or batcher run --job %s: the catch-up) and cut over after it",
+			r.Behind.Total(), spec.Source.Schema, spec.Source.Table, r.Rebuild, r.Behind.Changed, r.Behind.Missing, r.Behind.Gone, j.Name))
+	}
+	return nil
 }

@@ -143,6 +143,10 @@ func Rollback(ctx context.Context, cfg Config) (from, into string, err error) {
 }
 
 // DropGeneration deletes a generation index that neither alias points at.
+// A generation is an index whose generation metadata names cfg's alias, or
+// the index the indexer creates at its start (<alias>_v1, which has none
+// until a v1 event adopts it); another index that merely shares the
+// alias's prefix is not the indexer's to delete.
 func DropGeneration(ctx context.Context, cfg Config, index string) error {
 	cfg = cfg.withDefaults()
 	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
@@ -159,6 +163,10 @@ func DropGeneration(ctx context.Context, cfg Config, index string) error {
 	}
 	if g := gens[i]; g.Live || g.Writes {
 		return fmt.Errorf("%w: %s is the live generation of alias %s (cut over or roll back first)", ErrUnsafeMove, index, cfg.Alias)
+	}
+	if g := gens[i]; g.Meta.Alias != cfg.Alias && index != cfg.Alias+"_v1" {
+		return fmt.Errorf("%w: %s is not a generation of alias %s: its mapping has no generation metadata (_meta.%s), so no indexer created it for a processor version; "+
+			"delete it with the engine's API if it is yours to delete", ErrUnsafeMove, index, cfg.Alias, metaKey)
 	}
 	_, err = client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + url.PathEscape(index)})
 	if err != nil {
@@ -183,6 +191,41 @@ func NormalizedRowsByPV(ctx context.Context, db *pgxpool.Pool) (map[string]int64
 			return nil, err
 		}
 		out[pv] = n
+	}
+	return out, rows.Err()
+}
+
+// scanByPVSQL sums, per processor version, the partitions of each job's
+// newest run at that version that has not finished.
+const scanByPVSQL = `
+WITH newest AS (
+  SELECT DISTINCT ON (job, processor_version) job, processor_version, logical_run_id
+  FROM batch_runs WHERE state <> 'superseded'
+  ORDER BY job, processor_version, created_at DESC
+)
+SELECT r.processor_version, CASE WHEN count(DISTINCT (r.job, r.logical_run_id)) = 1 THEN min(r.logical_run_id) ELSE '' END,
+       sum(r.processed_count)::bigint, CASE WHEN count(r.estimated_total) = count(*) THEN sum(r.estimated_total)::bigint END
+FROM batch_runs r JOIN newest n USING (job, processor_version, logical_run_id)
+WHERE r.state <> 'superseded'
+  AND EXISTS (SELECT FROM batch_runs u WHERE u.job = r.job AND u.logical_run_id = r.logical_run_id AND u.state NOT IN ('succeeded', 'superseded'))
+GROUP BY r.processor_version`
+
+// ScanByPV reads the scan progress of the runs under way per processor
+// version (see [Status].ScanByPV).
+func ScanByPV(ctx context.Context, db *pgxpool.Pool) (map[string]RunScan, error) {
+	rows, err := db.Query(ctx, scanByPVSQL)
+	if err != nil {
+		return nil, fmt.Errorf("read the progress of runs per processor version: %w", err)
+	}
+	defer rows.Close()
+	out := map[string]RunScan{}
+	for rows.Next() {
+		var pv string
+		var sc RunScan
+		if err := rows.Scan(&pv, &sc.Run, &sc.Processed, &sc.Estimated); err != nil {
+			return nil, err
+		}
+		out[pv] = sc
 	}
 	return out, rows.Err()
 }

@@ -26,6 +26,20 @@ type Status struct {
 	// RowsByPV counts normalized_records rows per processor version, the
 	// target of a building generation; nil when DATABASE_URL is not set.
 	RowsByPV map[string]int64
+	// ScanByPV is the scan of the runs under way per processor version
+	// (the rebuild's batcher run); nil when DATABASE_URL is not set.
+	ScanByPV map[string]RunScan
+}
+
+// RunScan is how far the unfinished runs of one processor version have
+// scanned, from batch_runs.
+type RunScan struct {
+	// Run is the run's id when there is one such run, else "".
+	Run string
+	// Processed rows so far; Estimated is the runs' estimated total (nil
+	// when a partition has no estimate).
+	Processed int64
+	Estimated *int64
 }
 
 // TotalLag sums the lag of all partitions.
@@ -128,6 +142,20 @@ func (s *Status) writeGenerations(w io.Writer) {
 			progress = fmt.Sprintf("%d/%d normalized rows", g.Docs, rows)
 			if rows > 0 {
 				progress += fmt.Sprintf(" (%.1f%%)", 100*float64(min(g.Docs, rows))/float64(rows))
+			}
+		}
+		if sc, ok := s.ScanByPV[g.Meta.ProcessorVersion]; ok && g.Meta.ProcessorVersion != "" {
+			// The normalized rows at a version grow with the scan, so the
+			// ratio above reads near 100% mid-scan: the run's own progress
+			// says how far the rebuild is.
+			progress += fmt.Sprintf("; scan %d", sc.Processed)
+			if sc.Estimated != nil && *sc.Estimated > 0 {
+				progress += fmt.Sprintf("/~%d rows (%.1f%%)", *sc.Estimated, 100*float64(min(sc.Processed, *sc.Estimated))/float64(*sc.Estimated))
+			} else {
+				progress += " rows"
+			}
+			if sc.Run != "" {
+				progress += " of run " + sc.Run
 			}
 		}
 		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", g.Index, cmpOrDash(g.Meta.ProcessorVersion), state, g.Docs, g.Tombstones, progress,

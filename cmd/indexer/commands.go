@@ -15,6 +15,7 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
+	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
@@ -32,6 +33,9 @@ type settings struct {
 	// record settings, parsed into cfg by load
 	routes, aggregateTypes, skipEventTypes string
 	cfg                                    sink.Config
+	// indexer run's automatic cutover (reconcile.AutoCutover)
+	autoCutover         string
+	autoCutoverInterval time.Duration
 }
 
 func (s *settings) registerKafka(fs *cli.FlagSet) {
@@ -81,6 +85,26 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Duration(&s.cfg.DeadLetterRetention, "dead-letter-retention", "DEAD_LETTER_RETENTION", 0, "retention.ms the dead-letter topic is created with (0 = forever, retention.ms=-1)")
 	fs.Int(&s.cfg.DeadLetterMaxBytes, "dead-letter-max-bytes", "DEAD_LETTER_MAX_BYTES", 0, "largest dead letter, and the dead-letter topic's max.message.bytes at creation (0 = 11 MiB; keep ≥ the topic's max.message.bytes)")
 	s.metrics.RegisterMetrics(fs, "127.0.0.1:9103")
+	fs.String(&s.autoCutover, "auto-cutover", "AUTO_CUTOVER", "", `comma-separated scan jobs whose rebuilt index generation goes live as soon as indexer cutover --job would accept it (needs DATABASE_URL; "" = never, cut over by hand)`)
+	fs.Duration(&s.autoCutoverInterval, "auto-cutover-interval", "AUTO_CUTOVER_INTERVAL", 30*time.Second, "how often the AUTO_CUTOVER jobs' generations are checked")
+	fs.SecretOrFile(&s.common.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (only with AUTO_CUTOVER)")
+}
+
+// validateAutoCutover checks the automatic cutover's settings before
+// anything is probed.
+func (s *settings) validateAutoCutover() error {
+	if s.autoCutover == "" {
+		return nil
+	}
+	switch {
+	case s.common.DatabaseURL == "":
+		return cli.UsageError("AUTO_CUTOVER=%s needs DATABASE_URL (the cutover checks read batch_runs and normalized_records)", s.autoCutover)
+	case s.cfg.IDFormat == sink.IDFormatTypeID:
+		return cli.UsageError("AUTO_CUTOVER=%s with ID_FORMAT=type:id: the cutover checks match ids to normalized_records and need ID_FORMAT=id", s.autoCutover)
+	case s.autoCutoverInterval <= 0:
+		return cli.UsageError("AUTO_CUTOVER_INTERVAL=%s: want > 0", s.autoCutoverInterval)
+	}
+	return nil
 }
 
 // load turns the parsed settings into a config and a logger, and probes
@@ -160,6 +184,9 @@ func runCommand() cli.Command {
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
+			if err := s.validateAutoCutover(); err != nil {
+				return err
+			}
 			logger, err := s.load(ctx, true)
 			if err != nil {
 				return err
@@ -184,6 +211,20 @@ func runCommand() cli.Command {
 			if err := metrics.Serve(soft, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}
+			if jobs := splitList(s.autoCutover); len(jobs) > 0 {
+				pool, err := s.common.OpenDB(ctx, 3)
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				acCtx, acStop := context.WithCancel(soft)
+				done := make(chan struct{})
+				go func() {
+					defer close(done)
+					_ = reconcile.AutoCutover(acCtx, s.cfg, reconcile.AutoCutoverOptions{DB: pool, Jobs: jobs, Interval: s.autoCutoverInterval, Logger: logger})
+				}()
+				defer func() { acStop(); <-done }()
+			}
 			return ix.Run(soft)
 		},
 	}
@@ -195,7 +236,7 @@ func statusCommand(stdout io.Writer) cli.Command {
 		Summary: "print consumer lag per partition, dead-letter counts, the aliases and their index generations",
 		Run: func(ctx context.Context, args []string) error {
 			var s settings
-			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases and their index generations (live, building, old) are shown when ELASTICSEARCH_URL\nis set; a building generation's progress against normalized_records when DATABASE_URL is too.")
+			fs := cli.NewFlagSet("indexer status", "Reads the group's committed offsets and the partitions' end offsets from Kafka.\nThe aliases and their index generations (live, building, old) are shown when ELASTICSEARCH_URL\nis set; a building generation's progress against normalized_records, and the scan of the run\nbuilding it (batch_runs), when DATABASE_URL is too.")
 			s.common.RegisterDatabase(fs)
 			s.registerKafka(fs)
 			s.registerEngine(fs)
@@ -220,6 +261,9 @@ func statusCommand(stdout io.Writer) cli.Command {
 					defer pool.Close()
 					if st.RowsByPV, err = sink.NormalizedRowsByPV(ctx, pool); err != nil {
 						logger.Warn("no generation progress", slog.String("error", err.Error()))
+					}
+					if st.ScanByPV, err = sink.ScanByPV(ctx, pool); err != nil {
+						logger.Warn("no scan progress", slog.String("error", err.Error()))
 					}
 				}
 			}

@@ -34,7 +34,9 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 			var allowUnversioned bool
 			fs := cli.NewFlagSet("indexer cutover", "Checks that the job's latest run at its current processor version succeeded in every partition,\n"+
 				"that every normalized row of its source carries that version, and that the version's index\n"+
-				"generation matches normalized_records exactly (reconcile, processor version included); then moves\n"+
+				"generation matches normalized_records exactly (reconcile, processor version included), and, when\n"+
+				"rows of the source table changed after the rebuild run read them, that a run followed it (the\n"+
+				"catch-up; changes after that are counted as in flight); then moves\n"+
 				"the read alias and the write alias to that generation in one _aliases call. The old generation is\n"+
 				"kept for indexer rollback. Refused with exit 3, naming what is missing, and when the live generation\n"+
 				"holds documents without a processor version (application events) that the new one lacks.")
@@ -110,7 +112,8 @@ func dropCommand(stdout io.Writer) cli.Command {
 			var s settings
 			var index string
 			fs := cli.NewFlagSet("indexer generations drop", "Deletes a generation index of the alias that neither the read alias nor the write alias points\n"+
-				"at. A rollback to it is impossible afterwards. Refused with exit 3 for the live generation.")
+				"at. A rollback to it is impossible afterwards. Refused with exit 3 for the live generation and for\n"+
+				"an index the indexer did not create as a generation of the alias.")
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
 			fs.String(&index, "index", "", "", "the generation index to delete, e.g. records_v1 (required)")

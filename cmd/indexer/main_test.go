@@ -28,6 +28,8 @@ func TestBadSettingsExitWithUsage(t *testing.T) {
 		{name: "bad null-values", args: []string{"run"}, env: map[string]string{"NULL_VALUES": "drop"}, want: `NULL_VALUES="drop"`},
 		{name: "bad id-format", args: []string{"run", "--id-format", "uuid"}, want: `ID_FORMAT="uuid"`},
 		{name: "dead-letter topic too small", args: []string{"run", "--dead-letter-max-bytes", "1000"}, want: "DEAD_LETTER_MAX_BYTES=1000"},
+		{name: "auto cutover without database", args: []string{"run", "--auto-cutover", "records"}, env: map[string]string{"DATABASE_URL": ""}, want: "AUTO_CUTOVER=records needs DATABASE_URL"},
+		{name: "auto cutover of typed ids", args: []string{"run"}, env: map[string]string{"AUTO_CUTOVER": "records", "DATABASE_URL": "postgres://127.0.0.1:1/x", "ID_FORMAT": "type:id"}, want: "ID_FORMAT=type:id"},
 		{name: "reconcile of typed ids", args: []string{"reconcile"}, env: map[string]string{"ID_FORMAT": "type:id"}, want: "ID_FORMAT=type:id"},
 		{name: "reindex without --into", args: []string{"reindex"}, want: "--into is required"},
 		{name: "unknown command", args: []string{"frobnicate"}, want: "unknown command"},

@@ -1,0 +1,191 @@
+package reconcile
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/olivere/elastic/v7"
+
+	"github.com/outboxrelay/outboxrelay/sink"
+)
+
+// AutoCutoverOptions configure [AutoCutover].
+type AutoCutoverOptions struct {
+	// DB holds batch_jobs, batch_runs and normalized_records. Required.
+	DB *pgxpool.Pool
+	// Jobs whose generations go live automatically. Required.
+	Jobs []string
+	// Interval between two rounds of checks. Default 30s.
+	Interval time.Duration
+	// Logger defaults to cfg.Logger, then slog.Default().
+	Logger *slog.Logger
+}
+
+// AutoCutover makes each job's rebuilt generation live as soon as it is
+// ready, until ctx ends: every Interval, for each job whose current
+// processor version's generation exists and has never been live, it runs
+// [Cutover] (the same checks as indexer cutover, then one _aliases call),
+// and logs the move. A generation that was live before and is not now was
+// rolled back from: that is the operator's decision, and AutoCutover leaves
+// it (indexer cutover --job moves it again). Documents without a processor
+// version that the new generation lacks are never hidden automatically
+// (CutoverOptions.AllowUnversioned stays off).
+//
+// Several indexers may run it at once: a round for an alias holds a
+// PostgreSQL advisory lock (session-level, on its own connection, so a
+// process that dies lets go), and the others skip that alias until the
+// next round; the _aliases call itself fails as a whole if the aliases
+// moved since they were read, and a generation found live is left as it
+// is. Errors are logged and the next round tries again.
+func AutoCutover(ctx context.Context, cfg sink.Config, opts AutoCutoverOptions) error {
+	cfg = cfg.WithDefaults()
+	if opts.DB == nil || len(opts.Jobs) == 0 {
+		return &sink.ConfigError{Err: errors.New("AutoCutoverOptions.DB and AutoCutoverOptions.Jobs are required")}
+	}
+	opts.Interval = cmp.Or(opts.Interval, 30*time.Second)
+	log := cmp.Or(opts.Logger, cfg.Logger, slog.Default())
+	waiting := map[string]string{} // job -> the index it last logged waiting for
+	tick := time.NewTicker(opts.Interval)
+	defer tick.Stop()
+	for {
+		for _, job := range opts.Jobs {
+			res, alias, skip, err := autoCutoverOnce(ctx, cfg, opts.DB, job)
+			l := log.With(slog.String("job", job), slog.String("index", res.Index))
+			switch {
+			case ctx.Err() != nil:
+				return nil
+			case skip == skipNoJob:
+				if waiting[job] != skip {
+					l.Info("automatic cutover: the job has not run yet (no spec in batch_jobs); checking again every interval")
+					waiting[job] = skip
+				}
+			case skip == skipRolledBack:
+				if waiting[job] != res.Index+skip {
+					l.Info("automatic cutover: the generation was live before and was rolled back from; left to the operator (indexer cutover --job)",
+						slog.String("alias", alias))
+					waiting[job] = res.Index + skip
+				}
+			case err == nil && skip == "":
+				l.Info("automatic cutover: the read alias moved to the rebuilt generation",
+					slog.String("alias", alias), slog.String("processor_version", res.ProcessorVersion),
+					slog.Any("from", res.From), slog.Int64("documents", res.IndexDocs), slog.Int64("source_rows_changed_since_read", res.Behind.Total()))
+				delete(waiting, job)
+			case errors.Is(err, sink.ErrUnsafeMove):
+				if waiting[job] != res.Index {
+					l.Info("automatic cutover: waiting for the generation to be ready", slog.String("missing", err.Error()))
+					waiting[job] = res.Index
+				} else {
+					l.Debug("automatic cutover: not ready", slog.String("missing", err.Error()))
+				}
+			case err != nil:
+				l.Warn("automatic cutover: check failed; trying again next round", slog.String("error", err.Error()))
+			default:
+				l.Debug("automatic cutover: nothing to do", slog.String("generation", skip))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// Why a round of [AutoCutover] did not try a generation.
+const (
+	skipNoJob      = "no job"      // the job has not run yet (batch_jobs has no spec)
+	skipMissing    = "missing"     // no indexer has created it yet
+	skipLive       = "live"        // the read alias points at it
+	skipRolledBack = "rolled back" // live before, not now
+	skipLocked     = "locked"      // another process holds the alias's cutover lock
+)
+
+// autoCutoverOnce is one round of [AutoCutover] for job, whose generations
+// belong to alias. skip says why it did not try the generation ("" when it
+// tried); a generation not ready is an error wrapping [sink.ErrUnsafeMove].
+// It moved the aliases when both are empty.
+func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job string) (res CutoverResult, alias, skip string, err error) {
+	j, err := LoadJob(ctx, db, job)
+	if errors.Is(err, ErrUnknownJob) {
+		return res, "", skipNoJob, nil
+	}
+	if err != nil {
+		return res, "", "", err
+	}
+	res.Job, res.ProcessorVersion = j.Name, j.ProcessorVersion
+	cfg = cfg.ForAggregateType(j.AggregateType)
+	alias = cfg.Alias
+	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	if err != nil {
+		return res, alias, "", err
+	}
+	if res.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+		return res, alias, "", err
+	}
+	if skip, err := candidate(ctx, client, cfg, res.Index); skip != "" || err != nil {
+		return res, alias, skip, err
+	}
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return res, alias, "", fmt.Errorf("automatic cutover of job %s: %w", job, err)
+	}
+	defer conn.Release()
+	key := cutoverLockKey(cfg.Alias)
+	var locked bool
+	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, key).Scan(&locked); err != nil {
+		return res, alias, "", fmt.Errorf("automatic cutover of job %s: take the cutover lock of alias %s: %w", job, cfg.Alias, err)
+	}
+	if !locked {
+		return res, alias, skipLocked, nil
+	}
+	defer func() {
+		if _, err := conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock($1)`, key); err != nil {
+			// Ending the session releases the lock.
+			_ = conn.Conn().Close(context.WithoutCancel(ctx))
+		}
+	}()
+	// Again under the lock: another indexer may have moved it meanwhile.
+	if skip, err := candidate(ctx, client, cfg, res.Index); skip != "" || err != nil {
+		return res, alias, skip, err
+	}
+	res, err = Cutover(ctx, cfg, CutoverOptions{DB: db, Job: job})
+	if err == nil && res.Already {
+		skip = skipLive
+	}
+	return res, alias, skip, err
+}
+
+// candidate says why index, a generation of cfg's alias, is no candidate
+// for an automatic cutover, or "" when it is one: it exists, is not live,
+// and records no cutover to it.
+func candidate(ctx context.Context, client *elastic.Client, cfg sink.Config, index string) (string, error) {
+	gens, err := sink.Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
+	if err != nil {
+		return "", err
+	}
+	i := slices.IndexFunc(gens, func(g sink.Generation) bool { return g.Index == index })
+	switch {
+	case i < 0:
+		return skipMissing, nil
+	case gens[i].Live:
+		return skipLive, nil
+	case gens[i].Meta.CutoverAt != "":
+		return skipRolledBack, nil
+	}
+	return "", nil
+}
+
+// cutoverLockKey is the advisory lock key of automatic cutovers of alias.
+func cutoverLockKey(alias string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte("outboxrelay.cutover:" + strings.ToLower(alias)))
+	return int64(h.Sum64())
+}
