@@ -177,9 +177,11 @@ func (f *FlagSet) Secret(p *string, name, env, def, usage string) {
 	f.settings[len(f.settings)-1].secret = true
 }
 
-// SecretOrFile is Secret plus its file form: --NAME-file / ENV_FILE names
-// a file (a Docker or Kubernetes secret) whose content, one trailing
-// newline removed, is the value. Setting both is an error.
+// SecretOrFile is Secret plus its file form, for connection strings:
+// --NAME-file / ENV_FILE names a file (a Docker or Kubernetes secret) whose
+// content, surrounding whitespace removed (a URL has none, and an editor's
+// extra newline would make it unparsable), is the value. Setting both is
+// an error.
 func (f *FlagSet) SecretOrFile(p *string, name, env, usage string) {
 	f.Secret(p, name, env, "", usage)
 	sf := &secretFile{dst: p, env: env}
@@ -263,7 +265,7 @@ func (f *FlagSet) Parse(args []string) ([]string, error) {
 		if err != nil {
 			return nil, UsageError("%s_FILE=%q: %v", sf.env, sf.file, err)
 		}
-		v := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
+		v := strings.TrimSpace(string(b))
 		if v == "" {
 			return nil, UsageError("%s_FILE=%q: the file is empty", sf.env, sf.file)
 		}

@@ -48,14 +48,14 @@ func TestFlagSetBadEnvNamesTheVariable(t *testing.T) {
 }
 
 // A secret given as NAME or as the file NAME_FILE names (a Docker or
-// Kubernetes secret, one trailing newline dropped); both, an unreadable or
+// Kubernetes secret, surrounding whitespace dropped); both, an unreadable or
 // an empty file is an error naming the variables, never the secret.
 func TestFlagSetSecretOrFile(t *testing.T) {
 	t.Parallel()
 	const secret = "postgres://app:s3cret@db:5432/app"
 	dir := t.TempDir()
 	file := filepath.Join(dir, "url")
-	require.NoError(t, os.WriteFile(file, []byte(secret+"\n"), 0o600))
+	require.NoError(t, os.WriteFile(file, []byte(secret+"\n\n"), 0o600))
 	empty := filepath.Join(dir, "empty")
 	require.NoError(t, os.WriteFile(empty, []byte("\n"), 0o600))
 	for _, tc := range []struct {
@@ -141,6 +141,11 @@ func TestRedact(t *testing.T) {
 		{"query password", "postgres://db/app?password=s3cret", "postgres://db/app?password=xxxxx"},
 		{"key value", "host=db user=app password=s3cret dbname=app", "host=db user=app password=xxxxx dbname=app"},
 		{"http", "http://elastic:changeme@es:9200", "http://elastic:xxxxx@es:9200"},
+		// Not well-formed URLs: the password must not come back either.
+		{"unescaped # in the password", "https://relay:p#ss@es:9200", "https://relay:xxxxx@es:9200"},
+		{"unescaped / and @ in the password", "postgres://app:a/b@c@db:5432/app", "postgres://app:xxxxx@db:5432/app"},
+		{"trailing newline", "https://relay:s3cret@es:9200\n", "https://relay:xxxxx@es:9200\n"},
+		{"in an error message", `parse "postgres://app:p?ss@db/app": invalid`, `parse "postgres://app:xxxxx@db/app": invalid`},
 	} {
 		require.Equal(t, tc.want, redact.URL(tc.in), tc.name)
 	}

@@ -7,7 +7,14 @@ import (
 	"regexp"
 )
 
-var kvPasswordRE = regexp.MustCompile(`(?i)(password\s*=\s*)('[^']*'|\S+)`)
+var (
+	kvPasswordRE = regexp.MustCompile(`(?i)(password\s*=\s*)('[^']*'|\S+)`)
+	// userinfoRE finds scheme://user:password@ in a string that is not a
+	// well-formed URL (an unescaped '#', '/' or '?' in the password, a
+	// stray newline): everything from the user's ':' to the last '@' is
+	// taken for the password, which over-redacts rather than leaks.
+	userinfoRE = regexp.MustCompile(`([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:\s]*:)[^\n]*@`)
+)
 
 // URL hides the password of a URL or of a libpq key=value connection
 // string, so the result can be logged or shown in an error.
@@ -23,5 +30,5 @@ func URL(s string) string {
 		}
 		return u.String()
 	}
-	return kvPasswordRE.ReplaceAllString(s, "${1}xxxxx")
+	return kvPasswordRE.ReplaceAllString(userinfoRE.ReplaceAllString(s, "${1}xxxxx@"), "${1}xxxxx")
 }
