@@ -8,35 +8,45 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// runStatesSQL counts the partitions of every job's runs per state, with a
-// zero for each state a job has none in (so a series exists before the
-// first failure). Superseded runs were replaced by a new run and are left
-// out.
+// runStatesSQL counts, for every job, the partitions in each unfinished
+// state over all its runs, and the succeeded partitions of its newest run,
+// with a zero for each state a job has none in (so a series exists before
+// the first failure). Superseded runs were replaced by a new run and are
+// left out. Each count reads an index (batch_runs_unfinished, or the
+// primary key for the newest run), so a scrape does not grow with the
+// history a --follow job piles up.
 const runStatesSQL = `
-SELECT j.job, s.state, count(r.job)
-FROM (SELECT DISTINCT job FROM batch_runs) j
-CROSS JOIN unnest(ARRAY['pending', 'running', 'paused', 'failed', 'succeeded']) AS s(state)
-LEFT JOIN batch_runs r ON r.job = j.job AND r.state = s.state
-GROUP BY j.job, s.state`
+SELECT j.job, s.state,
+       CASE WHEN s.state = 'succeeded' THEN
+           (SELECT count(*) FROM batch_runs r
+            WHERE r.job = j.job AND r.state = 'succeeded'
+              AND r.logical_run_id = (SELECT l.logical_run_id FROM batch_runs l WHERE l.job = j.job ORDER BY l.created_at DESC LIMIT 1))
+       ELSE
+           (SELECT count(*) FROM batch_runs r
+            WHERE r.job = j.job AND r.state = s.state AND r.state IN ('pending', 'running', 'paused', 'failed'))
+       END
+FROM batch_jobs j
+CROSS JOIN unnest(ARRAY['pending', 'running', 'paused', 'failed', 'succeeded']) AS s(state)`
 
 // runStalledSQL: per job, the seconds since the longest-stalled of its
 // running partitions and sweeps last showed a sign of life, counting only
-// those that have no live lease holder (the lease expired, or there is no
-// lease token): the later of the lease's expiry and the last checkpoint. A killed batcher leaves its
-// partitions so, and nothing else moves them on until a batcher runs the
-// job again. A live holder's slow chunk is not counted here (that is
-// batch_checkpoint_age_seconds, which the running batcher exports). 0 for
-// a job with nothing stalled, so the series is there before the first
-// crash.
+// those whose lease holder is gone: a lease token is still set (a holder
+// that stops softly clears it) and the lease has expired. A sign of life
+// is the later of the lease's expiry and the last checkpoint. A killed
+// batcher leaves its partitions so, and nothing else moves them on until a
+// batcher runs the job again. A live holder's slow chunk is not counted
+// here (that is batch_checkpoint_age_seconds, which the running batcher
+// exports). 0 for a job with nothing stalled, so the series is there
+// before the first crash.
 const runStalledSQL = `
-SELECT j.job, coalesce(extract(epoch FROM max(now() - s.since))::float8, 0)
-FROM (SELECT DISTINCT job FROM batch_runs) j
+SELECT j.job, greatest(0, coalesce(extract(epoch FROM max(now() - s.since))::float8, 0))
+FROM batch_jobs j
 LEFT JOIN (
-    SELECT job, greatest(coalesce(lease_expires_at, updated_at), checkpoint_at) AS since
-    FROM batch_runs WHERE state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())
+    SELECT job, greatest(lease_expires_at, checkpoint_at) AS since
+    FROM batch_runs WHERE state = 'running' AND lease_token IS NOT NULL AND lease_expires_at < now()
     UNION ALL
-    SELECT job, greatest(coalesce(lease_expires_at, updated_at), checkpoint_at)
-    FROM batch_sweeps WHERE state = 'running' AND (lease_token IS NULL OR lease_expires_at < now())
+    SELECT job, greatest(lease_expires_at, checkpoint_at)
+    FROM batch_sweeps WHERE state = 'running' AND lease_token IS NOT NULL AND lease_expires_at < now()
 ) s ON s.job = j.job
 GROUP BY j.job`
 
@@ -67,7 +77,7 @@ func NewRunStates(db DB, log *slog.Logger) *RunStates {
 	}
 	return &RunStates{db: db, log: log,
 		desc: prometheus.NewDesc("batch_runs",
-			"Partitions of each batch job's runs per state (pending, running, paused, failed, succeeded), read from the batch_runs table at each scrape; failed stays until the run is retried or restarted.",
+			"Partitions of each batch job's runs per state, read from the batch_runs table at each scrape: pending, running, paused and failed over all its runs (failed stays until the run is retried or restarted), succeeded in its newest run.",
 			[]string{"job", "state"}, nil),
 		stalled: prometheus.NewDesc("batch_run_stalled_seconds",
 			"Seconds since the job's longest-stalled running partition or sweep lost its lease holder (the later of its lease expiry and its last checkpoint), with nobody taking it over: its batcher was killed or cut off; read from batch_runs and batch_sweeps at each scrape; 0 while every running partition has a live holder.",

@@ -34,7 +34,7 @@ func TestRunStatesExportAFailedRunFromTheDatabase(t *testing.T) {
 	reg.MustRegister(batch.NewRunStates(pool, nil))
 	want := func(failed, succeeded int) string {
 		return `
-# HELP batch_runs Partitions of each batch job's runs per state (pending, running, paused, failed, succeeded), read from the batch_runs table at each scrape; failed stays until the run is retried or restarted.
+# HELP batch_runs Partitions of each batch job's runs per state, read from the batch_runs table at each scrape: pending, running, paused and failed over all its runs (failed stays until the run is retried or restarted), succeeded in its newest run.
 # TYPE batch_runs gauge
 batch_runs{job="` + s.Job + `",state="failed"} ` + itoa(failed) + `
 batch_runs{job="` + s.Job + `",state="paused"} 0
@@ -95,6 +95,7 @@ func TestRunStalledSecondsCountsOnlyPartitionsWithoutALiveHolder(t *testing.T) {
 	ctx := context.Background()
 	_, pool := newDB(t)
 	_, err := pool.Exec(ctx, `
+INSERT INTO batch_jobs (job, spec) SELECT j, '{}' FROM unnest(ARRAY['crashed', 'held', 'late', 'done', 'paused', 'sweeping', 'released']) AS j;
 INSERT INTO batch_runs (job, logical_run_id, partition_key, state, processor_version, scope_hash, scope, started_at, checkpoint_at, lease_token, lease_expires_at)
 VALUES ('crashed', 'r1', 'a', 'running', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '10 minutes', gen_random_uuid(), now() - interval '4 minutes'),
        ('crashed', 'r1', 'b', 'running', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '1 minute', gen_random_uuid(), now() + interval '30 seconds'),
@@ -102,9 +103,13 @@ VALUES ('crashed', 'r1', 'a', 'running', 'v1', 'h', '{}', now() - interval '1 ho
        ('late', 'r1', '', 'running', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '20 seconds', gen_random_uuid(), now() - interval '3 minutes'),
        ('done', 'r1', '', 'succeeded', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '50 minutes', NULL, now() - interval '50 minutes'),
        ('paused', 'r1', '', 'paused', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '50 minutes', NULL, now() - interval '50 minutes'),
-       ('sweeping', 'r1', '', 'succeeded', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '30 minutes', NULL, NULL);
+       ('sweeping', 'r1', '', 'succeeded', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '30 minutes', NULL, NULL),
+       ('released', 'r1', '', 'succeeded', 'v1', 'h', '{}', now() - interval '1 hour', now() - interval '30 minutes', NULL, NULL);
+-- A batcher that stops softly in the middle of a sweep leaves it running
+-- without a lease token (releaseSweepSQL), its lease's expiry ahead.
 INSERT INTO batch_sweeps (job, logical_run_id, state, started_at, checkpoint_at, lease_token, lease_expires_at)
-VALUES ('sweeping', 'r1', 'running', now() - interval '30 minutes', now() - interval '8 minutes', gen_random_uuid(), now() - interval '7 minutes')`)
+VALUES ('sweeping', 'r1', 'running', now() - interval '30 minutes', now() - interval '8 minutes', gen_random_uuid(), now() - interval '7 minutes'),
+       ('released', 'r1', 'running', now() - interval '30 minutes', now() - interval '8 minutes', NULL, now() + interval '20 seconds')`)
 	require.NoError(t, err)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(batch.NewRunStates(pool, nil))
@@ -119,6 +124,7 @@ VALUES ('sweeping', 'r1', 'running', now() - interval '30 minutes', now() - inte
 		{name: "finished run", job: "done", want: 0},
 		{name: "paused run", job: "paused", want: 0},
 		{name: "abandoned sweep", job: "sweeping", want: 420},
+		{name: "sweep released by a soft stop", job: "released", want: 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
