@@ -14,8 +14,8 @@ import (
 // startSendSpans starts, while tracing is on, the producer span of each
 // event whose traceparent is sampled, as a child of that context (the
 // event's chunk, or the application's span), and puts the span's own
-// traceparent into the record's header: the indexer continues the trace
-// from it. The spans end with [endSendSpans] once the batch is
+// traceparent into the record's header when it is sampled: the indexer
+// continues the trace from it. The spans end with [endSendSpans] once the batch is
 // acknowledged, dead-lettered or abandoned.
 func startSendSpans(ctx context.Context, all []pendingEvent) {
 	if !tracing.Enabled() {
@@ -38,7 +38,12 @@ func startSendSpans(ctx context.Context, all []pendingEvent) {
 			attribute.String("messaging.message.id", string(pe.ev.eventID)),
 			attribute.String("messaging.kafka.message.key", string(pe.msg.Key)),
 		)
-		h.Value = []byte(tracing.Format(span.SpanContext()))
+		// A sampler that ignores the parent may drop this span: the record
+		// then keeps the event's own traceparent, so the indexer still
+		// continues a span that is exported.
+		if span.SpanContext().IsSampled() {
+			h.Value = []byte(tracing.Format(span.SpanContext()))
+		}
 		pe.span = span
 	}
 }

@@ -82,3 +82,18 @@ func TestSendSpanContinuesTheEventsTrace(t *testing.T) {
 	require.Len(t, links, 3) // two send spans and the unsampled event's context
 	require.Equal(t, send[0].SpanContext.SpanID(), links[0].SpanContext.SpanID())
 }
+
+// A sampler that ignores the parent can drop the send span of a sampled
+// event: the record then keeps the event's own traceparent, so the
+// indexer continues a span that was exported rather than one that was not.
+func TestAnUnsampledSendSpanLeavesTheEventsTraceParent(t *testing.T) {
+	exp := tracetest.NewInMemoryExporter()
+	tracing.Use(sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp), sdktrace.WithSampler(sdktrace.NeverSample())))
+	t.Cleanup(func() { tracing.Use(nil) })
+	all := []pendingEvent{{ev: &storedEvent{eventID: []byte("e")}, msg: kafka.Message{Topic: "t", Key: []byte("k"),
+		Headers: []kafka.Header{{Key: HeaderTraceParent, Value: []byte(sampled)}}}}}
+	startSendSpans(context.Background(), all)
+	require.Equal(t, sampled, string(all[0].msg.Headers[0].Value))
+	endSendSpans(all, nil)
+	require.Empty(t, exp.GetSpans())
+}
