@@ -21,7 +21,8 @@ import (
 // Kafka on the broker's SASL_SSL listener with a mechanism the broker
 // enables, reaches the engine through the TLS proxy, and takes passwords
 // from files, never inline; and the plaintext ports are not published to
-// the host, so the secured cluster cannot be bypassed from outside. Only
+// the host, so Kafka and the engine cannot be reached around their security
+// from outside (PostgreSQL keeps its port: the override does not secure it). Only
 // kafka-users, which creates the SCRAM credentials, uses the broker's
 // plaintext listener, inside the compose network.
 func TestComposeSecureOverride(t *testing.T) {
