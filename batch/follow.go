@@ -19,6 +19,9 @@ const FollowChannel = "outboxrelay_follow"
 // DefaultFollowPoll is [FollowConfig].PollInterval's default.
 const DefaultFollowPoll = time.Second
 
+// DefaultFollowMinInterval is [FollowConfig].MinInterval's default.
+const DefaultFollowMinInterval = 100 * time.Millisecond
+
 // FollowConfig configures a [Follower]. Zero values take the defaults named
 // on each field.
 type FollowConfig struct {
@@ -30,6 +33,15 @@ type FollowConfig struct {
 	// PollOnly turns LISTEN off (behind PgBouncer in transaction mode,
 	// which cannot LISTEN): changes are found by polling only.
 	PollOnly bool
+	// MinInterval is the least time from one run's start to the next's
+	// while the table keeps changing. Each run costs the database a few
+	// dozen statements and a commit whatever it carries, and so does the
+	// publisher's read of what it wrote; without a floor, a table changing
+	// every few milliseconds gets a run (of one or two rows) every few
+	// milliseconds. With it, a busy table's changes wait up to MinInterval
+	// and go in one run; a run that took longer than MinInterval is
+	// followed at once. Default 100ms; negative: no floor.
+	MinInterval time.Duration
 }
 
 // FollowSummary says what a [Follower.Run] did.
@@ -87,6 +99,7 @@ func NewFollower(pool *pgxpool.Pool, spec Spec, cfg Config, fc FollowConfig) (*F
 		return nil, fmt.Errorf("follow job %s: poll interval %s: want > 0 (0 = default %s)", spec.Job, fc.PollInterval, DefaultFollowPoll)
 	}
 	fc.PollInterval = cmp.Or(fc.PollInterval, DefaultFollowPoll)
+	fc.MinInterval = cmp.Or(fc.MinInterval, DefaultFollowMinInterval)
 	cfg.Progress = nil // a progress line per run says little
 	// The same checks as every run's.
 	if _, err := NewRunner(pool, spec, cfg); err != nil {
@@ -148,8 +161,9 @@ func (f *Follower) Run(soft, hard context.Context) (*FollowSummary, error) {
 	}
 	opts := f.cfg.StartOptions
 	var (
-		mark  *string // every change up to this value was covered by a finished run
-		known bool    // mark is set
+		mark    *string // every change up to this value was covered by a finished run
+		known   bool    // mark is set
+		started time.Time
 	)
 	for {
 		if soft.Err() != nil {
@@ -160,6 +174,12 @@ func (f *Follower) Run(soft, hard context.Context) (*FollowSummary, error) {
 				return sum, err
 			}
 		}
+		// Changes that keep coming within MinInterval of the last run's
+		// start go into one run.
+		if wait := f.fc.MinInterval - time.Since(started); !started.IsZero() && wait > 0 && !f.sleep(soft, wait) {
+			return sum, nil
+		}
+		started = time.Now()
 		select {
 		case <-f.wakes: // this look covers whatever woke us so far
 		default:
@@ -264,6 +284,18 @@ func (f *Follower) pause(soft context.Context, wake <-chan struct{}) bool {
 	case <-t.C:
 	}
 	return true
+}
+
+// sleep waits d; false when soft was cancelled first.
+func (f *Follower) sleep(soft context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-soft.Done():
+		return false
+	case <-t.C:
+		return true
+	}
 }
 
 // createdSince reports whether the run's partitions were created at or

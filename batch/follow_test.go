@@ -235,3 +235,49 @@ func TestFollowRejectsWhatCannotBeFollowed(t *testing.T) {
 	_, err = batch.NewFollower(nil, incremental("x"), batch.Config{MaxChunks: 3}, batch.FollowConfig{})
 	require.ErrorContains(t, err, "max chunks 3")
 }
+
+// A table that changes every few milliseconds gets one run per
+// MinInterval, not one per change: over a second of updates every 5 ms,
+// a 400 ms floor allows at most a handful of runs, with every change
+// normalized; with no floor the same stream makes many more.
+func TestFollowMinIntervalGathersABusyTablesChanges(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name     string
+		floor    time.Duration
+		min, max int
+	}{
+		{name: "400ms floor", floor: 400 * time.Millisecond, min: 1, max: 1 + 5},
+		{name: "no floor", floor: -1, min: 8, max: 1 << 30},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, pool := newDB(t)
+			seed(t, pool, 0, 300, 1, 1)
+			s := incremental("follow-floor")
+			_, err := pool.Exec(ctx, batch.FollowTriggerSQL(s))
+			require.NoError(t, err)
+			f := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{PollInterval: time.Hour, MinInterval: tc.floor})
+			waitCaughtUp(t, pool, time.Minute, f)
+			before, _ := runCount(t, pool, s.Job)
+			start := time.Now()
+			for i := 0; time.Since(start) < time.Second; i++ {
+				_, err := pool.Exec(ctx, `UPDATE source_records SET payload = payload || jsonb_build_object('n', $1::int) WHERE id = $2`, i, 7*(1+i%200))
+				require.NoError(t, err)
+				time.Sleep(5 * time.Millisecond) // the writer's pace, not a synchronization
+			}
+			waitCaughtUp(t, pool, time.Minute, f)
+			_, err = f.stop(t)
+			require.NoError(t, err)
+			after, open := runCount(t, pool, s.Job)
+			require.Zero(t, open)
+			// The window lasted a little over a second; the last run may
+			// start up to one floor after it.
+			runs := after - before
+			t.Logf("%d runs for a second of changes every 5 ms (floor %s)", runs, tc.floor)
+			require.GreaterOrEqual(t, runs, tc.min)
+			require.LessOrEqual(t, runs, tc.max)
+		})
+	}
+}

@@ -17,14 +17,16 @@ import (
 
 // followFlags are `batcher run --follow` and its settings (issue 17).
 type followFlags struct {
-	On     bool
-	Poll   time.Duration
-	Listen bool
+	On          bool
+	Poll        time.Duration
+	MinInterval time.Duration
+	Listen      bool
 }
 
 func (f *followFlags) register(fs *cli.FlagSet) {
 	fs.Bool(&f.On, "follow", "FOLLOW", false, "incremental jobs only: keep running, one run after another while the table changes; when idle, wait for a NOTIFY from the trigger `batcher follow-trigger` installs, or the poll interval")
 	fs.Duration(&f.Poll, "follow-poll", "FOLLOW_POLL", batch.DefaultFollowPoll, "with --follow: how often an idle follower looks for changes without a NOTIFY (one max() over the change column)")
+	fs.Duration(&f.MinInterval, "follow-min-interval", "FOLLOW_MIN_INTERVAL", batch.DefaultFollowMinInterval, "with --follow: the least time from one run's start to the next while the table keeps changing, so a busy table's changes go into one run (0: a run per change as fast as runs go)")
 	fs.Bool(&f.Listen, "follow-listen", "FOLLOW_LISTEN", true, "with --follow: LISTEN for the trigger's NOTIFY; false behind PgBouncer in transaction mode (polling only)")
 }
 
@@ -38,6 +40,8 @@ func (f followFlags) validate(c runConfig) error {
 		return cli.UsageError("--follow with MAX_CHUNKS=%d: a follower does not stop by itself", c.MaxChunks)
 	case f.Poll <= 0:
 		return cli.UsageError("FOLLOW_POLL=%s: want > 0", f.Poll)
+	case f.MinInterval < 0:
+		return cli.UsageError("FOLLOW_MIN_INTERVAL=%s: want >= 0", f.MinInterval)
 	}
 	return nil
 }
@@ -54,11 +58,15 @@ func followRun(soft, hard context.Context, pool *pgxpool.Pool, spec batch.Spec, 
 	if mode := cmp.Or(spec.Mode, batch.ModeFull); mode != batch.ModeIncremental {
 		return cli.UsageError("--follow: job %s has mode %s; only an incremental job can be followed (a full run reads every row in scope: run it on a schedule instead)", spec.Job, mode)
 	}
-	fl, err := batch.NewFollower(pool, spec, cfg, batch.FollowConfig{PollInterval: f.Poll, PollOnly: !f.Listen})
+	minInterval := f.MinInterval
+	if minInterval == 0 {
+		minInterval = -1 // no floor (the library's zero is its default)
+	}
+	fl, err := batch.NewFollower(pool, spec, cfg, batch.FollowConfig{PollInterval: f.Poll, PollOnly: !f.Listen, MinInterval: minInterval})
 	if err != nil {
 		return cli.UsageError("%v", err)
 	}
-	logger.Info("following", slog.String("job", spec.Job), slog.Duration("follow_poll", f.Poll), slog.Bool("follow_listen", f.Listen))
+	logger.Info("following", slog.String("job", spec.Job), slog.Duration("follow_poll", f.Poll), slog.Duration("follow_min_interval", f.MinInterval), slog.Bool("follow_listen", f.Listen))
 	sum, err := fl.Run(soft, hard)
 	if err != nil {
 		return classify(err)
