@@ -23,6 +23,7 @@ const backlogBatches = 4
 type backlog struct {
 	batchDocs, batchBytes int
 	flushInterval         time.Duration
+	linger                bool
 	maxDocs, maxBytes     int // the fetch loop waits above these
 	now                   func() time.Time
 
@@ -60,6 +61,7 @@ func newBacklog(cfg Config) *backlog {
 		batchDocs:     cfg.BatchSize,
 		batchBytes:    cfg.BatchBytes,
 		flushInterval: cfg.FlushInterval,
+		linger:        cfg.Linger,
 		maxDocs:       cfg.Lanes * backlogBatches * cfg.BatchSize,
 		maxBytes:      cfg.Lanes * backlogBatches * cfg.BatchBytes,
 		now:           time.Now,
@@ -143,7 +145,7 @@ func (b *backlog) deliver() (done func()) {
 // that are not busy, or less once the oldest of them has waited
 // FlushInterval, or at once when no batch is in flight and no fetch is
 // being put (group commit: an idle indexer sends what it has, a busy one
-// gathers while its bulks are in the engine). It takes the partitions whose
+// gathers while its bulks are in the engine; not with Linger). It takes the partitions whose
 // oldest message came first first, which is the order the reader delivered
 // them in, so no partition falls behind for long.
 func (b *backlog) take(ctx context.Context) (*batch, error) {
@@ -206,7 +208,7 @@ func (b *backlog) takeLocked(now time.Time) (*batch, time.Duration) {
 		return nil, 0
 	}
 	slices.SortFunc(free, func(x, y *partBacklog) int { return x.docs[0].fetched.Compare(y.docs[0].fetched) })
-	idle := b.inflight == 0 && !b.delivering
+	idle := !b.linger && b.inflight == 0 && !b.delivering
 	if waited := now.Sub(free[0].docs[0].fetched); !idle && b.freeDocs < b.batchDocs && b.freeBytes < b.batchBytes && waited < b.flushInterval {
 		return nil, b.flushInterval - waited
 	}

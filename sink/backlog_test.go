@@ -297,3 +297,17 @@ func TestBacklogDropsAnEndedGeneration(t *testing.T) {
 	require.Zero(t, b.freeDocs)
 	require.Zero(t, b.freeBytes)
 }
+
+// With Linger, a partial batch waits the flush interval even with nothing
+// in flight (the batching before group commit).
+func TestBacklogLingerWaitsWhenIdle(t *testing.T) {
+	t.Parallel()
+	b, clock := newTestBacklog(1, 100, 200*time.Millisecond)
+	b.linger = true
+	require.NoError(t, b.put(context.Background(), msgDoc(0, 0)))
+	bt, wait := b.takeLocked(clock.advance(50 * time.Millisecond))
+	require.Nil(t, bt)
+	require.Equal(t, 150*time.Millisecond, wait)
+	bt, _ = b.takeLocked(clock.advance(wait))
+	require.Equal(t, map[int][]int64{0: {0}}, offsets(bt))
+}

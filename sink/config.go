@@ -126,8 +126,13 @@ type Config struct {
 	// BatchBytes bounds a bulk request by document bytes. Default 5 MiB.
 	BatchBytes int
 	// FlushInterval bounds how long a partial batch waits while another
-	// batch is in flight; with none in flight it goes at once. Default 200ms.
+	// batch is in flight; with none in flight it goes at once (group
+	// commit) unless Linger is set. Default 200ms.
 	FlushInterval time.Duration
+	// Linger makes a partial batch wait FlushInterval even when no bulk is
+	// in flight: fewer, larger bulks at low rates, for up to FlushInterval
+	// more latency per change. Default false: an idle indexer sends at once.
+	Linger bool
 	// Lanes is the number of bulk requests in flight at once. A partition is
 	// in at most one of them at a time, so per-partition order holds.
 	// Default 2.

@@ -309,7 +309,7 @@ func testPartialBulkFailure(t *testing.T, f *fixture, fi *faultInjector) {
 	fi.failItem("b", 3, http.StatusTooManyRequests, "es_rejected_execution_exception")
 	fi.failItem("c", 2, http.StatusServiceUnavailable, "unavailable_shards_exception")
 	cfg := f.cfg
-	cfg.FlushInterval = time.Second // one batch for all four
+	cfg.FlushInterval, cfg.Linger = time.Second, true // one batch for all four
 	cfg.Lanes = 1
 	f.produce(upsert("a", 1, docN(1)), upsert("b", 1, docN(2)), upsert("c", 1, docN(3)), upsert("d", 1, docN(4)))
 	ix := f.start(cfg)
@@ -346,7 +346,7 @@ func testWholeRequestFailures(t *testing.T, f *fixture, fi *faultInjector) {
 func testInvalidIDAndReservedFields(t *testing.T, f *fixture, _ *faultInjector) {
 	long := strings.Repeat("k", MaxIDBytes+1)
 	cfg := f.cfg
-	cfg.FlushInterval = time.Second // one batch for all
+	cfg.FlushInterval, cfg.Linger = time.Second, true // one batch for all
 	f.produce(upsert("a", 1, docN(1)), upsert(long, 1, docN(2)), upsert("hidden", 1, `{"n":3,"_deleted":true}`),
 		upsert("meta", 1, `{"_id":"other","n":4}`), upsert("b", 1, docN(5)))
 	f.start(cfg)
@@ -366,7 +366,7 @@ func testInvalidIDAndReservedFields(t *testing.T, f *fixture, _ *faultInjector) 
 func testRequestLevel400Bisected(t *testing.T, f *fixture, fi *faultInjector) {
 	fi.refuseRequestsHolding("bad", http.StatusBadRequest)
 	cfg := f.cfg
-	cfg.FlushInterval = time.Second // one batch for all eight
+	cfg.FlushInterval, cfg.Linger = time.Second, true // one batch for all eight
 	cfg.Lanes = 1
 	var recs []rec
 	for i := range 8 {

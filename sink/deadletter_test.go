@@ -183,7 +183,7 @@ func TestDeadLetterExistingSmallTopicBoundsBatches(t *testing.T) {
 	}
 	f.produce(recs...)
 	cfg := f.cfg
-	cfg.FlushInterval = time.Second
+	cfg.FlushInterval, cfg.Linger = time.Second, true
 	cfg.Lanes = 1
 	f.start(cfg)
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
