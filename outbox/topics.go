@@ -64,7 +64,7 @@ func EnsureTopics(ctx context.Context, transport kafka.RoundTripper, brokers []s
 		names[i] = s.Name
 	}
 	// Topic creation is asynchronous: wait (bounded) until the metadata
-	// shows every topic with its partitions.
+	// shows every topic with its partitions and their leaders.
 	var meta *kafka.MetadataResponse
 	for attempt := 0; ; attempt++ {
 		meta, err = client.Metadata(ctx, &kafka.MetadataRequest{Topics: names})
@@ -103,10 +103,23 @@ func EnsureTopics(ctx context.Context, transport kafka.RoundTripper, brokers []s
 	return out, nil
 }
 
+// allPresent reports whether every topic is in the metadata with its
+// partitions, each with a leader: a producer that starts right after
+// `topics ensure` must not meet UNKNOWN_TOPIC_OR_PARTITION or
+// LEADER_NOT_AVAILABLE while the brokers create the partitions.
 func allPresent(meta *kafka.MetadataResponse, names []string) bool {
 	found := 0
 	for _, t := range meta.Topics {
-		if t.Error == nil && len(t.Partitions) > 0 {
+		if t.Error != nil || len(t.Partitions) == 0 {
+			continue
+		}
+		ready := true
+		for _, p := range t.Partitions {
+			if p.Error != nil || p.Leader.Host == "" {
+				ready = false
+			}
+		}
+		if ready {
 			found++
 		}
 	}
