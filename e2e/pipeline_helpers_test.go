@@ -170,8 +170,17 @@ func (p *pipeline) outboxBacklog(ctx context.Context) int64 {
 	return n
 }
 
+// A broker may answer a request about a young topic with a transient error
+// (CI saw ListOffsets fail with [-1] Unknown right after the topic's
+// first records): the status is asked again for up to 30 s.
 func (p *pipeline) status(ctx context.Context) (*sink.Status, error) {
-	return sink.GetStatus(ctx, sink.Config{Brokers: p.brokers, Topic: p.topic, Group: p.group})
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		st, err := sink.GetStatus(ctx, sink.Config{Brokers: p.brokers, Topic: p.topic, Group: p.group})
+		if err == nil || ctx.Err() != nil || time.Now().After(deadline) {
+			return st, err
+		}
+		pause(ctx, 250*time.Millisecond)
+	}
 }
 
 // settled is what waitSettled saw when the pipeline came to rest.
