@@ -9,6 +9,7 @@ import (
 
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kgo"
 )
 
 // fakeClock is the backlog's clock in tests that call takeLocked
@@ -310,4 +311,54 @@ func TestBacklogLingerWaitsWhenIdle(t *testing.T) {
 	require.Equal(t, 150*time.Millisecond, wait)
 	bt, _ = b.takeLocked(clock.advance(wait))
 	require.Equal(t, map[int][]int64{0: {0}}, offsets(bt))
+}
+
+// One fetch holds thousands of records of each partition. Put one partition
+// after the other, they filled the backlog with the first partition alone:
+// its batch made it busy, the second lane found nothing free and the
+// fetcher waited behind the full backlog, so one bulk was in flight at a
+// time. Interleaved, every lane finds a batch of its own partition.
+func TestAFetchOfSeveralPartitionsFeedsEveryLane(t *testing.T) {
+	t.Parallel()
+	cfg := Config{Brokers: []string{"127.0.0.1:9"}, URL: "http://127.0.0.1:9", Lanes: 2, BatchSize: 100, FlushInterval: time.Hour}.withDefaults()
+	ix := &Indexer{cfg: cfg, rules: newRecordRules(cfg)}
+	bl := newBacklog(cfg)
+	var parts []kgo.FetchTopicPartition
+	for p := range int32(4) {
+		fp := kgo.FetchTopicPartition{Topic: "t", FetchPartition: kgo.FetchPartition{Partition: p, HighWatermark: 10_000}}
+		for o := range int64(1000) {
+			fp.Records = append(fp.Records, &kgo.Record{Topic: "t", Partition: p, Offset: o, Key: []byte("k"), Value: []byte(`{"n":1}`),
+				Headers: []kgo.RecordHeader{{Key: "ce_type", Value: []byte("outboxrelay.upsert")}, {Key: "ce_aggregateversion", Value: []byte("1")}}})
+		}
+		parts = append(parts, fp)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	putDone := make(chan error, 1)
+	go func() {
+		// As fetch does: while a fetch is being put, a lane waits for a
+		// full batch.
+		delivered := bl.deliver()
+		defer delivered()
+		putDone <- ix.putInterleaved(ctx, &generation{}, parts, bl)
+	}()
+
+	// Two lanes, each holding its batch (no release): both get one, of
+	// different partitions, while the fetch is still being put.
+	tctx, tcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer tcancel()
+	first, err := bl.take(tctx)
+	require.NoError(t, err)
+	second, err := bl.take(tctx)
+	require.NoError(t, err, "the second lane found no free partition")
+	require.Len(t, first.docs, 100)
+	require.Len(t, second.docs, 100)
+	require.NotEqual(t, first.docs[0].msg.Partition, second.docs[0].msg.Partition)
+	for _, bt := range []*batch{first, second} {
+		for i, d := range bt.docs {
+			require.Equal(t, int64(i), d.msg.Offset, "each partition in offset order")
+		}
+	}
+	cancel()
+	require.ErrorIs(t, <-putDone, context.Canceled)
 }

@@ -372,8 +372,9 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 		go client.Close()
 	}()
 	started, first := time.Now(), true
+	var parts []kgo.FetchTopicPartition
 	for {
-		fetches := client.PollRecords(ctx, ix.cfg.BatchSize)
+		fetches := client.PollFetches(ctx)
 		if ctx.Err() != nil {
 			return
 		}
@@ -385,13 +386,40 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 			// The client retries on its own.
 			ix.log.Warn("fetch failed; retrying", slog.String("topic", topic), slog.Int("partition", int(p)), slog.String("error", err.Error()))
 		})
-		var stopped bool
-		delivered := bl.deliver()
+		parts = parts[:0]
 		fetches.EachPartition(func(fp kgo.FetchTopicPartition) {
-			for _, r := range fp.Records {
-				if stopped {
-					return
-				}
+			if len(fp.Records) > 0 {
+				parts = append(parts, fp)
+			}
+		})
+		delivered := bl.deliver()
+		err := ix.putInterleaved(ctx, g, parts, bl)
+		delivered()
+		clear(parts)
+		if err != nil {
+			return
+		}
+	}
+}
+
+// putInterleaved puts the fetched partitions' records into the backlog a
+// batch of each partition in turn, each partition's in offset order. Put
+// one partition after the other, a fetch of several megabytes of one
+// partition filled the backlog with that partition alone: its first batch
+// made it busy, the other lanes found nothing free and the fetcher waited
+// behind the full backlog, so one bulk was in flight at a time
+// (bench-indexer: 23,600 docs/s with two lanes, 0.55 of the raw bulk).
+// Runs of a whole batch, not less, so that a lane finds a batch of one
+// partition instead of one spread over all of them, which would leave
+// every partition busy and the other lanes idle again.
+func (ix *Indexer) putInterleaved(ctx context.Context, g *generation, parts []kgo.FetchTopicPartition, bl *backlog) error {
+	run := ix.cfg.BatchSize
+	for left := len(parts); left > 0; {
+		left = 0
+		for i := range parts {
+			fp := &parts[i]
+			n := min(run, len(fp.Records))
+			for _, r := range fp.Records[:n] {
 				var d *doc
 				if r.Attrs.IsControl() {
 					d = &doc{msg: kafkaMessage(r, fp.HighWatermark), skip: SkipTxnMarker}
@@ -399,14 +427,17 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 					d = ix.rules.parse(kafkaMessage(r, fp.HighWatermark))
 				}
 				d.gen = g
-				stopped = bl.put(ctx, d) != nil
+				if err := bl.put(ctx, d); err != nil {
+					return err
+				}
 			}
-		})
-		delivered()
-		if stopped {
-			return
+			fp.Records = fp.Records[n:]
+			if len(fp.Records) > 0 {
+				left++
+			}
 		}
 	}
+	return nil
 }
 
 // kafkaMessage is r as the rest of the indexer reads messages.
