@@ -97,6 +97,9 @@ const (
 	// name with different scopes (table, filter, partition list) need
 	// distinct source names (or "keep" on both); a run refuses to start
 	// (ErrSpec, naming the other job) when batch_jobs shows such a job.
+	// A run that starts while normalized_records holds no row of the
+	// SourceName (a first load) has nothing to sweep and skips it: a row a
+	// chunk writes and the source loses later is swept by the next full run.
 	VanishedDelete = "delete"
 	// VanishedKeep leaves vanished rows as they are.
 	VanishedKeep = "keep"

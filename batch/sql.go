@@ -53,6 +53,15 @@ RETURNING state, failures, retry_at`
 const (
 	// createSweepSQL: a new full run that sweeps.
 	createSweepSQL = `INSERT INTO batch_sweeps (job, logical_run_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`
+	// createSweptSQL: a new full run whose sweep has nothing to look at
+	// (see sourceEmptySQL) gets it as done already.
+	createSweptSQL = `INSERT INTO batch_sweeps (job, logical_run_id, state, started_at, finished_at) VALUES ($1, $2, 'succeeded', now(), now()) ON CONFLICT DO NOTHING`
+	// sourceEmptySQL reports whether normalized_records holds no row, live
+	// or tombstone, of a source name: a run that starts then can find
+	// nothing that vanished from its scope before its boundary, since every
+	// row it could sweep is one a chunk of this run (or a writer that
+	// started later) read from the source.
+	sourceEmptySQL = `SELECT NOT EXISTS (SELECT FROM normalized_records WHERE source = $1)`
 	// retrySweepSQL: a rerun retries a failed sweep, as it does a failed
 	// partition.
 	retrySweepSQL = `UPDATE batch_sweeps SET state = 'pending', error = NULL, finished_at = NULL, updated_at = now() WHERE job = $1 AND logical_run_id = $2 AND state = 'failed'`

@@ -233,7 +233,18 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 		}
 	}
 	if s.Vanished == VanishedDelete {
-		if _, err := tx.Exec(ctx, createSweepSQL, s.Job, runID); err != nil {
+		// A first load sweeps nothing: its sweep would only read every row
+		// it just wrote back, and probe the source for each (17 of 41 s of a
+		// 1M-row first run).
+		var empty bool
+		if err := tx.QueryRow(ctx, sourceEmptySQL, s.SourceName).Scan(&empty); err != nil {
+			return "", fmt.Errorf("create the sweep of run %s/%s: %w", s.Job, runID, err)
+		}
+		sweep := createSweepSQL
+		if empty {
+			sweep = createSweptSQL
+		}
+		if _, err := tx.Exec(ctx, sweep, s.Job, runID); err != nil {
 			return "", fmt.Errorf("create the sweep of run %s/%s: %w", s.Job, runID, err)
 		}
 	}

@@ -127,7 +127,9 @@ func TestVanishedKeepDropsAnUnfinishedSweep(t *testing.T) {
 	_, pool := newDB(t)
 	seed(t, pool, 1, 100, 1, 3)
 	s := vanishedSpec()
-	_, err := run(t, pool, s, batch.Config{MaxChunks: 2}) // partitions not done: no sweep yet
+	_, err := run(t, pool, s, batch.Config{}) // a first load: nothing to sweep
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{MaxChunks: 2}) // partitions not done: no sweep yet
 	require.NoError(t, err)
 	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'pending'`))
 	s.Vanished = batch.VanishedKeep
@@ -310,4 +312,30 @@ func passThrough(_ context.Context, rows []batch.SourceRow) ([]batch.Result, err
 		out[i].Document = json.RawMessage(r.Row)
 	}
 	return out, nil
+}
+
+// A first load (normalized_records holds no row of the source name when the
+// run starts) has nothing to sweep: every row it could look at is one of its
+// own chunks read from the source. Its sweep is done before it starts, reads
+// nothing, and the next run sweeps as usual.
+func TestAFirstLoadHasNothingToSweep(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, pool := newDB(t)
+	seed(t, pool, 1, 300, 1, 3)
+	s := vanishedSpec()
+	sum, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE NOT deleted`))
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'succeeded' AND swept_count = 0 AND chunks = 0 AND cursor IS NULL`),
+		"the first load's sweep read nothing")
+
+	_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id <= 10 * 7`)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Len(t, deleteEvents(t, url), 10)
+	require.Equal(t, int64(300), queryInt(t, pool, `SELECT swept_count FROM batch_sweeps WHERE logical_run_id = (SELECT max(logical_run_id) FROM batch_runs)`),
+		"the second run swept every row")
 }
