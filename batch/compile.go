@@ -52,7 +52,7 @@ type args struct {
 	IDs          []string
 	Vers         []int64
 	Dels         []bool
-	Docs         []*string
+	Docs         [][]byte
 	Codes, Msgs  []string
 	PKeys        []string // the sweep's partition keys
 	After        *string  // the sweep's cursor (a source_id)

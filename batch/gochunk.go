@@ -3,12 +3,13 @@ package batch
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxrelay/outboxrelay/internal/jsonvalid"
 )
 
 // goChunk is the custom Processor path: read the range (a.Cursor,
@@ -114,7 +115,7 @@ type goPart struct {
 	ids                 []string
 	vers                []int64
 	dels                []bool
-	docs                []*string
+	docs                [][]byte // nil: a delete
 	badIDs, codes, msgs []string
 	took                time.Duration
 	err                 error
@@ -127,7 +128,7 @@ func (r *Runner) goProcess(ctx context.Context, src []SourceRow) goPart {
 		return goPart{err: fmt.Errorf("process chunk: %w", err)}
 	}
 	n := len(src)
-	p := goPart{ids: make([]string, 0, n), vers: make([]int64, 0, n), dels: make([]bool, 0, n), docs: make([]*string, 0, n)}
+	p := goPart{ids: make([]string, 0, n), vers: make([]int64, 0, n), dels: make([]bool, 0, n), docs: make([][]byte, 0, n)}
 	bad := func(id, code, msg string) {
 		p.badIDs, p.codes, p.msgs = append(p.badIDs, id), append(p.codes, code), append(p.msgs, msg)
 	}
@@ -146,17 +147,16 @@ func (r *Runner) goProcess(ctx context.Context, src []SourceRow) goPart {
 				return goPart{err: &BadRowError{ID: sr.ID, Code: code, Message: res.Err.Error()}}
 			}
 		}
-		var doc *string
+		var doc []byte
 		if !sr.Deleted {
-			if !json.Valid(res.Document) {
+			if !jsonvalid.Valid(res.Document) {
 				if r.spec.Errors.Policy == PolicyQuarantine {
 					bad(sr.ID, "invalid_document", "processor returned invalid JSON")
 					continue
 				}
 				return goPart{err: &BadRowError{ID: sr.ID, Code: "invalid_document", Message: "processor returned invalid JSON"}}
 			}
-			s := string(res.Document)
-			doc = &s
+			doc = res.Document // valid JSON is never nil, so never NULL
 		}
 		p.ids, p.vers, p.dels, p.docs = append(p.ids, sr.ID), append(p.vers, sr.Version), append(p.dels, sr.Deleted), append(p.docs, doc)
 	}

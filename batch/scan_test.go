@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
@@ -521,4 +523,62 @@ func TestCursorMustBeUniqueAndNotNull(t *testing.T) {
 	require.True(t, sum.Done)
 	require.EqualValues(t, 45, sum.Rows)
 	require.EqualValues(t, 45, queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source = 'grp_records'`))
+}
+
+// A custom processor's document that is not JSON (broken, or none at all)
+// is that row's fault, checked in Go before the write: quarantined with
+// invalid_document, or failing the run under strict; the other rows keep
+// the documents the processor returned, byte for byte as jsonb.
+func TestInvalidProcessorDocuments(t *testing.T) {
+	t.Parallel()
+	const broken, missing = "707", "714"
+	proc := batch.ProcessorFunc(func(_ context.Context, rows []batch.SourceRow) ([]batch.Result, error) {
+		out := make([]batch.Result, len(rows))
+		for i, r := range rows {
+			switch r.ID {
+			case broken:
+				out[i].Document = json.RawMessage(`{"id":"` + r.ID + `",`)
+			case missing:
+			default:
+				out[i].Document = json.RawMessage(`{"id":"` + r.ID + `","n":` + strconv.Itoa(i) + `}`)
+			}
+		}
+		return out, nil
+	})
+	for _, policy := range []string{batch.PolicyQuarantine, batch.PolicyStrict} {
+		t.Run(policy, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			url, pool := newDB(t)
+			seed(t, pool, 0, 1000, 3, 1)
+			s := spec(func(s *batch.Spec) {
+				s.Errors.Policy = policy
+				s.Chunk.Concurrency = 2
+			})
+			sum, err := run(t, pool, s, batch.Config{Processor: proc})
+			if policy == batch.PolicyStrict {
+				require.ErrorIs(t, err, batch.ErrBadRow)
+				require.ErrorContains(t, err, "invalid_document")
+				return
+			}
+			require.NoError(t, err)
+			require.EqualValues(t, 2, sum.Quarantined)
+			rows, err := batch.ListQuarantine(ctx, pool, s.Job, false)
+			require.NoError(t, err)
+			require.Len(t, rows, 2)
+			for _, r := range rows {
+				require.Equal(t, "invalid_document", r.Code)
+				require.Contains(t, []string{broken, missing}, r.SourceID)
+			}
+			// Read over a new connection: every other row holds its own document.
+			check, err := pgxpool.New(ctx, url)
+			require.NoError(t, err)
+			defer check.Close()
+			var n, wrong int64
+			require.NoError(t, check.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE document->>'id' IS DISTINCT FROM source_id OR jsonb_typeof(document->'n') <> 'number') FROM normalized_records`).Scan(&n, &wrong))
+			require.EqualValues(t, 998, n)
+			require.Zero(t, wrong)
+			require.Equal(t, int64(998), queryInt(t, check, `SELECT count(*) FROM outbox_events WHERE payload::jsonb->>'id' = aggregate_id`))
+		})
+	}
 }

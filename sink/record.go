@@ -10,6 +10,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/outboxrelay/outboxrelay/internal/jsonvalid"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
@@ -240,7 +241,7 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 		if len(trimmed) == 0 || trimmed[0] != '{' {
 			return poison(CodeInvalidJSON, "document is not a JSON object")
 		}
-		valid, underscored := validDocument(trimmed)
+		valid, underscored := jsonvalid.Document(trimmed)
 		if !valid {
 			return poison(CodeInvalidJSON, "document is not a JSON object")
 		}

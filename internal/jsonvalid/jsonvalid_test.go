@@ -1,4 +1,4 @@
-package sink
+package jsonvalid
 
 import (
 	"encoding/json"
@@ -29,9 +29,9 @@ func TestValidJSONMatchesEncodingJSON(t *testing.T) {
 		// Every prefix too: the cut lands inside strings, numbers,
 		// literals and the eight-byte fast path.
 		for n := range min(len(c), 200) + 1 {
-			require.Equal(t, json.Valid([]byte(c[:n])), validJSON([]byte(c[:n])), "%q", c[:n])
+			require.Equal(t, json.Valid([]byte(c[:n])), Valid([]byte(c[:n])), "%q", c[:n])
 		}
-		require.Equal(t, json.Valid([]byte(c)), validJSON([]byte(c)), "%.80q", c)
+		require.Equal(t, json.Valid([]byte(c)), Valid([]byte(c)), "%.80q", c)
 	}
 }
 
@@ -40,8 +40,8 @@ func FuzzValidJSON(f *testing.F) {
 		f.Add([]byte(c))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		if got, want := validJSON(b), json.Valid(b); got != want {
-			t.Fatalf("validJSON(%q) = %v, json.Valid says %v", b, got, want)
+		if got, want := Valid(b), json.Valid(b); got != want {
+			t.Fatalf("Valid(%q) = %v, json.Valid says %v", b, got, want)
 		}
 	})
 }
@@ -49,9 +49,9 @@ func FuzzValidJSON(f *testing.F) {
 func BenchmarkValidJSON(b *testing.B) {
 	doc := []byte(`{"id":"doc-0000001","tenant":"tenant-001","title":"Benchmark document number 1","status":"active","amount":7,"tags":["alpha","beta","gamma"],"created_at":"2026-01-01T00:00:00Z","body":"` + strings.Repeat("lorem ipsum ", 29) + `"}`)
 	b.SetBytes(int64(len(doc)))
-	b.Run("validJSON", func(b *testing.B) {
+	b.Run("Valid", func(b *testing.B) {
 		for b.Loop() {
-			validJSON(doc)
+			Valid(doc)
 		}
 	})
 	b.Run("json.Valid", func(b *testing.B) {
