@@ -212,3 +212,28 @@ func TestPipelinedRetryReadsThePlannedRange(t *testing.T) {
 		})
 	}
 }
+
+// The last chunk of a pipelined partition, shorter than the chunk size, is
+// split in two halves that run side by side, instead of the whole of it on
+// one connection while the other idles: 1,000 rows in chunks of 600 are
+// 600, 200 and 200, and the result is the same.
+func TestPipelinedLastChunkIsSplit(t *testing.T) {
+	t.Parallel()
+	for _, pipeline := range []int{1, 2} {
+		t.Run(fmt.Sprintf("pipeline=%d", pipeline), func(t *testing.T) {
+			t.Parallel()
+			url, pool := newDB(t)
+			seed(t, pool, 0, 1000, 4, 1)
+			s := spec(func(s *batch.Spec) {
+				s.Chunk = batch.ChunkSettings{Size: 600, Min: 100, Max: 600, Pipeline: pipeline}
+			})
+			sum, err := run(t, pool, s, batch.Config{})
+			require.NoError(t, err)
+			require.True(t, sum.Done)
+			exact(t, url, s.Job, 1000)
+			want := map[int]int64{1: 2, 2: 3}[pipeline] // 600 + 400, or 600 + 200 + 200
+			require.Equal(t, want, sum.Chunks)
+			require.Equal(t, want, queryInt(t, pool, `SELECT chunks FROM batch_runs WHERE job = $1`, s.Job))
+		})
+	}
+}

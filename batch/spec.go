@@ -200,7 +200,9 @@ type ChunkSettings struct {
 	// each in its own transaction on its own connection: chunk N+1 reads
 	// and writes while chunk N commits. They still commit strictly in cursor
 	// order (each checkpoint is conditioned on the previous chunk's end), so
-	// a failure in chunk N rolls back N+1 too. 1 turns it off. Default 2;
+	// a failure in chunk N rolls back N+1 too. A partition's last chunk,
+	// when shorter than the chunk size (and at least twice chunk.min), is
+	// split in two halves that run at once. 1 turns it off. Default 2;
 	// lowered when the pool has too few connections for the workers
 	// (each worker needs Pipeline, plus one for heartbeats).
 	Pipeline int `json:"pipeline,omitempty" yaml:"pipeline,omitempty"`
