@@ -17,6 +17,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
@@ -173,6 +174,25 @@ type chunkResult struct {
 	commit      time.Duration // (Go path: write +) checkpoint UPDATE + COMMIT
 }
 
+// errNotFresh: a first load's chunk, written with plain INSERTs, met a row
+// of normalized_records or an event that was there already (an id the
+// source holds twice, another writer of the source name, an application's
+// event with the same id). It rolled back and is retried, like the rest of
+// the claim's chunks, with the guarded upsert, which updates or skips them.
+var errNotFresh = errors.New("a row or event of this first load's chunk is there already; writing it again with the guarded upsert")
+
+// notFresh turns a unique violation of a chunk written with plain INSERTs
+// into errNotFresh, and makes the claim's later chunks write the guarded
+// way.
+func notFresh(cl *claim, fresh bool, err error) error {
+	var pe *pgconn.PgError
+	if !fresh || !errors.As(err, &pe) || pe.Code != "23505" { // unique_violation
+		return err
+	}
+	cl.fresh.Store(false)
+	return fmt.Errorf("%w: %w", errNotFresh, err)
+}
+
 // chunkWithRetry runs a chunk, retrying transient errors. It does not
 // touch the partition's bookkeeping: chunks in flight finish in any order,
 // the caller takes their results in cursor order.
@@ -233,7 +253,7 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		// A lost connection rolled the chunk back (unless its COMMIT got
 		// through, which the next attempt checks first): retried on a new
 		// connection.
-		if ctx.Err() != nil || !(IsRetryable(err) || lost || errors.Is(err, errRangeGrew)) {
+		if ctx.Err() != nil || !(IsRetryable(err) || lost || errors.Is(err, errRangeGrew) || errors.Is(err, errNotFresh)) {
 			return backoff.Permanent(err)
 		}
 		return err
@@ -341,14 +361,20 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		limit = cmp.Or(f.limit, 2*f.size)
 		a.Boundary, a.Limit = f.upto, limit
 	}
+	fresh := cl.fresh.Load()
 	if r.cfg.Processor == nil {
 		st := r.c.chunkNext
-		if cursor == nil {
+		switch {
+		case cursor == nil && fresh:
+			st = r.c.chunkFirstFresh
+		case cursor == nil:
 			st = r.c.chunkFirst
+		case fresh:
+			st = r.c.chunkNextFresh
 		}
 		var firstBad *string
 		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&res.n, &res.bad, &firstBad, &res.changed, &res.next); err != nil {
-			return res, fmt.Errorf("select and upsert chunk after %v: %w", cursor, err)
+			return res, notFresh(cl, fresh, fmt.Errorf("select and upsert chunk after %v: %w", cursor, err))
 		}
 		if res.bad > 0 && r.spec.Errors.Policy != PolicyQuarantine {
 			return res, parseBadRow(*firstBad)
@@ -357,8 +383,8 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		r.cfg.Metrics.inflight(r.spec.Job, res.n)
 		defer r.cfg.Metrics.inflight(r.spec.Job, -res.n)
 	} else {
-		if _, err := r.goChunk(ctx, tx, a, &res); err != nil {
-			return res, err
+		if _, err := r.goChunk(ctx, tx, a, &res, fresh); err != nil {
+			return res, notFresh(cl, fresh, err)
 		}
 	}
 	if f.upto != nil {

@@ -148,6 +148,11 @@ type compiled struct {
 	quarantine stmt // Go path: unnest into batch_quarantine
 	resolve    stmt // mark quarantine rows resolved
 	checkpoint stmt
+
+	// chunkFirst, chunkNext and write for a first load's chunks
+	// (claim.fresh): plain INSERTs, which fail with a unique violation
+	// where the guarded ones would update or skip (errNotFresh).
+	chunkFirstFresh, chunkNextFresh, writeFresh stmt
 }
 
 func q(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
@@ -582,6 +587,19 @@ const upsertTail = `
      OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
 
+// insertTail ends the plain INSERT of a first load's rows: what
+// upsertTail returns for a row that was not there.
+const insertTail = `
+  RETURNING n.source_id, n.source_version, n.document, n.deleted`
+
+// upsertOrInsert is upsertTail, or insertTail for a first load's chunk.
+func upsertOrInsert(fresh bool) string {
+	if fresh {
+		return insertTail
+	}
+	return upsertTail
+}
+
 // returnedVersion is the index version an upsert writes: the source
 // version + the row's offset, or, for a row back over a sweep's tombstone,
 // at least one more than the tombstone's.
@@ -610,7 +628,7 @@ func (c *compiled) selection(b *builder, sel string) (where, tail string) {
 // changed count and the last cursor. (A temp table between two statements
 // measured 25% slower: every document is written and read once more.) The
 // Go path's write statement ends with the same two steps.
-func (c *compiled) chunkSQL(sel string) stmt {
+func (c *compiled) chunkSQL(sel string, fresh bool) stmt {
 	b := newBuilder()
 	where, tail := c.selection(b, sel)
 	fieldCols, doc, errCode, errMsg := c.normalize(b)
@@ -649,9 +667,9 @@ WITH src AS MATERIALIZED (
 )` + quarantine + resolve + `,
 up AS (
   INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, updated_at)
-  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src WHERE err_code IS NULL` + upsertTail + `
+  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src WHERE err_code IS NULL` + upsertOrInsert(fresh) + `
 ),
-` + c.outboxCTE(b) + `
+` + c.outboxCTE(b, fresh) + `
 SELECT (SELECT count(*) FROM src),
        (SELECT count(*) FROM src WHERE err_code IS NOT NULL),
        (SELECT id || ': ' || err_code || ': ' || err_msg FROM src WHERE err_code IS NOT NULL ORDER BY ` + strings.Join(kcols, ", ") + ` LIMIT 1),
@@ -665,20 +683,38 @@ SELECT (SELECT count(*) FROM src),
 // the indexer, which routes the document to that version's index
 // generation), and so does the chunk span's traceparent ("tp", NULL while
 // tracing is off: no header).
-func (c *compiled) outboxCTE(b *builder) string {
+func (c *compiled) outboxCTE(b *builder, fresh bool) string {
 	// The same for every event of the statement: a scalar subquery is an
 	// InitPlan, built once instead of once per row.
 	headers := `(SELECT jsonb_strip_nulls(jsonb_build_object(` + b.c(outbox.HeaderProcessorVersion, "text") + `, ` + b.p("pv", "text") + `, ` + b.c(outbox.HeaderTraceParent, "text") + `, ` + b.p("tp", "text") + `)))`
-	return "ev AS (\n" + outbox.InsertEventsSQL(outbox.EventSelect{
+	insert := outbox.InsertEventsSQL
+	if fresh {
+		insert = outbox.InsertNewEventsSQL
+	}
+	return "ev AS (\n" + insert(outbox.EventSelect{
 		EventID:          `outboxrelay_event_id(` + b.p("source", "text") + `, source_id, source_version, ` + b.p("pv", "text") + `)`,
 		Topic:            b.c(c.spec.Topic, "text"),
 		AggregateType:    b.c(c.spec.AggregateType, "text"),
 		AggregateID:      "source_id",
 		AggregateVersion: "source_version",
 		EventType:        `CASE WHEN deleted THEN 'delete' ELSE 'upsert' END`,
-		Payload:          "document::json",
+		Payload:          "to_json(document)", // ::json would parse the printed text again
 		Headers:          headers,
 	}, "up") + "\n  RETURNING 1\n)"
+}
+
+// writeSQL is the Go path's write: the processed rows as unnest arrays,
+// upserted (inserted, fresh) with their events.
+func (c *compiled) writeSQL(fresh bool) stmt {
+	b := newBuilder()
+	return b.stmt(`
+WITH src AS (SELECT * FROM unnest(` + b.p("ids", "text[]") + `, ` + b.p("vers", "bigint[]") + `, ` + b.p("dels", "boolean[]") + `, ` + b.p("docs", "jsonb[]") + `) AS u(id, ver, del, doc)),
+up AS (
+  INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, updated_at)
+  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src` + upsertOrInsert(fresh) + `
+),
+` + c.outboxCTE(b, fresh) + `
+SELECT count(*) FROM up`)
 }
 
 // fetchSQL is the Go path's read: the rows of the range with the whole row
@@ -725,24 +761,19 @@ func (c *compiled) build() {
 	c.estimate = b.stmt(`EXPLAIN (FORMAT JSON) SELECT 1 FROM ` + c.table + rangeWhere)
 	c.count = b.stmt(`SELECT count(*) FROM ` + c.table + rangeWhere)
 
-	c.chunkFirst = c.chunkSQL("keyset-first")
-	c.chunkNext = c.chunkSQL("keyset-next")
-	c.chunkIDs = c.chunkSQL("ids")
+	c.chunkFirst = c.chunkSQL("keyset-first", false)
+	c.chunkNext = c.chunkSQL("keyset-next", false)
+	c.chunkFirstFresh = c.chunkSQL("keyset-first", true)
+	c.chunkNextFresh = c.chunkSQL("keyset-next", true)
+	c.chunkIDs = c.chunkSQL("ids", false)
 	c.keysFirst = c.keysSQL("keyset-first")
 	c.keysNext = c.keysSQL("keyset-next")
 	c.fetchFirst = c.fetchSQL("keyset-first")
 	c.fetchNext = c.fetchSQL("keyset-next")
 	c.fetchIDs = c.fetchSQL("ids")
 
-	b = newBuilder()
-	c.write = b.stmt(`
-WITH src AS (SELECT * FROM unnest(` + b.p("ids", "text[]") + `, ` + b.p("vers", "bigint[]") + `, ` + b.p("dels", "boolean[]") + `, ` + b.p("docs", "jsonb[]") + `) AS u(id, ver, del, doc)),
-up AS (
-  INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, updated_at)
-  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src` + upsertTail + `
-),
-` + c.outboxCTE(b) + `
-SELECT count(*) FROM up`)
+	c.write = c.writeSQL(false)
+	c.writeFresh = c.writeSQL(true)
 
 	b = newBuilder()
 	c.quarantine = b.stmt(`

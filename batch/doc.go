@@ -16,12 +16,17 @@
 // inside the server as one statement (select the range → upsert RETURNING
 // the changed rows → insert their outbox events), then the checkpoint UPDATE
 // fenced by the lease token and the previous cursor; a custom [Processor] reads the chunk into Go and writes it back
-// with unnest arrays, in the same transaction.
+// with unnest arrays, in the same transaction. A first load (a run created
+// while normalized_records held no row of the source name) writes both
+// tables with plain INSERTs, without the per-row conflict check; a chunk
+// that meets a row or an event that is there after all rolls back and is
+// written again the guarded way, and so is the rest of its partition.
 //
 // A partition worker keeps chunk.pipeline chunks in flight (default 2), each
 // in its own transaction on its own connection: it first reads where chunk N
 // ends (a keyset LIMIT query over the cursor columns only, never OFFSET),
-// so chunk N+1 runs while chunk N commits. They commit strictly in cursor
+// so chunk N+1 runs while chunk N commits; a last chunk shorter than the
+// chunk size runs as two halves at once. They commit strictly in cursor
 // order: chunk N+1 locks the checkpoint row after chunk N holds it, so it
 // waits for N's COMMIT or ROLLBACK, and its UPDATE matches only if the
 // stored cursor is N's end. If N fails, N+1 rolls back and the worker goes

@@ -15,7 +15,7 @@ import (
 // goChunk is the custom Processor path: read the range (a.Cursor,
 // a.Boundary], or the rows a.IDs, process in Go, write back with unnest
 // arrays. It returns the ids written (the rows not quarantined).
-func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, a *args, res *chunkResult) ([]string, error) {
+func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, a *args, res *chunkResult, fresh bool) ([]string, error) {
 	cursor := a.Cursor
 	st := r.c.fetchNext
 	switch {
@@ -86,7 +86,11 @@ func (r *Runner) goChunk(ctx context.Context, tx pgx.Tx, a *args, res *chunkResu
 		var changed int64
 		w := *a
 		w.IDs, w.Vers, w.Dels, w.Docs = p.ids, p.vers, p.dels, p.docs
-		if err := tx.QueryRow(ctx, r.c.write.sql, r.c.write.bind(&w)...).Scan(&changed); err != nil {
+		write := r.c.write
+		if fresh {
+			write = r.c.writeFresh
+		}
+		if err := tx.QueryRow(ctx, write.sql, write.bind(&w)...).Scan(&changed); err != nil {
 			return nil, fmt.Errorf("upsert normalized records and outbox events: %w", err)
 		}
 		res.changed += changed

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -33,6 +34,11 @@ type claim struct {
 	processed int64
 	estimate  *int64
 	attempt   int
+	// fresh: the run is a first load (batch_runs.first_load) and no chunk
+	// of this claim has met a row or event that was there already, so
+	// chunks write with plain INSERTs (compiled.chunkNextFresh). Shared by
+	// the claim's chunks in flight.
+	fresh atomic.Bool
 }
 
 // claimPartition leases the first partition of the run (or the one named
@@ -40,13 +46,15 @@ type claim struct {
 // returns nil when there is none.
 func claimPartition(ctx context.Context, db querier, job, run string, partition *string, owner string, ttl time.Duration) (*claim, error) {
 	c := claim{lease: &lease{db: db, job: job, run: run, ttl: ttl}}
-	err := db.QueryRow(ctx, claimSQL, job, run, partition, owner, ttl.String()).Scan(&c.key, &c.token, &c.cursor, &c.boundary, &c.chunkSize, &c.processed, &c.estimate, &c.attempt)
+	var firstLoad bool
+	err := db.QueryRow(ctx, claimSQL, job, run, partition, owner, ttl.String()).Scan(&c.key, &c.token, &c.cursor, &c.boundary, &c.chunkSize, &c.processed, &c.estimate, &c.attempt, &firstLoad)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("claim a partition of %s/%s: %w", job, run, err)
 	}
+	c.fresh.Store(firstLoad)
 	return &c, nil
 }
 

@@ -353,7 +353,7 @@ func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []str
 		saved := r.spec.Errors.Policy
 		r.spec.Errors.Policy = PolicyQuarantine // still-bad rows stay quarantined
 		var res chunkResult
-		good, err := r.goChunk(ctx, tx, a, &res)
+		good, err := r.goChunk(ctx, tx, a, &res, false)
 		r.spec.Errors.Policy = saved
 		if err != nil {
 			return 0, 0, err

@@ -22,7 +22,7 @@ FROM (
   LIMIT 1
 ) c
 WHERE r.job = c.job AND r.logical_run_id = c.logical_run_id AND r.partition_key = c.partition_key
-RETURNING r.partition_key, r.lease_token::text, r.cursor, r.boundary, COALESCE(r.chunk_size, 0), r.processed_count, r.estimated_total, r.attempt`
+RETURNING r.partition_key, r.lease_token::text, r.cursor, r.boundary, COALESCE(r.chunk_size, 0), r.processed_count, r.estimated_total, r.attempt, r.first_load`
 
 const (
 	unfinishedSQL = `SELECT count(*) FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND ($3::text IS NULL OR partition_key = $3) AND state IN ('pending', 'running')`
@@ -57,10 +57,11 @@ const (
 	// (see sourceEmptySQL) gets it as done already.
 	createSweptSQL = `INSERT INTO batch_sweeps (job, logical_run_id, state, started_at, finished_at) VALUES ($1, $2, 'succeeded', now(), now()) ON CONFLICT DO NOTHING`
 	// sourceEmptySQL reports whether normalized_records holds no row, live
-	// or tombstone, of a source name: a run that starts then can find
-	// nothing that vanished from its scope before its boundary, since every
-	// row it could sweep is one a chunk of this run (or a writer that
-	// started later) read from the source.
+	// or tombstone, of a source name: a run that starts then (a first load)
+	// can find nothing that vanished from its scope before its boundary,
+	// since every row it could sweep is one a chunk of this run (or a writer
+	// that started later) read from the source; and its chunks can expect
+	// their rows and events to be new (batch_runs.first_load).
 	sourceEmptySQL = `SELECT NOT EXISTS (SELECT FROM normalized_records WHERE source = $1)`
 	// retrySweepSQL: a rerun retries a failed sweep, as it does a failed
 	// partition.
@@ -189,8 +190,8 @@ const previousBoundarySQL = `SELECT boundary FROM batch_runs WHERE job = $1 AND 
 
 // createPartitionSQL creates one partition of a new run.
 const createPartitionSQL = `
-INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, finished_at)
-VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, CASE WHEN $4 = 'succeeded' THEN now() END)`
+INSERT INTO batch_runs (job, logical_run_id, partition_key, state, mode, start_cursor, cursor, boundary, processor_version, scope_hash, scope, estimated_total, chunk_size, first_load, finished_at)
+VALUES ($1, $2, $3, $4, $5, $6, $6, $7, $8, $9, $10, $11, $12, $13, CASE WHEN $4 = 'succeeded' THEN now() END)`
 
 // storedDocumentSQL reads job $1's stored spec and the document processor
 // version $2 last ran with.

@@ -217,6 +217,11 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	if err := waitForOpenWriters(ctx, tx, s.Job, pgx.Identifier{cmpOr(s.Source.Schema, "public"), s.Source.Table}.Sanitize()); err != nil {
 		return "", err
 	}
+	// A first load sweeps nothing, and its chunks write with plain INSERTs.
+	var firstLoad bool
+	if err := tx.QueryRow(ctx, sourceEmptySQL, s.SourceName).Scan(&firstLoad); err != nil {
+		return "", fmt.Errorf("create run %s/%s: %w", s.Job, runID, err)
+	}
 	for i, key := range keys {
 		start, boundary := starts[i], boundaries[i]
 		var estimate *int64
@@ -227,7 +232,7 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			estimate = estimateRows(ctx, tx, c, &args{Start: start, Boundary: boundary, PKey: key})
 		}
 		_, err := tx.Exec(ctx, createPartitionSQL,
-			s.Job, runID, key, state, s.Mode, start, boundary, s.ProcessorVersion, scope.Hash(), scope.JSON(), estimate, s.Chunk.Size)
+			s.Job, runID, key, state, s.Mode, start, boundary, s.ProcessorVersion, scope.Hash(), scope.JSON(), estimate, s.Chunk.Size, firstLoad)
 		if err != nil {
 			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
 		}
@@ -236,12 +241,8 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 		// A first load sweeps nothing: its sweep would only read every row
 		// it just wrote back, and probe the source for each (17 of 41 s of a
 		// 1M-row first run).
-		var empty bool
-		if err := tx.QueryRow(ctx, sourceEmptySQL, s.SourceName).Scan(&empty); err != nil {
-			return "", fmt.Errorf("create the sweep of run %s/%s: %w", s.Job, runID, err)
-		}
 		sweep := createSweepSQL
-		if empty {
+		if firstLoad {
 			sweep = createSweptSQL
 		}
 		if _, err := tx.Exec(ctx, sweep, s.Job, runID); err != nil {

@@ -98,7 +98,7 @@ WITH cand AS MATERIALIZED (
     AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
   RETURNING n.source_id, n.source_version, n.document, n.deleted
 ),
-` + c.outboxCTE(b) + `
+` + c.outboxCTE(b, false) + `
 SELECT (SELECT count(*) FROM cand), (SELECT max(source_id) FROM cand), (SELECT count(*) FROM up)`
 	return b.stmt(sql)
 }

@@ -1,0 +1,11 @@
+-- 013 (batcher): a run created while normalized_records held no row of its
+-- source name (a first load) says so on each of its partitions. Their
+-- chunks write normalized_records and outbox_events with plain INSERTs
+-- instead of the guarded upsert and ON CONFLICT DO NOTHING, which cost a
+-- speculative insertion per row (about 2.5 and 2.3 µs of a 500-byte row);
+-- a chunk that meets a row or an event that is there after all (an id the
+-- source holds twice, a writer of the same source name, an application's
+-- event with the same id) rolls back and is written again the guarded way,
+-- and so is the rest of its partition. Adding a column with a constant
+-- default rewrites nothing.
+ALTER TABLE batch_runs ADD COLUMN first_load boolean NOT NULL DEFAULT false;
