@@ -61,6 +61,13 @@ var errRangeGrew = errors.New("the planned chunk's range grew past its read limi
 // rolled back for a retry), so this chunk's checkpoint matched no row.
 var errPredecessor = errors.New("the previous chunk did not commit")
 
+// errYield: a pipelined chunk rolled back because the chunk before it waited
+// for a lock it held (an id in both chunks: the source's id column is not
+// unique). The server cannot see that deadlock, since this chunk waits for
+// the previous one in Go; the partition starts again from the checkpoint
+// once the previous chunk is over.
+var errYield = errors.New("the previous chunk waits for a row this chunk wrote")
+
 // planChunk reads where the chunk after cursor ends: its row count (at most
 // size) and its last key. Transient errors (a lost connection among them)
 // are retried like a chunk's.
@@ -177,8 +184,11 @@ type chunkResult struct {
 // errNotFresh: a first load's chunk, written with plain INSERTs, met a row
 // of normalized_records or an event that was there already (an id the
 // source holds twice, another writer of the source name, an application's
-// event with the same id). It rolled back and is retried, like the rest of
-// the claim's chunks, with the guarded upsert, which updates or skips them.
+// event with the same id) and rolled back. It is not retried on its own:
+// the partition lets the chunks in flight behind it roll back too (one may
+// hold a row the guarded retry would wait for), then starts again from the
+// last checkpoint with the guarded upsert, which updates or skips them,
+// for the rest of the partition. No retry budget, backoff or size cut.
 var errNotFresh = errors.New("a row or event of this first load's chunk is there already; writing it again with the guarded upsert")
 
 // notFresh turns a unique violation of a chunk written with plain INSERTs
@@ -253,7 +263,7 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 		// A lost connection rolled the chunk back (unless its COMMIT got
 		// through, which the next attempt checks first): retried on a new
 		// connection.
-		if ctx.Err() != nil || !(IsRetryable(err) || lost || errors.Is(err, errRangeGrew) || errors.Is(err, errNotFresh)) {
+		if ctx.Err() != nil || errors.Is(err, errNotFresh) || !(IsRetryable(err) || lost || errors.Is(err, errRangeGrew)) {
 			return backoff.Permanent(err)
 		}
 		return err
@@ -493,7 +503,9 @@ func (r *Runner) committed(ctx context.Context, f *flight, cl *claim, next []str
 // a retried predecessor it runs the chunk again, otherwise the
 // predecessor's own error fails the partition.
 func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl *claim) error {
-	tick := time.NewTicker(r.cfg.LeaseTTL / 3)
+	// Often enough to see the previous chunk blocked on this one's rows
+	// long before its lock timeout.
+	tick := time.NewTicker(min(r.cfg.LeaseTTL/3, time.Second))
 	defer tick.Stop()
 	for {
 		select {
@@ -506,7 +518,7 @@ func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl 
 		case <-tick.C:
 		}
 		pid := f.pred.pid.Load() // its attempt's backend (a retry may have reconnected)
-		held, busy, err := cl.waitCheck(ctx, tx, pid)
+		held, busy, blocked, err := cl.waitCheck(ctx, tx, pid)
 		if err != nil {
 			return fmt.Errorf("check the lease while waiting for the previous chunk: %w", err)
 		}
@@ -519,6 +531,11 @@ func (r *Runner) awaitPredecessor(ctx context.Context, tx pgx.Tx, f *flight, cl 
 		case <-f.pred.done:
 			return nil
 		default:
+		}
+		if blocked {
+			r.cfg.Logger.Info("the previous chunk waits for a row this chunk wrote (an id in both); rolling this chunk back",
+				append(r.logAttrs(cl.key), slog.Int64("previous_pid", int64(pid)))...)
+			return fmt.Errorf("wait for the previous chunk (pid %d): %w", pid, errYield)
 		}
 		if !busy && f.pred.begun.Load() {
 			r.cfg.Logger.Warn("the previous chunk's session is not in a transaction while this chunk waits for it; rolling this chunk back",

@@ -133,6 +133,13 @@ func (r *Runner) goProcess(ctx context.Context, src []SourceRow) goPart {
 	}
 	n := len(src)
 	p := goPart{ids: make([]string, 0, n), vers: make([]int64, 0, n), dels: make([]bool, 0, n), docs: make([][]byte, 0, n)}
+	// The documents are copied into one buffer: a processor may reuse its
+	// own once Process has returned, while these wait for the write.
+	size := 0
+	for i := range results {
+		size += len(results[i].Document)
+	}
+	buf := make([]byte, 0, size)
 	bad := func(id, code, msg string) {
 		p.badIDs, p.codes, p.msgs = append(p.badIDs, id), append(p.codes, code), append(p.msgs, msg)
 	}
@@ -160,7 +167,8 @@ func (r *Runner) goProcess(ctx context.Context, src []SourceRow) goPart {
 				}
 				return goPart{err: &BadRowError{ID: sr.ID, Code: "invalid_document", Message: "processor returned invalid JSON"}}
 			}
-			doc = res.Document // valid JSON is never nil, so never NULL
+			buf = append(buf, res.Document...)
+			doc = buf[len(buf)-len(res.Document) : len(buf) : len(buf)] // valid JSON is never empty, so never NULL
 		}
 		p.ids, p.vers, p.dels, p.docs = append(p.ids, sr.ID), append(p.vers, sr.Version), append(p.dels, sr.Deleted), append(p.docs, doc)
 	}

@@ -35,7 +35,7 @@ type claim struct {
 	estimate  *int64
 	attempt   int
 	// fresh: the run is a first load (batch_runs.first_load) and no chunk
-	// of this claim has met a row or event that was there already, so
+	// of the partition has met a row or event that was there already, so
 	// chunks write with plain INSERTs (compiled.chunkNextFresh). Shared by
 	// the claim's chunks in flight.
 	fresh atomic.Bool
@@ -99,6 +99,14 @@ func (l *lease) release(ctx context.Context) error {
 	return err
 }
 
+// notFresh records that the partition's chunks write with the guarded
+// upsert from now on (errNotFresh), for this claim and any later one.
+func (c *claim) notFresh(ctx context.Context) error {
+	c.fresh.Store(false)
+	_, err := c.db.Exec(ctx, notFreshSQL, c.job, c.run, c.key, c.token)
+	return err
+}
+
 // finish marks the partition succeeded; false: the lease was not held.
 func (l *lease) finish(ctx context.Context) (bool, error) {
 	tag, err := l.db.Exec(ctx, finishSQL, l.job, l.run, l.key, l.token)
@@ -137,13 +145,14 @@ func (l *lease) checkpoint(ctx context.Context, db querier) (cursor []string, ok
 // gone. A state it cannot see (NULL: another role's backend; 'disabled':
 // track_activities off) counts as in a transaction, so the wait goes on as
 // before. A transaction keeps the first pg_stat_activity it read until it
-// ends, so the check clears that snapshot first.
-func (l *lease) waitCheck(ctx context.Context, tx pgx.Tx, pid uint32) (held, busy bool, err error) {
+// ends, so the check clears that snapshot first. blocked: the previous
+// chunk waits for a lock the waiting chunk holds (a row both write).
+func (l *lease) waitCheck(ctx context.Context, tx pgx.Tx, pid uint32) (held, busy, blocked bool, err error) {
 	b := &pgx.Batch{}
 	b.Queue(clearStatSnapshotSQL)
-	b.Queue(waitCheckSQL, l.job, l.run, l.key, l.token, int64(pid)).QueryRow(func(row pgx.Row) error { return row.Scan(&held, &busy) })
+	b.Queue(waitCheckSQL, l.job, l.run, l.key, l.token, int64(pid)).QueryRow(func(row pgx.Row) error { return row.Scan(&held, &busy, &blocked) })
 	err = tx.SendBatch(ctx, b).Close()
-	return held, busy, err
+	return held, busy, blocked, err
 }
 
 // sweepLease is a claimed sweep of a run: (job, run, token).

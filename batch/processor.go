@@ -24,8 +24,6 @@ type SourceRow struct {
 // Result is what a [Processor] makes of one row.
 type Result struct {
 	// Document is the normalized document (JSON). Ignored for deleted rows.
-	// The batcher holds on to it, without a copy, until the chunk is
-	// written: do not write into its bytes once Process has returned.
 	Document json.RawMessage
 	// Err, when set, makes the row bad: the job's policy decides (strict
 	// fails the run, quarantine records it, retry retries it if it is

@@ -430,6 +430,20 @@ func (r *Runner) partition(soft, hard context.Context, conns []*connSlot, cl *cl
 				// back; that chunk then committed on a retry. Start again
 				// from there.
 				replan = true
+			case errors.Is(f.err, errYield):
+				// It let the chunk before it through; start again from
+				// the checkpoint that chunk leaves.
+				replan = true
+			case errors.Is(f.err, errNotFresh):
+				// Guarded from now on (the claim's flag is off, and so is
+				// the partition's, for a later claim); the chunks behind it
+				// roll back and everything runs again from the checkpoint.
+				log.Info("a first load's chunk met a row or event that was there already; writing the partition with the guarded upsert from its checkpoint",
+					slog.String("error", f.err.Error()), slog.Any("cursor", cursor))
+				if err := cl.notFresh(cleanup()); err != nil {
+					log.Warn("record the end of plain INSERTs", slog.String("error", err.Error()))
+				}
+				replan = true
 			default:
 				failure = f.err
 			}

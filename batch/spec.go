@@ -98,8 +98,9 @@ const (
 	// distinct source names (or "keep" on both); a run refuses to start
 	// (ErrSpec, naming the other job) when batch_jobs shows such a job.
 	// A run that starts while normalized_records holds no row of the
-	// SourceName (a first load) has nothing to sweep and skips it: a row a
-	// chunk writes and the source loses later is swept by the next full run.
+	// SourceName (a first load) skips its sweep: every row it writes is one
+	// its chunks saw, and a row the source loses after its chunk read it
+	// is swept by the next full run (incremental runs never sweep).
 	VanishedDelete = "delete"
 	// VanishedKeep leaves vanished rows as they are.
 	VanishedKeep = "keep"

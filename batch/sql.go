@@ -29,12 +29,15 @@ const (
 	heartbeatSQL  = `UPDATE batch_runs SET heartbeat_at = now(), lease_expires_at = now() + $5::interval` + fence
 	leaseStateSQL = `SELECT state, lease_token::text FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3`
 	releaseSQL    = `UPDATE batch_runs SET state = 'pending', updated_at = now(), lease_token = NULL, lease_owner = NULL` + fence
+	notFreshSQL   = `UPDATE batch_runs SET first_load = false, updated_at = now()` + fence
 	finishSQL     = `UPDATE batch_runs SET state = 'succeeded', finished_at = now(), updated_at = now(), lease_token = NULL, lease_owner = NULL` + fence
 	// leaseCursorSQL reads the checkpoint under the lease.
 	leaseCursorSQL = `SELECT cursor FROM batch_runs` + fence
-	// waitCheckSQL: is the lease held, and is backend $5 in a transaction
-	// (after clearStatSnapshotSQL on the same transaction).
-	waitCheckSQL         = `SELECT EXISTS (SELECT FROM batch_runs` + fence + `), EXISTS (SELECT FROM pg_stat_activity WHERE pid = $5 AND state IS DISTINCT FROM 'idle')`
+	// waitCheckSQL: is the lease held, is backend $5 in a transaction
+	// (after clearStatSnapshotSQL on the same transaction), and does it wait
+	// for a lock this backend holds.
+	waitCheckSQL = `SELECT EXISTS (SELECT FROM batch_runs` + fence + `), EXISTS (SELECT FROM pg_stat_activity WHERE pid = $5 AND state IS DISTINCT FROM 'idle'),
+  pg_backend_pid() = ANY(pg_blocking_pids($5::int))`
 	clearStatSnapshotSQL = `SELECT pg_stat_clear_snapshot()`
 )
 
@@ -57,11 +60,11 @@ const (
 	// (see sourceEmptySQL) gets it as done already.
 	createSweptSQL = `INSERT INTO batch_sweeps (job, logical_run_id, state, started_at, finished_at) VALUES ($1, $2, 'succeeded', now(), now()) ON CONFLICT DO NOTHING`
 	// sourceEmptySQL reports whether normalized_records holds no row, live
-	// or tombstone, of a source name: a run that starts then (a first load)
-	// can find nothing that vanished from its scope before its boundary,
-	// since every row it could sweep is one a chunk of this run (or a writer
-	// that started later) read from the source; and its chunks can expect
-	// their rows and events to be new (batch_runs.first_load).
+	// or tombstone, of a source name. A run that starts then (a first load)
+	// skips its sweep: the rows it writes are rows its chunks saw, and one
+	// the source loses after its chunk read it is left to the next full
+	// run's sweep, as a row deleted just after any run is. Its chunks also
+	// expect their rows and events to be new (batch_runs.first_load).
 	sourceEmptySQL = `SELECT NOT EXISTS (SELECT FROM normalized_records WHERE source = $1)`
 	// retrySweepSQL: a rerun retries a failed sweep, as it does a failed
 	// partition.

@@ -330,6 +330,7 @@ func TestAFirstLoadHasNothingToSweep(t *testing.T) {
 	require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE NOT deleted`))
 	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_sweeps WHERE state = 'succeeded' AND swept_count = 0 AND chunks = 0 AND cursor IS NULL`),
 		"the first load's sweep read nothing")
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE first_load`), "and it wrote with plain INSERTs")
 
 	_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id <= 10 * 7`)
 	require.NoError(t, err)

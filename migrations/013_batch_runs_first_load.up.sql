@@ -5,7 +5,7 @@
 -- speculative insertion per row (about 2.5 and 2.3 µs of a 500-byte row);
 -- a chunk that meets a row or an event that is there after all (an id the
 -- source holds twice, a writer of the same source name, an application's
--- event with the same id) rolls back and is written again the guarded way,
--- and so is the rest of its partition. Adding a column with a constant
--- default rewrites nothing.
+-- event with the same id) rolls back, the flag of its partition is cleared,
+-- and the partition goes on from its checkpoint the guarded way. Adding a
+-- column with a constant default rewrites nothing.
 ALTER TABLE batch_runs ADD COLUMN first_load boolean NOT NULL DEFAULT false;

@@ -12,7 +12,9 @@ import (
 // while the reader delivers one partition's messages in runs of thousands,
 // and that a bulk the engine holds up for a few hundred milliseconds does
 // not stop the fetching for the other lanes. Memory: up to Lanes ×
-// backlogBatches × BatchBytes of documents, plus the batches in flight.
+// backlogBatches × BatchBytes of documents, plus the batches in flight,
+// plus the fetch being put and the one franz-go reads meanwhile (each up
+// to its FetchMaxBytes, 50 MiB by default, compressed).
 const backlogBatches = 4
 
 // backlog holds the fetched messages per partition until a lane takes them

@@ -409,17 +409,24 @@ func (ix *Indexer) fetch(ctx context.Context, g *generation, assigned []kafka.Pa
 // made it busy, the other lanes found nothing free and the fetcher waited
 // behind the full backlog, so one bulk was in flight at a time
 // (bench-indexer: 23,600 docs/s with two lanes, 0.55 of the raw bulk).
-// Runs of a whole batch, not less, so that a lane finds a batch of one
-// partition instead of one spread over all of them, which would leave
-// every partition busy and the other lanes idle again.
+// Runs of a whole batch (by count or bytes), not less, so that a lane
+// finds a batch of one partition instead of one spread over all of them,
+// which would leave every partition busy and the other lanes idle again.
 func (ix *Indexer) putInterleaved(ctx context.Context, g *generation, parts []kgo.FetchTopicPartition, bl *backlog) error {
-	run := ix.cfg.BatchSize
 	for left := len(parts); left > 0; {
 		left = 0
 		for i := range parts {
+			// A generation that ended (or a stop) leaves the rest unread:
+			// the member must rejoin soon, and its messages are dropped.
+			if err := ctx.Err(); err != nil {
+				return err
+			}
 			fp := &parts[i]
-			n := min(run, len(fp.Records))
-			for _, r := range fp.Records[:n] {
+			n, size := 0, 0
+			// A batch's worth: BatchSize documents or BatchBytes, whichever
+			// comes first, so a run never outgrows what one lane takes.
+			for n < len(fp.Records) && n < ix.cfg.BatchSize && size < ix.cfg.BatchBytes {
+				r := fp.Records[n]
 				var d *doc
 				if r.Attrs.IsControl() {
 					d = &doc{msg: kafkaMessage(r, fp.HighWatermark), skip: SkipTxnMarker}
@@ -430,6 +437,8 @@ func (ix *Indexer) putInterleaved(ctx context.Context, g *generation, parts []kg
 				if err := bl.put(ctx, d); err != nil {
 					return err
 				}
+				size += docSize(d)
+				n++
 			}
 			fp.Records = fp.Records[n:]
 			if len(fp.Records) > 0 {
