@@ -34,11 +34,14 @@
 // transaction is idle, and the server ends a session idle in a chunk
 // transaction for the lease TTL (set per transaction, so a frozen worker's
 // session ends within one heartbeat interval after its lease expires);
-// N+1 therefore reads its lease every third of the TTL, which restarts that
-// timer and rolls N+1 back at once if another worker took the partition.
-// The same read checks that N's backend is still in a transaction: if N is
-// stuck outside the server (a custom Processor that ignores its context),
-// N+1 rolls back rather than hold its locks for as long. A chunk may take
+// N+1 therefore reads its lease every second (every third of the TTL if
+// that is shorter), which restarts that timer and rolls N+1 back at once
+// if another worker took the partition. The same read checks that N's
+// backend is still in a transaction: if N is stuck outside the server (a
+// custom Processor that ignores its context), N+1 rolls back rather than
+// hold its locks for as long; and whether N waits for a lock N+1 holds (an
+// id in both chunks, when the id column is not unique), a deadlock the
+// server cannot see, which N+1 ends by rolling back. A chunk may take
 // longer than the lease.
 //
 // A run is (job, logical run id, partition). Partitions run in parallel,
