@@ -29,7 +29,7 @@ func InsertEventsSQL(sel EventSelect, from string) string {
 
 // InsertNewEventsSQL is [InsertEventsSQL] for events the writer expects to
 // be new: it skips the per-row check for an existing ID (a speculative
-// insertion, a tenth of the cost of writing a 500-byte event), so an event
+// insertion, about a sixth of the cost of writing a 500-byte event), so an event
 // whose ID is already in the outbox for its aggregate fails the statement
 // with a unique violation (SQLSTATE 23505). Roll back and write them with
 // [InsertEventsSQL] then.
