@@ -17,7 +17,6 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
@@ -195,8 +194,7 @@ var errNotFresh = errors.New("a row or event of this first load's chunk is there
 // into errNotFresh, and makes the claim's later chunks write the guarded
 // way.
 func notFresh(cl *claim, fresh bool, err error) error {
-	var pe *pgconn.PgError
-	if !fresh || !errors.As(err, &pe) || pe.Code != "23505" { // unique_violation
+	if !fresh || !isUniqueViolation(err) {
 		return err
 	}
 	cl.fresh.Store(false)

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
@@ -74,7 +75,7 @@ func TestFirstLoadMeetsAnEventThatIsThereAlready(t *testing.T) {
 func TestFirstLoadMeetsAnIDTwice(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	_, pool := newDB(t)
+	url, pool := newDB(t)
 	_, err := pool.Exec(ctx, `
 CREATE TABLE dup_records (k bigint PRIMARY KEY, id text NOT NULL, version bigint NOT NULL, payload jsonb NOT NULL DEFAULT '{}');
 INSERT INTO dup_records (k, id, version) SELECT g, 'r' || g, 1 FROM generate_series(1, 200) g;
@@ -93,6 +94,9 @@ INSERT INTO dup_records (k, id, version) VALUES (201, 'r1', 2), (202, 'r150', 3)
 	sum, err := run(t, pool, s, batch.Config{})
 	require.NoError(t, err)
 	require.True(t, sum.Done)
+	pool, err = pgxpool.New(ctx, url) // read over a new connection
+	require.NoError(t, err)
+	defer pool.Close()
 	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE first_load`))
 	require.Equal(t, int64(198), queryInt(t, pool, `SELECT count(*) FROM normalized_records`))
 	for id, v := range map[string]int64{"r1": 2, "r10": 2, "rX": 2, "r150": 3, "r11": 1} {
