@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"encoding/hex"
 	"slices"
 	"sync"
 	"time"
@@ -78,7 +79,7 @@ func scanEvents(rows pgx.Rows, limit int) (*batch, error) {
 		e := &out[len(out)-1]
 		raw, fields := rows.RawValues(), rows.FieldDescriptions()
 		buf := &b.rows
-		e.eventID = buf.copy(raw[1])
+		e.eventID = eventIDText(buf, raw[1], &fields[1])
 		topic, aggregateType, eventType = same(topic, raw[2]), same(aggregateType, raw[3]), same(eventType, raw[6])
 		e.topic, e.aggregateType, e.eventType = topic, aggregateType, eventType
 		e.aggregateID = buf.copy(raw[4])
@@ -97,6 +98,30 @@ func same(prev string, v []byte) string {
 		return prev
 	}
 	return string(v)
+}
+
+// eventIDText is the event_id column's value in its text form, in a: the
+// read asks for the uuid itself (binary, 16 bytes) and formats it here,
+// which spares PostgreSQL printing it; a connection that reads text (the
+// simple protocol) gets the text as it came.
+func eventIDText(a *arena, v []byte, f *pgconn.FieldDescription) []byte {
+	if f.Format != pgx.BinaryFormatCode || len(v) != 16 {
+		return a.copy(v)
+	}
+	return a.appendFunc(func(dst []byte) []byte {
+		return appendUUID(dst, v)
+	})
+}
+
+// appendUUID appends the 16 bytes of u in the canonical text form,
+// 8-4-4-4-12 lowercase hex digits (what PostgreSQL prints).
+func appendUUID(dst, u []byte) []byte {
+	dst = hex.AppendEncode(dst, u[0:4])
+	for _, part := range [...][]byte{u[4:6], u[6:8], u[8:10], u[10:16]} {
+		dst = append(dst, '-')
+		dst = hex.AppendEncode(dst, part)
+	}
+	return dst
 }
 
 // jsonText is a json or jsonb column's value as JSON text: jsonb's binary

@@ -170,3 +170,9 @@ func TestEventHeadersFastPathMatchesJSON(t *testing.T) {
 	// per event (a JSON parse cost 11 allocations an event).
 	require.LessOrEqual(t, allocs, 2.0, "allocations per batch of 100 events")
 }
+
+// A uuid read in binary is printed the way PostgreSQL prints it.
+func TestAppendUUID(t *testing.T) {
+	u := []byte{0x12, 0x3e, 0x45, 0x67, 0xe8, 0x9b, 0x12, 0xd3, 0xa4, 0x56, 0x42, 0x66, 0x14, 0x17, 0x40, 0xff}
+	require.Equal(t, "123e4567-e89b-12d3-a456-4266141740ff", string(appendUUID([]byte("x"), u)[1:]))
+}

@@ -61,9 +61,10 @@ var shardSQL = func() (out [NumShards]shardStatements) {
 // readSQL reads the oldest unpublished events of one shard in id order. No
 // watermark: published rows are gone, so an event that committed late (a
 // lower id that became visible after higher ids were published) is simply the
-// first row of the next read. See doc.go, "Commit order".
+// first row of the next read. See doc.go, "Commit order". event_id comes
+// as the uuid's 16 bytes, formatted by the publisher (eventIDText).
 const readSQL = `
-SELECT id, event_id::text, topic, aggregate_type, aggregate_id, aggregate_version, event_type,
+SELECT id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type,
        payload, headers, created_at
 FROM ` + shardTable + `
 ORDER BY id
@@ -80,28 +81,36 @@ WITH lease AS (
 )`
 
 // publishedRows are the rows a batch published: exactly the ids sent and
-// acknowledged ($1), fenced by the lease. The delete never relies on what
+// acknowledged ($1); each statement that uses it adds the lease fence. The delete never relies on what
 // a row says about itself (such as xact_id), so no row can go without
 // having been sent. $5 and $6 are the lowest and highest of the ids: the
 // index serves that range in one pass over the batch's pages and the ids
 // are a hashed filter on it ("id + 0" keeps the planner from turning them
 // into one index descent per id), a third of the time of the lookups.
-const publishedRows = `id BETWEEN $5 AND $6 AND id + 0 = ANY($1::bigint[]) AND EXISTS (SELECT FROM lease)`
+const publishedRows = `id BETWEEN $5 AND $6 AND id + 0 = ANY($1::bigint[])`
 
-// deletePublishedSQL removes published events, fenced by the lease epoch.
-// It returns whether the lease was still held and how many rows went.
-const deletePublishedSQL = leaseCTE + `,
-del AS (
-    DELETE FROM ` + shardTable + ` WHERE ` + publishedRows + `
-    RETURNING 1
-)
-SELECT EXISTS (SELECT FROM lease), (SELECT count(*) FROM del)`
+// deletePublishedSQL removes published events, fenced by the lease epoch;
+// leaseHeldSQL, the statement after it, says whether the lease was still
+// held. A plain DELETE and not a CTE with RETURNING like the two below:
+// RETURNING makes PostgreSQL fetch every deleted row again to project it,
+// a second buffer access per event (2,493 buffer hits against 1,293 for
+// 1,200 events, EXPLAIN ANALYZE), and the count it would give is the
+// command tag's. The lease row can only stop matching, never start again
+// (a claim takes a new epoch), so a lease held at the check was held at the
+// delete; one lost in between costs nothing either: the rows deleted were
+// acknowledged by the broker.
+const deletePublishedSQL = `
+DELETE FROM ` + shardTable + ` WHERE ` + publishedRows + `
+  AND EXISTS (SELECT FROM outbox_shard_leases WHERE shard = $2 AND owner = $3 AND epoch = $4)`
+
+// leaseHeldSQL reports whether the shard is still held with the same epoch.
+const leaseHeldSQL = `SELECT EXISTS (SELECT FROM outbox_shard_leases WHERE shard = $1 AND owner = $2 AND epoch = $3)`
 
 // retainPublishedSQL is deletePublishedSQL that keeps a copy in
 // outbox_published for the retention period.
 const retainPublishedSQL = leaseCTE + `,
 del AS (
-    DELETE FROM ` + shardTable + ` WHERE ` + publishedRows + `
+    DELETE FROM ` + shardTable + ` WHERE ` + publishedRows + ` AND EXISTS (SELECT FROM lease)
     RETURNING id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at
 ), ins AS (
     INSERT INTO outbox_published (id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at)

@@ -427,14 +427,23 @@ func (w *shardWorker) record(ctx context.Context, ids, deadIDs []int64, deadErrs
 		defer cancel()
 		batch := &pgx.Batch{}
 		batch.Queue(asyncCommitSQL)
+		// fenced counts the statements that answer (held, moved); the
+		// plain delete answers with its command tag and leaseHeldSQL.
+		fenced := 0
 		if len(deadIDs) > 0 {
 			batch.Queue(sql.deadLetter, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
+			fenced++
 		}
+		plain := false
 		if len(ids) > 0 {
 			// ids ascend: they were read in id order.
 			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch, ids[0], ids[len(ids)-1])
+			if plain = p.cfg.Retention == 0; plain {
+				batch.Queue(leaseHeldSQL, w.shard, p.cfg.ID, w.epoch)
+			} else {
+				fenced++
+			}
 		}
-		fenced := len(batch.QueuedQueries) - 1
 		if readNext {
 			batch.Queue(sql.read, w.readLimit)
 		}
@@ -450,6 +459,18 @@ func (w *shardWorker) record(ctx context.Context, ids, deadIDs []int64, deadErrs
 				var held bool
 				var n int64
 				if err := br.QueryRow().Scan(&held, &n); err != nil {
+					return err
+				}
+				if !held {
+					return ErrLeaseLost
+				}
+			}
+			if plain {
+				if _, err := br.Exec(); err != nil {
+					return err
+				}
+				var held bool
+				if err := br.QueryRow().Scan(&held); err != nil {
 					return err
 				}
 				if !held {
