@@ -25,10 +25,9 @@ SELECT gen_random_uuid(), 't', 'a', 'k', g, 'upsert', '{}' FROM generate_series(
 	require.NoError(t, err)
 	var shard int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT outboxrelay_shard('k')`).Scan(&shard))
-	var ids []int64
 	rows, err := pool.Query(ctx, `SELECT id FROM outbox_events ORDER BY id`)
 	require.NoError(t, err)
-	ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	require.NoError(t, err)
 	require.Len(t, ids, 5)
 	_, err = pool.Exec(ctx, `UPDATE outbox_shard_leases SET owner = 'b', epoch = 7, expires_at = now() + interval '1 minute' WHERE shard = $1`, shard)

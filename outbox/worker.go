@@ -412,8 +412,12 @@ func (w *shardWorker) record(ctx context.Context, ids, deadIDs []int64, deadErrs
 	b.InitialInterval = 100 * time.Millisecond
 	b.MaxElapsedTime = p.cfg.RetryMaxElapsed
 	sql := &shardSQL[w.shard]
+	// Without a retention the delete is the plain statement, whose lease
+	// answer is leaseHeldSQL's; with one it is a fenced CTE like the
+	// dead-letter move.
+	retain := p.cfg.Retention > 0
 	del := sql.delete
-	if p.cfg.Retention > 0 {
+	if retain {
 		del = sql.retain
 	}
 	var next *batch
@@ -427,18 +431,17 @@ func (w *shardWorker) record(ctx context.Context, ids, deadIDs []int64, deadErrs
 		defer cancel()
 		batch := &pgx.Batch{}
 		batch.Queue(asyncCommitSQL)
-		// fenced counts the statements that answer (held, moved); the
-		// plain delete answers with its command tag and leaseHeldSQL.
+		// fenced counts the statements that answer (held, moved).
 		fenced := 0
 		if len(deadIDs) > 0 {
 			batch.Queue(sql.deadLetter, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
 			fenced++
 		}
-		plain := false
+		plain := len(ids) > 0 && !retain
 		if len(ids) > 0 {
 			// ids ascend: they were read in id order.
 			batch.Queue(del, ids, w.shard, p.cfg.ID, w.epoch, ids[0], ids[len(ids)-1])
-			if plain = p.cfg.Retention == 0; plain {
+			if plain {
 				batch.Queue(leaseHeldSQL, w.shard, p.cfg.ID, w.epoch)
 			} else {
 				fenced++
