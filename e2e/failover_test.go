@@ -138,12 +138,21 @@ func partitionEnd(ctx context.Context, t *testing.T, c *kafka.Client, topic stri
 	return 0
 }
 
-// waitFor polls cond until it holds or d passes.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+// waitFor polls cond until it holds or d passes; a timeout prints what
+// each diag returns then (process logs, cluster state), so a wait that
+// failed under load leaves its cause in the log.
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool, diag ...func() string) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for !cond() {
-		require.Truef(t, time.Now().Before(deadline), "timed out after %s waiting for %s", d, what)
+		if time.Now().After(deadline) {
+			var state strings.Builder
+			for _, f := range diag {
+				state.WriteString("\n")
+				state.WriteString(f())
+			}
+			require.FailNowf(t, "timed out", "after %s waiting for %s%s", d, what, state.String())
+		}
 		pause(context.Background(), 200*time.Millisecond)
 	}
 }

@@ -128,7 +128,7 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	killPidFile(t, filepath.Join(broker.Dir, "kafka", "kafka.pid"))
 	waitFor(t, 2*time.Minute, "publishing to resume after the broker kill", func() bool {
 		return endOffsets(ctx, t, kcl, p.topic, partitions) > before+500
-	})
+	}, procs)
 	pubResumed := time.Since(brokerKilled)
 	phase(fmt.Sprintf("broker %d killed, publishing resumed", leader))
 
@@ -136,13 +136,16 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	// and more waits on the topic.
 	var ixInFlight int64
 	waitFor(t, 2*time.Minute, "indexing under way with messages waiting", func() bool {
+		// Green too: a replica that fell behind under load (marked stale
+		// by its primary, recovering) cannot take over, and the shard
+		// would go red instead of failing over.
 		st, err := p.status(ctx)
-		if err != nil || docCount(ctx, p.es, index) < 2000 {
+		if err != nil || docCount(ctx, p.es, index) < 2000 || indexHealth(ctx, p.es, index) != "green" {
 			return false
 		}
 		ixInFlight = st.TotalLag()
 		return ixInFlight > 0
-	})
+	}, procs)
 	node := &stack.Server{Kind: "opensearch", Dir: filepath.Join(sc.Dir, "search-cluster", "node-2"),
 		Vars: []string{"SEARCH_JAVA_OPTS=-Xms512m -Xmx512m", "SEARCH_START_TIMEOUT=240"}}
 	// Counts after a refresh: what is written, not what the last periodic
@@ -150,8 +153,12 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	atKill := docCount(ctx, p.es, index)
 	nodeKilled := time.Now()
 	killPidFile(t, filepath.Join(node.Dir, "opensearch", "opensearch.pid"))
+	last := atKill
 	waitFor(t, 2*time.Minute, "indexing to resume on node 1 after the node kill", func() bool {
-		return docCount(ctx, p.es, index) > atKill+500
+		last = docCount(ctx, p.es, index)
+		return last > atKill+500
+	}, func() string {
+		return fmt.Sprintf("documents: %d at the kill, %d last (-1: the count failed)\n%s\n%s", atKill, last, clusterState(ctx, p.es, index), procs())
 	})
 	ixResumed := time.Since(nodeKilled)
 	phase("search node 2 killed, indexing resumed")
@@ -254,6 +261,33 @@ func waitGreen(ctx context.Context, t *testing.T, es *elastic.Client, index stri
 		}
 	}
 	require.FailNowf(t, "cluster not green", "%s waiting for green health of %q; last answer: %s", d, index, last)
+}
+
+// indexHealth is index's health status now ("green", "yellow", "red"), or
+// "" when the engine does not answer.
+func indexHealth(ctx context.Context, es *elastic.Client, index string) string {
+	res, err := es.ClusterHealth().Index(index).Do(ctx)
+	if err != nil {
+		return ""
+	}
+	return res.Status
+}
+
+// clusterState is index's health and shard table, for a failure message.
+func clusterState(ctx context.Context, es *elastic.Client, index string) string {
+	var out strings.Builder
+	for path, params := range map[string]url.Values{
+		"/_cluster/health/" + url.PathEscape(index): nil,
+		"/_cat/shards/" + url.PathEscape(index):     {"format": {"json"}, "h": {"shard,prirep,state,docs,node,unassigned.reason"}},
+	} {
+		res, err := es.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodGet, Path: path, Params: params})
+		if err != nil {
+			fmt.Fprintf(&out, "GET %s: %v\n", path, err)
+			continue
+		}
+		fmt.Fprintf(&out, "GET %s:\n%s\n", path, res.Body)
+	}
+	return out.String()
 }
 
 // primaryNode names the node that holds shard 0's primary of index.
