@@ -82,9 +82,12 @@ type Config struct {
 	// batches carry. Default lz4: it cut the broker's CPU-seconds per
 	// event by a fifth in bench-e2e, at no measurable cost to the publisher.
 	Compression string
-	// WriteTimeout bounds one produce attempt; an attempt also ends at the
-	// shard's lease deadline (LeaseTTL/10 before the lease can be taken
-	// over), whichever comes first. Default 10s.
+	// WriteTimeout bounds the writing of one produce attempt; its writing
+	// also ends at the shard's lease deadline (LeaseTTL/10 before the lease
+	// can be taken over), whichever comes first. What was written by then
+	// is waited for WriteTimeout more: the broker's acknowledgement, which
+	// acks=all holds until the in-sync replicas have the records. Default
+	// 10s.
 	WriteTimeout time.Duration
 	// RetryMaxElapsed bounds one retry loop (a produce or a database write);
 	// the shard then starts over from the database. Default 1m.

@@ -96,13 +96,16 @@
 //
 // # No write after the lease
 //
-// Every produce attempt ends at the shard's lease deadline, which is
-// LeaseTTL/10 before the database lets another publisher claim the shard
+// Every produce attempt stops writing at the shard's lease deadline, which
+// is LeaseTTL/10 before the database lets another publisher claim the shard
 // (the deadline counts from the start of the heartbeat that renewed the
-// lease). The deadline is the produce requests' own context deadline, and
-// kafka-go sets it on the socket: no byte of an attempt is written after
-// it, and when the attempt returns no request of it is left queued to go
-// out later. kafka.Writer is not used because it sends queued batches from
+// lease). The produce requests' context deadline is that cut plus
+// WriteTimeout, kafka-go sets it on the socket, and the publisher's
+// connections (cutConn) apply it to reads only and the cut to writes: no
+// byte of an attempt is written after the cut, the broker's answer to what
+// was written in time is waited for (giving up on it would only send the
+// records again), and when the attempt returns no request of it is left
+// queued to go out later. kafka.Writer is not used because it sends queued batches from
 // goroutines of its own, on a context of its own, also after the call that
 // queued them gave up, and Close flushes them: a publisher cut off from the
 // broker could deliver an old batch after the shard's new owner sent newer

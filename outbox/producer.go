@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"net"
 	"sync"
 	"time"
 
@@ -272,3 +273,71 @@ func (r *messageRecords) ReadRecord() (*kafka.Record, error) {
 type bytesReadCloser struct{ bytes.Reader }
 
 func (*bytesReadCloser) Close() error { return nil }
+
+// attemptDeadline is the context deadline of a produce attempt that may
+// write until cut and then wait ackWait for the answers. kafka-go sets a
+// request's context deadline on its connection for writes and reads alike
+// (and sends what is left of it to the broker as the produce timeout);
+// cutConn takes the two apart again, so the writes stop at cut while the
+// answer may come until the deadline. Giving up on an answer at cut would
+// not take back what was written: the broker appends it anyway, and the
+// retry writes the records a second time, and a third, for as long as the
+// broker is slower than the lease allows for writing.
+//
+// The deadline carries a mark, cutMark nanoseconds into its microsecond, by
+// which cutConn tells it from the deadlines kafka-go sets itself (the
+// handshake of a new connection, its background metadata refresh), which it
+// leaves whole. It is moved back, never forward, so the cut it gives back
+// is never later than cut, and it keeps cut's monotonic clock reading (a
+// step of the wall clock moves no deadline). A deadline of kafka-go's own
+// that happens to carry the mark (one in a thousand) gets a write deadline
+// ackWait too early: that handshake or refresh fails and is tried again, and
+// nothing is written late. For the same reason the producer's client has no
+// Timeout: a shorter deadline of its own would replace the attempt's, mark
+// and cut with it.
+func attemptDeadline(cut time.Time, ackWait time.Duration) time.Time {
+	d := cut.Add(ackWait)
+	into := time.Duration(d.Nanosecond()) % time.Microsecond
+	return d.Add(cutMark - into - time.Microsecond)
+}
+
+// cutMark is the nanosecond within its microsecond that marks an
+// attemptDeadline.
+const cutMark = 777 * time.Nanosecond
+
+func isAttemptDeadline(d time.Time) bool {
+	return time.Duration(d.Nanosecond())%time.Microsecond == cutMark
+}
+
+// cutDial wraps dial's connections in cutConn with ackWait, the publisher's
+// WriteTimeout. Only the producer uses these connections, and each of its
+// requests runs under an attemptDeadline.
+func cutDial(dial func(ctx context.Context, network, address string) (net.Conn, error), ackWait time.Duration) func(ctx context.Context, network, address string) (net.Conn, error) {
+	return func(ctx context.Context, network, address string) (net.Conn, error) {
+		c, err := dial(ctx, network, address)
+		if err != nil {
+			return nil, err
+		}
+		return &cutConn{Conn: c, ackWait: ackWait}, nil
+	}
+}
+
+// cutConn is a broker connection on which an attemptDeadline d lets writes
+// go on until d minus ackWait, the attempt's cut, and reads until d. A write
+// that reaches the cut fails, and the half-written request with it: the
+// broker never reads a request that did not arrive whole. Other deadlines
+// apply to both, as on any connection.
+type cutConn struct {
+	net.Conn
+	ackWait time.Duration
+}
+
+func (c *cutConn) SetDeadline(d time.Time) error {
+	if d.IsZero() || !isAttemptDeadline(d) {
+		return c.Conn.SetDeadline(d)
+	}
+	if err := c.Conn.SetWriteDeadline(d.Add(-c.ackWait)); err != nil {
+		return err
+	}
+	return c.Conn.SetReadDeadline(d)
+}

@@ -96,7 +96,7 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 		rebalanceNow: make(chan struct{}, 1),
 		announceCh:   make(chan struct{}, 1),
 		transport: &kafka.Transport{
-			Dial:        cfg.Dial,
+			Dial:        cutDial(cfg.Dial, cfg.WriteTimeout),
 			DialTimeout: 5 * time.Second,
 			IdleTimeout: 30 * time.Second,
 			MetadataTTL: 10 * time.Second,

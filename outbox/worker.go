@@ -352,13 +352,15 @@ func messages(out []kafka.Message, pes []*pendingEvent) []kafka.Message {
 
 // retry runs op with exponential backoff and jitter until it succeeds, the
 // loop's time budget runs out, the shard stops, or the lease deadline passes.
-// Each attempt gets WriteTimeout, cut to the lease deadline: an attempt
-// that would outlive the lease could deliver its records after another
-// publisher took the shard and sent newer events of the same keys. The
-// deadline is the lease's local one (LeaseTTL/10 before the database lets
-// anyone else claim the shard); the producer writes no byte after it. An
-// attempt in flight is not cut short by a soft stop, so what the broker
-// acknowledged gets recorded.
+// Each attempt writes for WriteTimeout, cut to the lease deadline: bytes
+// written later could deliver its records after another publisher took the
+// shard and sent newer events of the same keys. The deadline is the lease's
+// local one (LeaseTTL/10 before the database lets anyone else claim the
+// shard); the producer writes no byte after it (cutConn). What was written
+// by then is acknowledged within WriteTimeout more: waiting for an answer
+// sends nothing, and giving up on it would send the records again (see
+// attemptDeadline). An attempt in flight is not cut short by a soft stop,
+// so what the broker acknowledged gets recorded.
 func (w *shardWorker) retry(ctx context.Context, op func(context.Context) error) error {
 	p := w.p
 	b := backoff.NewExponentialBackOff()
@@ -371,11 +373,11 @@ func (w *shardWorker) retry(ctx context.Context, op func(context.Context) error)
 			return backoff.Permanent(errLeaseExpired)
 		}
 		attempt++
-		end := time.Now().Add(p.cfg.WriteTimeout)
-		if lease := w.leaseDeadline(); lease.Before(end) {
-			end = lease
+		cut := time.Now().Add(p.cfg.WriteTimeout)
+		if lease := w.leaseDeadline(); lease.Before(cut) {
+			cut = lease
 		}
-		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), end)
+		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), attemptDeadline(cut, p.cfg.WriteTimeout))
 		defer cancel()
 		err := op(actx)
 		if err == nil {
