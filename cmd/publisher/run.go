@@ -42,7 +42,7 @@ func runCommand() cli.Command {
 			fs.Int(&cfg.BatchSize, "batch-size", "BATCH_SIZE", outbox.DefaultBatchSize, "most events per shard per Kafka write")
 			fs.Int(&cfg.BatchBytes, "batch-bytes", "BATCH_BYTES", outbox.DefaultBatchBytes, "most bytes per Kafka write; a larger event is dead-lettered (keep <= broker message.max.bytes)")
 			fs.String(&cfg.Compression, "compression", "COMPRESSION", outbox.DefaultCompression, "codec of the record batches sent to Kafka: none, gzip, snappy, lz4 or zstd (consumers read any)")
-			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "timeout of one produce attempt (also cut to the shard's lease deadline)")
+			fs.Duration(&cfg.WriteTimeout, "write-timeout", "WRITE_TIMEOUT", outbox.DefaultWriteTimeout, "how long one produce attempt may write (cut to the shard's lease deadline); the broker's answer is then waited for up to as long again")
 			fs.Duration(&cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", outbox.DefaultRetryMaxElapsed, "time budget of one retry loop before the shard starts over from the database")
 			fs.Duration(&cfg.TopicWait, "topic-wait", "TOPIC_WAIT", outbox.DefaultTopicWait, "how long an event waits for a missing or forbidden topic before it is dead-lettered (topics are never auto-created: see topics ensure)")
 			fs.String(&topics, "publisher-topics", "PUBLISHER_TOPICS", "", publisherTopicsUsage)
