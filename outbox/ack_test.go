@@ -1,7 +1,9 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"net"
 	"os"
@@ -122,4 +124,111 @@ func TestSlowAcknowledgementIsWaitedFor(t *testing.T) {
 	require.Len(t, distinctIDs(msgs), events, "every event reached the topic")
 	require.Len(t, msgs, events, "records on the topic: each event once")
 	checkOrder(t, msgs)
+}
+
+// wire records the bytes the publisher writes to the broker.
+type wire struct {
+	mu  sync.Mutex
+	out []byte
+}
+
+func (w *wire) dial(ctx context.Context, network, address string) (net.Conn, error) {
+	c, err := (&net.Dialer{Timeout: 5 * time.Second}).DialContext(ctx, network, address)
+	if err != nil {
+		return nil, err
+	}
+	return &wireConn{Conn: c, w: w, buf: &bytes.Buffer{}}, nil
+}
+
+type wireConn struct {
+	net.Conn
+	w   *wire
+	buf *bytes.Buffer
+}
+
+func (c *wireConn) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	c.w.mu.Lock()
+	c.buf.Write(b[:n])
+	c.w.mu.Unlock()
+	return n, err
+}
+
+// produceTimeouts parses the Produce requests (api key 0, versions 3-8) in
+// the bytes written on every connection so far and returns their timeouts.
+func (w *wire) produceTimeouts(t *testing.T, conns ...*wireConn) []time.Duration {
+	t.Helper()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []time.Duration
+	for _, c := range conns {
+		b := c.buf.Bytes()
+		for len(b) >= 4 {
+			size := int(binary.BigEndian.Uint32(b))
+			if len(b) < 4+size {
+				break
+			}
+			req := b[4 : 4+size]
+			b = b[4+size:]
+			if binary.BigEndian.Uint16(req) != 0 { // not Produce
+				continue
+			}
+			version := binary.BigEndian.Uint16(req[2:])
+			require.Truef(t, version >= 3 && version <= 8, "produce v%d: this parser reads v3-v8", version)
+			p := req[8:]                                           // past key, version, correlation id
+			p = p[2+int(binary.BigEndian.Uint16(p)):]              // client id
+			if txn := int16(binary.BigEndian.Uint16(p)); txn > 0 { // transactional id
+				p = p[txn:]
+			}
+			p = p[2:]
+			p = p[2:] // acks
+			out = append(out, time.Duration(binary.BigEndian.Uint32(p))*time.Millisecond)
+		}
+	}
+	return out
+}
+
+// The produce timeout the broker is given (how long acks=all may wait for
+// the in-sync replicas before it answers REQUEST_TIMED_OUT) is a share of
+// the attempt's time, not kafka-go's 500 ms default: a broker whose
+// followers lag by more than that would otherwise fail requests whose
+// records its log already holds, and the retries would write them again.
+func TestProduceTimeoutIsTheAttempts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	brokers := stack.KafkaBrokers(t)
+	pool := stack.Pool(t, stack.Database(t))
+	topic := createTopic(t, brokers, 1)
+	w := &wire{}
+	var conns []*wireConn
+	var mu sync.Mutex
+	dial := func(ctx context.Context, network, address string) (net.Conn, error) {
+		c, err := w.dial(ctx, network, address)
+		if err == nil {
+			mu.Lock()
+			conns = append(conns, c.(*wireConn))
+			mu.Unlock()
+		}
+		return c, err
+	}
+	cfg := outbox.Config{Brokers: brokers, PollInterval: 200 * time.Millisecond, Dial: dial} // default lease and WriteTimeout
+	_, stop := runPublisher(t, pool, cfg)
+	defer stop()
+	for v := int64(1); v <= 3; v++ {
+		_, err := outbox.Enqueue(ctx, pool, outbox.Event{ID: outbox.EventID("timeout", "key", v, "v1"), Topic: topic, AggregateID: "key",
+			AggregateVersion: v, Payload: json.RawMessage(`{}`)})
+		require.NoError(t, err)
+	}
+	waitFor(t, time.Minute, "the events to be published", func() bool { return outboxCount(t, pool) == 0 })
+	stop()
+	mu.Lock()
+	timeouts := w.produceTimeouts(t, conns...)
+	mu.Unlock()
+	require.NotEmpty(t, timeouts, "produce requests on the wire")
+	for _, d := range timeouts {
+		// The attempt has at least WriteTimeout left for its answer, of
+		// which kafka-go gives the broker half.
+		require.GreaterOrEqualf(t, d, outbox.DefaultWriteTimeout/2-time.Second, "produce timeouts sent: %v", timeouts)
+	}
+	t.Logf("produce timeouts sent: %v", timeouts)
 }

@@ -91,8 +91,10 @@
 // messages of the failed partitions are sent again, in their original
 // order: a retry can duplicate a record but never put a key's older event
 // after a newer one. The publisher retries with exponential backoff and
-// jitter (backoff/v4), each attempt bounded by WriteTimeout, each loop by
-// RetryMaxElapsed, after which the shard starts over from the database.
+// jitter (backoff/v4), each attempt writing for at most WriteTimeout and
+// waiting at most WriteTimeout more for its answers (see "No write after the
+// lease"), each loop bounded by RetryMaxElapsed, after which the shard
+// starts over from the database.
 //
 // # No write after the lease
 //

@@ -30,6 +30,7 @@ type producer struct {
 	client   *kafka.Client
 	balancer kafka.Balancer // kafkakey.Balancer: the partition every stage agrees on
 	codec    compress.Compression
+	ackWait  time.Duration // how long an attempt waits for answers after its cut (WriteTimeout)
 
 	mu    sync.Mutex
 	parts map[string]topicParts // partition counts, from the transport's metadata cache
@@ -50,10 +51,18 @@ type topicParts struct {
 // transport's cache (itself refreshed every MetadataTTL) is asked again.
 const partsTTL = time.Second
 
-func newProducer(transport *kafka.Transport, brokers []string, topics []TopicSpec, codec compress.Compression) *producer {
+func newProducer(transport *kafka.Transport, brokers []string, topics []TopicSpec, codec compress.Compression, ackWait time.Duration) *producer {
 	pr := &producer{
-		codec:    codec,
-		client:   &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport},
+		codec:   codec,
+		ackWait: ackWait,
+		// The client's Timeout is longer than any attempt (at most twice
+		// ackWait, see attemptDeadline), so the deadline it sets on each
+		// call is the attempt's own, mark and cut kept. It is there for
+		// what kafka-go derives from it: without one, the produce timeout
+		// the broker gets (how long acks=all may wait for the in-sync
+		// replicas) is a fixed 500 ms; with one it is half of what is left
+		// of the attempt.
+		client:   &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport, Timeout: 2*ackWait + time.Minute},
 		balancer: kafkakey.Balancer(),
 		parts:    map[string]topicParts{},
 
@@ -277,8 +286,8 @@ func (*bytesReadCloser) Close() error { return nil }
 // attemptDeadline is the context deadline of a produce attempt that may
 // write until cut and then wait ackWait for the answers. kafka-go sets a
 // request's context deadline on its connection for writes and reads alike
-// (and sends what is left of it to the broker as the produce timeout);
-// cutConn takes the two apart again, so the writes stop at cut while the
+// (and gives the broker half of what is left of it as the produce timeout,
+// see newProducer); cutConn takes the two apart again, so the writes stop at cut while the
 // answer may come until the deadline. Giving up on an answer at cut would
 // not take back what was written: the broker appends it anyway, and the
 // retry writes the records a second time, and a third, for as long as the
@@ -292,14 +301,18 @@ func (*bytesReadCloser) Close() error { return nil }
 // step of the wall clock moves no deadline). A deadline of kafka-go's own
 // that happens to carry the mark (one in a thousand) gets a write deadline
 // ackWait too early: that handshake or refresh fails and is tried again, and
-// nothing is written late. For the same reason the producer's client has no
-// Timeout: a shorter deadline of its own would replace the attempt's, mark
-// and cut with it.
+// nothing is written late. The producer's client's Timeout is longer than
+// any attempt (newProducer): a shorter deadline of its own would replace
+// the attempt's, mark and cut with it.
 func attemptDeadline(cut time.Time, ackWait time.Duration) time.Time {
 	d := cut.Add(ackWait)
 	into := time.Duration(d.Nanosecond()) % time.Microsecond
 	return d.Add(cutMark - into - time.Microsecond)
 }
+
+// attemptDeadline is the deadline of an attempt that writes until cut, with
+// the producer's ackWait: the one its connections (cutDial) split by.
+func (pr *producer) attemptDeadline(cut time.Time) time.Time { return attemptDeadline(cut, pr.ackWait) }
 
 // cutMark is the nanosecond within its microsecond that marks an
 // attemptDeadline.

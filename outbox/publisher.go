@@ -82,6 +82,9 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	// Attempts wait WriteTimeout for answers after their cut: the producer's
+	// deadlines and its connections' split agree on it (attemptDeadline).
+	ackWait := cfg.WriteTimeout
 	p := &Publisher{
 		cfg:          cfg,
 		instance:     newInstanceToken(),
@@ -96,7 +99,7 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 		rebalanceNow: make(chan struct{}, 1),
 		announceCh:   make(chan struct{}, 1),
 		transport: &kafka.Transport{
-			Dial:        cutDial(cfg.Dial, cfg.WriteTimeout),
+			Dial:        cutDial(cfg.Dial, ackWait),
 			DialTimeout: 5 * time.Second,
 			IdleTimeout: 30 * time.Second,
 			MetadataTTL: 10 * time.Second,
@@ -107,7 +110,7 @@ func NewPublisher(pool *pgxpool.Pool, cfg Config) (*Publisher, error) {
 	}
 	var codec compress.Compression
 	_ = codec.UnmarshalText([]byte(cfg.Compression)) // validate checked it
-	p.producer = newProducer(p.transport, cfg.Brokers, cfg.Topics, codec)
+	p.producer = newProducer(p.transport, cfg.Brokers, cfg.Topics, codec, ackWait)
 	return p, nil
 }
 

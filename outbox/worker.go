@@ -377,7 +377,7 @@ func (w *shardWorker) retry(ctx context.Context, op func(context.Context) error)
 		if lease := w.leaseDeadline(); lease.Before(cut) {
 			cut = lease
 		}
-		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), attemptDeadline(cut, p.cfg.WriteTimeout))
+		actx, cancel := context.WithDeadline(context.WithoutCancel(ctx), p.producer.attemptDeadline(cut))
 		defer cancel()
 		err := op(actx)
 		if err == nil {
