@@ -27,7 +27,7 @@ test: test-alerts ## run every test against the real stack (starts it when neede
 	@$(WITH_STACK) $(STACK) versions && \
 	eval "$$(bench/peers/setup.sh)" && \
 	$(GO) test $(TEST_FLAGS) -v -run 'Smoke' ./internal/stack/ && \
-	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v -e '/internal/stack$$' -e '/e2e$$') && \
+	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v -e '/internal/stack$$' -e '/outboxrelay/e2e$$') && \
 	$(GO) test $(TEST_FLAGS) ./e2e/
 
 .PHONY: test-alerts
