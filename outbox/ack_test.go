@@ -93,10 +93,13 @@ func TestSlowAcknowledgementIsWaitedFor(t *testing.T) {
 	brokers := stack.KafkaBrokers(t)
 	pool := stack.Pool(t, stack.Database(t))
 	topic := createTopic(t, brokers, 1)
-	// A 2s lease: every attempt must finish writing within 1.8 s of the
-	// heartbeat before it; the broker answers 2.5 s after each request.
-	slow := &slowAcks{delay: 2500 * time.Millisecond}
-	cfg := outbox.Config{Brokers: brokers, LeaseTTL: 2 * time.Second, PollInterval: 200 * time.Millisecond,
+	// A 4s lease: an attempt may write for at most 3.6 s after the
+	// heartbeat before it, and the broker answers 4 s after each request.
+	// (A shorter lease would do, but a heartbeat late by more than a third
+	// of it on a loaded machine loses the shard, and the records sent again
+	// then would fail the count below for another reason.)
+	slow := &slowAcks{delay: 4 * time.Second}
+	cfg := outbox.Config{Brokers: brokers, LeaseTTL: 4 * time.Second, PollInterval: 200 * time.Millisecond,
 		WriteTimeout: 10 * time.Second, RetryMaxElapsed: time.Minute, Dial: slow.dial}
 	_, stop := runPublisher(t, pool, cfg)
 	defer stop()
@@ -115,7 +118,7 @@ func TestSlowAcknowledgementIsWaitedFor(t *testing.T) {
 		require.NoError(t, err)
 	}
 	start := time.Now()
-	waitFor(t, 30*time.Second, "the outbox to drain through the slow broker", func() bool { return outboxCount(t, pool) == 0 })
+	waitFor(t, time.Minute, "the outbox to drain through the slow broker", func() bool { return outboxCount(t, pool) == 0 })
 	t.Logf("drained %d events through the slow broker in %s", events-1, time.Since(start).Round(time.Millisecond))
 	slow.on.Store(false)
 	stop()
