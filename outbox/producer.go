@@ -287,11 +287,11 @@ func (*bytesReadCloser) Close() error { return nil }
 // write until cut and then wait ackWait for the answers. kafka-go sets a
 // request's context deadline on its connection for writes and reads alike
 // (and gives the broker half of what is left of it as the produce timeout,
-// see newProducer); cutConn takes the two apart again, so the writes stop at cut while the
-// answer may come until the deadline. Giving up on an answer at cut would
-// not take back what was written: the broker appends it anyway, and the
-// retry writes the records a second time, and a third, for as long as the
-// broker is slower than the lease allows for writing.
+// see newProducer); cutConn takes the two apart again, so the writes stop
+// at cut while the answer may come until the deadline. Giving up on an
+// answer at cut would not take back what was written: the broker appends
+// it anyway, and the retry writes the records a second time, and a third,
+// for as long as the broker is slower than the lease allows for writing.
 //
 // The deadline carries a mark, cutMark nanoseconds into its microsecond, by
 // which cutConn tells it from the deadlines kafka-go sets itself (the

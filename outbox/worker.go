@@ -357,7 +357,7 @@ func messages(out []kafka.Message, pes []*pendingEvent) []kafka.Message {
 // shard and sent newer events of the same keys. The deadline is the lease's
 // local one (LeaseTTL/10 before the database lets anyone else claim the
 // shard); the producer writes no byte after it (cutConn). What was written
-// by then is acknowledged within WriteTimeout more: waiting for an answer
+// by then gets WriteTimeout more for its answer: waiting for an answer
 // sends nothing, and giving up on it would send the records again (see
 // attemptDeadline). An attempt in flight is not cut short by a soft stop,
 // so what the broker acknowledged gets recorded.
