@@ -131,8 +131,7 @@ func TestSlowAcknowledgementIsWaitedFor(t *testing.T) {
 
 // wire records the bytes the publisher writes to the broker.
 type wire struct {
-	mu  sync.Mutex
-	out []byte
+	mu sync.Mutex
 }
 
 func (w *wire) dial(ctx context.Context, network, address string) (net.Conn, error) {
