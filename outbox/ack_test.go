@@ -129,9 +129,10 @@ func TestSlowAcknowledgementIsWaitedFor(t *testing.T) {
 	checkOrder(t, msgs)
 }
 
-// wire records the bytes the publisher writes to the broker.
+// wire records the bytes the publisher writes to the broker, per connection.
 type wire struct {
-	mu sync.Mutex
+	mu    sync.Mutex
+	conns []*bytes.Buffer
 }
 
 func (w *wire) dial(ctx context.Context, network, address string) (net.Conn, error) {
@@ -139,7 +140,11 @@ func (w *wire) dial(ctx context.Context, network, address string) (net.Conn, err
 	if err != nil {
 		return nil, err
 	}
-	return &wireConn{Conn: c, w: w, buf: &bytes.Buffer{}}, nil
+	buf := &bytes.Buffer{}
+	w.mu.Lock()
+	w.conns = append(w.conns, buf)
+	w.mu.Unlock()
+	return &wireConn{Conn: c, w: w, buf: buf}, nil
 }
 
 type wireConn struct {
@@ -158,13 +163,13 @@ func (c *wireConn) Write(b []byte) (int, error) {
 
 // produceTimeouts parses the Produce requests (api key 0, versions 3-8) in
 // the bytes written on every connection so far and returns their timeouts.
-func (w *wire) produceTimeouts(t *testing.T, conns ...*wireConn) []time.Duration {
+func (w *wire) produceTimeouts(t *testing.T) []time.Duration {
 	t.Helper()
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	var out []time.Duration
-	for _, c := range conns {
-		b := c.buf.Bytes()
+	for _, buf := range w.conns {
+		b := buf.Bytes()
 		for len(b) >= 4 {
 			size := int(binary.BigEndian.Uint32(b))
 			if len(b) < 4+size {
@@ -182,8 +187,7 @@ func (w *wire) produceTimeouts(t *testing.T, conns ...*wireConn) []time.Duration
 			if txn := int16(binary.BigEndian.Uint16(p)); txn > 0 { // transactional id
 				p = p[txn:]
 			}
-			p = p[2:]
-			p = p[2:] // acks
+			p = p[2+2:] // the transactional id's length, acks
 			out = append(out, time.Duration(binary.BigEndian.Uint32(p))*time.Millisecond)
 		}
 	}
@@ -202,18 +206,7 @@ func TestProduceTimeoutIsTheAttempts(t *testing.T) {
 	pool := stack.Pool(t, stack.Database(t))
 	topic := createTopic(t, brokers, 1)
 	w := &wire{}
-	var conns []*wireConn
-	var mu sync.Mutex
-	dial := func(ctx context.Context, network, address string) (net.Conn, error) {
-		c, err := w.dial(ctx, network, address)
-		if err == nil {
-			mu.Lock()
-			conns = append(conns, c.(*wireConn))
-			mu.Unlock()
-		}
-		return c, err
-	}
-	cfg := outbox.Config{Brokers: brokers, PollInterval: 200 * time.Millisecond, Dial: dial} // default lease and WriteTimeout
+	cfg := outbox.Config{Brokers: brokers, PollInterval: 200 * time.Millisecond, Dial: w.dial} // default lease and WriteTimeout
 	_, stop := runPublisher(t, pool, cfg)
 	defer stop()
 	for v := int64(1); v <= 3; v++ {
@@ -223,9 +216,7 @@ func TestProduceTimeoutIsTheAttempts(t *testing.T) {
 	}
 	waitFor(t, time.Minute, "the events to be published", func() bool { return outboxCount(t, pool) == 0 })
 	stop()
-	mu.Lock()
-	timeouts := w.produceTimeouts(t, conns...)
-	mu.Unlock()
+	timeouts := w.produceTimeouts(t)
 	require.NotEmpty(t, timeouts, "produce requests on the wire")
 	for _, d := range timeouts {
 		// The attempt has at least WriteTimeout left for its answer, of
