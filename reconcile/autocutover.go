@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/olivere/elastic/v7"
 
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
@@ -146,12 +147,8 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 	if !locked {
 		return res, alias, skipLocked, nil
 	}
-	defer func() {
-		if _, err := conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock($1)`, key); err != nil {
-			// Ending the session releases the lock.
-			_ = conn.Conn().Close(context.WithoutCancel(ctx))
-		}
-	}()
+	// Bounded: a stalled database must not hold up the indexer's shutdown.
+	defer func() { _ = pgconn.ReleaseAdvisoryLock(ctx, conn.Conn(), key) }()
 	// Again under the lock: another indexer may have moved it meanwhile.
 	if skip, err := candidate(ctx, client, cfg, res.Index); skip != "" || err != nil {
 		return res, alias, skip, err

@@ -23,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/migrations"
 )
 
@@ -93,10 +94,10 @@ func Up(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) (Result, e
 	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1)`, lockKey); err != nil {
 		return Result{}, fmt.Errorf("take migration lock: %w", err)
 	}
-	defer func() {
-		// Unlock even if ctx was cancelled; a failed unlock ends with the session.
-		_, _ = conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock($1)`, lockKey)
-	}()
+	// Given back also when ctx has ended, and bounded: an unlock the
+	// database does not answer closes the session instead, so the pool
+	// never gets back a connection that still holds the lock.
+	defer func() { _ = pgconn.ReleaseAdvisoryLock(ctx, conn.Conn(), lockKey) }()
 
 	if _, err := conn.Exec(ctx, `CREATE TABLE IF NOT EXISTS outboxrelay_migrations (
 		version    integer PRIMARY KEY,

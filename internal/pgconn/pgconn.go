@@ -1,6 +1,7 @@
 // Package pgconn opens the PostgreSQL pool every binary uses and turns
 // connection failures into one line that names DATABASE_URL with the
-// password redacted.
+// password redacted; it also gives session advisory locks back without
+// hanging on a database that stopped answering.
 package pgconn
 
 import (
@@ -9,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxrelay/outboxrelay/internal/redact"
@@ -54,4 +56,25 @@ func (e *oneLineError) Unwrap() error { return e.err }
 
 func flatten(s string) string {
 	return strings.Join(strings.Fields(s), " ")
+}
+
+// unlockTimeout bounds [ReleaseAdvisoryLock]'s wait for the database.
+const unlockTimeout = 5 * time.Second
+
+// ReleaseAdvisoryLock gives back the session-level advisory lock key that
+// conn holds, also when ctx has ended (a process that stops still gives its
+// locks back). A database that does not answer within five seconds (stalled,
+// or the network to it gone) gets the session closed instead: PostgreSQL
+// releases a session's locks when it ends, and a stopping process does not
+// hang on a database that may never answer. A conn closed here is dropped by
+// its pool when released.
+func ReleaseAdvisoryLock(ctx context.Context, conn *pgx.Conn, key int64) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), unlockTimeout)
+	defer cancel()
+	_, err := conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key)
+	if err != nil {
+		_ = conn.Close(ctx)
+		return fmt.Errorf("release advisory lock %d: %w (the session is closed, which releases it)", key, err)
+	}
+	return nil
 }

@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -146,4 +147,61 @@ func newServerCert(t *testing.T, ca *x509.Certificate, caKey *ecdsa.PrivateKey) 
 	kb, err := x509.MarshalPKCS8PrivateKey(key)
 	require.NoError(t, err)
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: kb})
+}
+
+// Giving an advisory lock back while the database stalls (its backend
+// stopped with SIGSTOP, as a hung server or a lost network leaves it) returns
+// within the unlock timeout with the session closed, instead of hanging the
+// process's shutdown on an answer that never comes; the lock is free once the
+// server goes on and sees the session gone.
+func TestReleaseAdvisoryLockOnAStalledDatabase(t *testing.T) {
+	ctx := context.Background()
+	url := stack.Database(t)
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	const key = 0x72656c65617365
+	var pid int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) AS locked`, key).Scan(&pid))
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	stopped := true
+	resume := func() {
+		if stopped {
+			stopped = false
+			require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
+		}
+	}
+	defer resume()
+
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() { done <- pgconn.ReleaseAdvisoryLock(ctx, conn, key) }()
+	select {
+	case err := <-done:
+		took := time.Since(start)
+		t.Logf("returned after %s: %v", took.Round(time.Millisecond), err)
+		require.Error(t, err, "a stopped server cannot have answered")
+		require.Less(t, took, 20*time.Second)
+	case <-time.After(30 * time.Second):
+		resume()
+		t.Fatal("ReleaseAdvisoryLock still waits for the stopped server after 30 s")
+	}
+	require.True(t, conn.IsClosed(), "the session is closed: the server releases its locks when it sees that")
+
+	resume()
+	went := time.Now()
+	other, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer other.Close(ctx)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for deadline := time.Now().Add(30 * time.Second); ; <-tick.C {
+		var free bool
+		require.NoError(t, other.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, key).Scan(&free))
+		if free {
+			t.Logf("lock free %s after the server went on", time.Since(went).Round(time.Millisecond))
+			return
+		}
+		require.True(t, time.Now().Before(deadline), "the lock is still held 30 s after the server went on")
+	}
 }
