@@ -29,48 +29,27 @@ type slowAcks struct {
 }
 
 func (s *slowAcks) dial(ctx context.Context, network, address string) (net.Conn, error) {
-	c, err := (&net.Dialer{Timeout: 5 * time.Second}).DialContext(ctx, network, address)
+	c, err := dialDeadlineConn(ctx, network, address)
 	if err != nil {
 		return nil, err
 	}
-	return &slowConn{Conn: c, s: s}, nil
+	return &slowConn{deadlineConn: c, s: s}, nil
 }
 
 type slowConn struct {
-	net.Conn
+	*deadlineConn
 	s     *slowAcks
-	mu    sync.Mutex
-	rd    time.Time
-	wrote bool
-}
-
-func (c *slowConn) SetDeadline(t time.Time) error {
-	c.mu.Lock()
-	c.rd = t
-	c.mu.Unlock()
-	return c.Conn.SetDeadline(t)
-}
-
-func (c *slowConn) SetReadDeadline(t time.Time) error {
-	c.mu.Lock()
-	c.rd = t
-	c.mu.Unlock()
-	return c.Conn.SetReadDeadline(t)
+	wrote atomic.Bool // a request went out since the last read
 }
 
 func (c *slowConn) Write(b []byte) (int, error) {
-	c.mu.Lock()
-	c.wrote = true
-	c.mu.Unlock()
+	c.wrote.Store(true)
 	return c.Conn.Write(b)
 }
 
 func (c *slowConn) Read(b []byte) (int, error) {
-	c.mu.Lock()
-	rd, wrote := c.rd, c.wrote
-	c.wrote = false
-	c.mu.Unlock()
-	if wrote && c.s.on.Load() {
+	rd, _ := c.deadlines()
+	if c.wrote.Swap(false) && c.s.on.Load() {
 		wait := c.s.delay
 		if !rd.IsZero() && time.Until(rd) < wait {
 			time.Sleep(max(0, time.Until(rd)))

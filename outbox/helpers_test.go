@@ -213,3 +213,49 @@ func testLogger() *slog.Logger {
 }
 
 func fmtDup(n, total int) string { return fmt.Sprintf("%d duplicates in %d messages", n, total) }
+
+// deadlineConn is a connection to the broker that remembers the deadlines
+// kafka-go sets on it, for the fault-injecting connections (slowConn,
+// gatedConn) that act on them.
+type deadlineConn struct {
+	net.Conn
+	mu     sync.Mutex
+	rd, wd time.Time
+}
+
+// dialDeadlineConn dials address as the publisher's default dialer does.
+func dialDeadlineConn(ctx context.Context, network, address string) (*deadlineConn, error) {
+	c, err := (&net.Dialer{Timeout: 5 * time.Second}).DialContext(ctx, network, address)
+	if err != nil {
+		return nil, err
+	}
+	return &deadlineConn{Conn: c}, nil
+}
+
+func (c *deadlineConn) SetDeadline(t time.Time) error {
+	c.mu.Lock()
+	c.rd, c.wd = t, t
+	c.mu.Unlock()
+	return c.Conn.SetDeadline(t)
+}
+
+func (c *deadlineConn) SetReadDeadline(t time.Time) error {
+	c.mu.Lock()
+	c.rd = t
+	c.mu.Unlock()
+	return c.Conn.SetReadDeadline(t)
+}
+
+func (c *deadlineConn) SetWriteDeadline(t time.Time) error {
+	c.mu.Lock()
+	c.wd = t
+	c.mu.Unlock()
+	return c.Conn.SetWriteDeadline(t)
+}
+
+// deadlines are the read and write deadlines last set.
+func (c *deadlineConn) deadlines() (rd, wd time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.rd, c.wd
+}

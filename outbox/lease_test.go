@@ -116,38 +116,20 @@ func (g *gate) wait(deadline time.Time) error {
 }
 
 func (g *gate) dial(ctx context.Context, network, address string) (net.Conn, error) {
-	c, err := (&net.Dialer{Timeout: 5 * time.Second}).DialContext(ctx, network, address)
+	c, err := dialDeadlineConn(ctx, network, address)
 	if err != nil {
 		return nil, err
 	}
-	return &gatedConn{Conn: c, g: g}, nil
+	return &gatedConn{deadlineConn: c, g: g}, nil
 }
 
 type gatedConn struct {
-	net.Conn
-	g  *gate
-	mu sync.Mutex
-	wd time.Time
-}
-
-func (c *gatedConn) SetDeadline(t time.Time) error {
-	c.mu.Lock()
-	c.wd = t
-	c.mu.Unlock()
-	return c.Conn.SetDeadline(t)
-}
-
-func (c *gatedConn) SetWriteDeadline(t time.Time) error {
-	c.mu.Lock()
-	c.wd = t
-	c.mu.Unlock()
-	return c.Conn.SetWriteDeadline(t)
+	*deadlineConn
+	g *gate
 }
 
 func (c *gatedConn) Write(b []byte) (int, error) {
-	c.mu.Lock()
-	wd := c.wd
-	c.mu.Unlock()
+	_, wd := c.deadlines()
 	if err := c.g.wait(wd); err != nil {
 		return 0, err
 	}
