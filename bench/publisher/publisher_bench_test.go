@@ -2,7 +2,10 @@
 // PostgreSQL and Kafka: throughput with one and three publishers, the raw
 // kafka-go baseline on the publisher's produce path (Client.Produce, same
 // batches, acks and compression), commit → ack latency at a steady rate, and
-// 16 concurrent writers with the outbox NOTIFY trigger on and off. Run with `make bench-publisher`.
+// 16 concurrent writers with the outbox NOTIFY trigger on and off. The
+// throughput runs twice: with PostgreSQL sharing the CPUs with Kafka and the
+// publishers, and with PostgreSQL on a CPU of its own (BenchmarkPublisher).
+// Run with `make bench-publisher`.
 package bench_publisher
 
 import (
@@ -225,7 +228,34 @@ func (m measured) rate() float64 { return events / m.took.Seconds() }
 // a freshly started broker the first runs measure its JIT compiler.
 // BENCH_ONLY="1 publisher,3 publishers" runs only the configurations named
 // (and raw, which the ratios need).
+//
+// All of it runs in two CPU layouts, one sub-benchmark each:
+//   - shared-cpus: PostgreSQL, Kafka and this process share the machine's
+//     CPUs. On a 2-core machine both sides saturate them, so the ratio is
+//     mostly the database's CPU per event (which the raw produce does not
+//     spend) over the raw run's CPU.
+//   - postgres-apart: PostgreSQL has a CPU of its own and Kafka and this
+//     process the others (stack.PostgresApart), as with the database on its
+//     own host: the ratio is what the publisher costs the producer's side.
+//
+// BENCH_CPUS=shared-cpus or postgres-apart runs one of them.
 func BenchmarkPublisher(b *testing.B) {
+	layouts := []string{"shared-cpus", "postgres-apart"}
+	if only := os.Getenv("BENCH_CPUS"); only != "" {
+		require.Contains(b, layouts, only, "BENCH_CPUS names no CPU layout")
+		layouts = []string{only}
+	}
+	for _, layout := range layouts {
+		b.Run(layout, func(b *testing.B) {
+			if layout == "postgres-apart" {
+				stack.PostgresApart(b)
+			}
+			publisherRounds(b)
+		})
+	}
+}
+
+func publisherRounds(b *testing.B) {
 	brokers := stack.KafkaBrokers(b)
 	url := stack.Database(b)
 	pool := stack.Pool(b, url)

@@ -98,15 +98,8 @@ func processTree(root int) time.Duration {
 		return 0
 	}
 	total := processTime(root, true)
-	dirs, _ := filepath.Glob("/proc/[0-9]*")
-	for _, d := range dirs {
-		pid, err := strconv.Atoi(filepath.Base(d))
-		if err != nil {
-			continue
-		}
-		if f := procStat(pid); len(f) > 1 && f[1] == strconv.Itoa(root) {
-			total += processTime(pid, false)
-		}
+	for _, pid := range children(root) {
+		total += processTime(pid, false)
 	}
 	return total
 }
