@@ -249,6 +249,8 @@ func BenchmarkPublisher(b *testing.B) {
 		b.Run(layout, func(b *testing.B) {
 			if layout == "postgres-apart" {
 				stack.PostgresApart(b)
+			} else {
+				stack.SharedCPUs(b)
 			}
 			publisherRounds(b)
 		})

@@ -21,27 +21,19 @@ import (
 // database's CPU (which a raw produce does not use) taken from the broker
 // and the relay; apart, it measures what the relay adds on the producer's
 // side. New backends inherit the postmaster's CPU and new threads their
-// creator's. When tb ends every thread of the three gets back the CPUs its
-// process had before, and GOMAXPROCS its value.
+// creator's. When tb ends every thread of the three may use all of this
+// process's CPUs again (as after [SharedCPUs]), and GOMAXPROCS has its
+// value back.
 //
 // It needs two CPUs and a PostgreSQL and Kafka started by this checkout's
 // scripts (STACK_DIR), whose processes it can find; it fails tb otherwise.
 func PostgresApart(tb testing.TB) {
 	tb.Helper()
-	dir := cmp.Or(os.Getenv("STACK_DIR"), filepath.Join(RepoRoot(), ".stack"))
-	postmaster := pidFile(filepath.Join(dir, "postgres", "data", "postmaster.pid"))
-	kafka := pidFile(filepath.Join(dir, "kafka", "kafka.pid"))
-	if postmaster <= 0 || kafka <= 0 {
-		tb.Fatalf("PostgresApart: no PostgreSQL or Kafka of this checkout's stack in %s (postmaster pid %d, kafka pid %d); start it with scripts/stack/stack.sh up", dir, postmaster, kafka)
-	}
-	var all unix.CPUSet
-	if err := unix.SchedGetaffinity(0, &all); err != nil {
-		tb.Fatalf("PostgresApart: read this process's CPUs: %v", err)
-	}
+	p := findStack(tb)
 	var db, rest unix.CPUSet
 	first := -1
 	for c := range 1024 {
-		if !all.IsSet(c) {
+		if !p.all.IsSet(c) {
 			continue
 		}
 		if first < 0 {
@@ -52,41 +44,67 @@ func PostgresApart(tb testing.TB) {
 		}
 	}
 	if rest.Count() == 0 {
-		tb.Fatalf("PostgresApart: this process may use %d CPU; PostgreSQL apart needs 2", all.Count())
-	}
-	saved := map[int]unix.CPUSet{}
-	for _, pid := range []int{postmaster, kafka} {
-		var set unix.CPUSet
-		if err := unix.SchedGetaffinity(pid, &set); err != nil {
-			tb.Fatalf("PostgresApart: read the CPUs of pid %d: %v", pid, err)
-		}
-		saved[pid] = set
-	}
-	// pin sets the postmaster first, so a backend it forks while its
-	// children are listed has the new CPUs already, and goes on after an
-	// error, so that one process cannot keep the others where they were.
-	pin := func(db, rest unix.CPUSet) error {
-		errs := []error{setThreads(postmaster, db)}
-		for _, pid := range children(postmaster) {
-			errs = append(errs, setThreads(pid, db))
-		}
-		errs = append(errs, setThreads(kafka, rest), setThreads(os.Getpid(), rest))
-		return errors.Join(errs...)
+		tb.Fatalf("PostgresApart: this process may use %d CPU; PostgreSQL apart needs 2", p.all.Count())
 	}
 	procs := runtime.GOMAXPROCS(rest.Count())
 	tb.Cleanup(func() {
 		runtime.GOMAXPROCS(procs)
-		if err := pin(saved[postmaster], saved[kafka]); err != nil {
-			tb.Errorf("PostgresApart: give the stack its CPUs back: %v", err)
-		}
-		if err := setThreads(os.Getpid(), all); err != nil {
-			tb.Errorf("PostgresApart: give this process its CPUs back: %v", err)
+		if err := p.pin(p.all, p.all); err != nil {
+			tb.Errorf("PostgresApart: give the stack and this process their CPUs back: %v", err)
 		}
 	})
-	if err := pin(db, rest); err != nil {
+	if err := p.pin(db, rest); err != nil {
 		tb.Fatalf("PostgresApart: %v", err)
 	}
 	tb.Logf("PostgreSQL on CPU %d; Kafka and this process on the other %d (GOMAXPROCS %d)", first, rest.Count(), rest.Count())
+}
+
+// SharedCPUs lets the local stack's PostgreSQL and Kafka, and this process,
+// use all of this process's CPUs: the layout a benchmark that shares the
+// machine means, whatever an earlier run that was killed before its
+// cleanup (PostgresApart's) left behind.
+func SharedCPUs(tb testing.TB) {
+	tb.Helper()
+	p := findStack(tb)
+	if err := p.pin(p.all, p.all); err != nil {
+		tb.Fatalf("SharedCPUs: %v", err)
+	}
+}
+
+// stackProcs are the processes of this checkout's stack whose CPUs a
+// benchmark sets, and the CPUs this process may use.
+type stackProcs struct {
+	postmaster, kafka int
+	all               unix.CPUSet
+}
+
+func findStack(tb testing.TB) stackProcs {
+	tb.Helper()
+	dir := cmp.Or(os.Getenv("STACK_DIR"), filepath.Join(RepoRoot(), ".stack"))
+	p := stackProcs{
+		postmaster: pidFile(filepath.Join(dir, "postgres", "data", "postmaster.pid")),
+		kafka:      pidFile(filepath.Join(dir, "kafka", "kafka.pid")),
+	}
+	if p.postmaster <= 0 || p.kafka <= 0 {
+		tb.Fatalf("no PostgreSQL or Kafka of this checkout's stack in %s (postmaster pid %d, kafka pid %d); start it with scripts/stack/stack.sh up", dir, p.postmaster, p.kafka)
+	}
+	if err := unix.SchedGetaffinity(0, &p.all); err != nil {
+		tb.Fatalf("read this process's CPUs: %v", err)
+	}
+	return p
+}
+
+// pin gives PostgreSQL the CPUs in db and Kafka and this process those in
+// rest. The postmaster goes first, so a backend it forks while its children
+// are listed has the new CPUs already, and an error does not stop the rest,
+// so that one process cannot keep the others where they were.
+func (p stackProcs) pin(db, rest unix.CPUSet) error {
+	errs := []error{setThreads(p.postmaster, db)}
+	for _, pid := range children(p.postmaster) {
+		errs = append(errs, setThreads(pid, db))
+	}
+	errs = append(errs, setThreads(p.kafka, rest), setThreads(os.Getpid(), rest))
+	return errors.Join(errs...)
 }
 
 // setThreads gives every thread of pid the CPUs in set. A process or thread

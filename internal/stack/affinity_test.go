@@ -14,7 +14,7 @@ import (
 // TestPostgresApartPinsAndGivesBack: while PostgresApart holds, a backend
 // that was already running and one started after it run on one CPU, and
 // this process on the others; when the test that asked for it ends, all of
-// them have their CPUs back.
+// them have their CPUs back. SharedCPUs undoes what a killed run left.
 func TestPostgresApartPinsAndGivesBack(t *testing.T) {
 	ctx := context.Background()
 	url := stack.Database(t)
@@ -24,18 +24,23 @@ func TestPostgresApartPinsAndGivesBack(t *testing.T) {
 		t.Cleanup(func() { _ = conn.Close(ctx) })
 		return conn
 	}
-	cpus := func(t *testing.T, conn *pgx.Conn) unix.CPUSet {
+	backend := func(t *testing.T, conn *pgx.Conn) int {
 		var pid int
 		require.NoError(t, conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+		return pid
+	}
+	cpus := func(t *testing.T, conn *pgx.Conn) unix.CPUSet {
 		var set unix.CPUSet
-		require.NoError(t, unix.SchedGetaffinity(pid, &set))
+		require.NoError(t, unix.SchedGetaffinity(backend(t, conn), &set))
 		return set
 	}
 	var self unix.CPUSet
 	require.NoError(t, unix.SchedGetaffinity(0, &self))
 	require.GreaterOrEqual(t, self.Count(), 2, "this test needs 2 CPUs")
+	stack.SharedCPUs(t)
 	old := connect(t)
 	before := cpus(t, old)
+	require.Equal(t, self, before, "after SharedCPUs a backend may use this process's CPUs")
 
 	t.Run("apart", func(t *testing.T) {
 		stack.PostgresApart(t)
@@ -55,4 +60,21 @@ func TestPostgresApartPinsAndGivesBack(t *testing.T) {
 	var after unix.CPUSet
 	require.NoError(t, unix.SchedGetaffinity(0, &after))
 	require.Equal(t, self, after, "this process has its CPUs back")
+
+	// What a run killed while PostgreSQL was apart leaves behind.
+	var one unix.CPUSet
+	one.Set(firstCPU(self))
+	require.NoError(t, unix.SchedSetaffinity(backend(t, old), &one))
+	require.Equal(t, one, cpus(t, old))
+	stack.SharedCPUs(t)
+	require.Equal(t, self, cpus(t, old), "SharedCPUs gives a pinned backend all CPUs")
+}
+
+func firstCPU(set unix.CPUSet) int {
+	for c := range 1024 {
+		if set.IsSet(c) {
+			return c
+		}
+	}
+	return -1
 }
