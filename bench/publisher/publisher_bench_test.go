@@ -232,8 +232,8 @@ func (m measured) rate() float64 { return events / m.took.Seconds() }
 // All of it runs in two CPU layouts, one sub-benchmark each:
 //   - shared-cpus: PostgreSQL, Kafka and this process share the machine's
 //     CPUs. On a 2-core machine both sides saturate them, so the ratio is
-//     mostly the database's CPU per event (which the raw produce does not
-//     spend) over the raw run's CPU.
+//     the raw run's CPU over the publishers', and most of the difference is
+//     the database's CPU per event, which the raw produce does not spend.
 //   - postgres-apart: PostgreSQL has a CPU of its own and Kafka and this
 //     process the others (stack.PostgresApart), as with the database on its
 //     own host: the ratio is what the publisher costs the producer's side.
