@@ -1,7 +1,6 @@
 package stack
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -30,19 +29,11 @@ import (
 func PostgresApart(tb testing.TB) {
 	tb.Helper()
 	p := findStack(tb)
-	var db, rest unix.CPUSet
-	first := -1
-	for c := range 1024 {
-		if !p.all.IsSet(c) {
-			continue
-		}
-		if first < 0 {
-			first = c
-			db.Set(c)
-		} else {
-			rest.Set(c)
-		}
-	}
+	first := firstCPU(p.all)
+	var db unix.CPUSet
+	db.Set(first)
+	rest := p.all
+	rest.Clear(first)
 	if rest.Count() == 0 {
 		tb.Fatalf("PostgresApart: this process may use %d CPU; PostgreSQL apart needs 2", p.all.Count())
 	}
@@ -80,11 +71,8 @@ type stackProcs struct {
 
 func findStack(tb testing.TB) stackProcs {
 	tb.Helper()
-	dir := cmp.Or(os.Getenv("STACK_DIR"), filepath.Join(RepoRoot(), ".stack"))
-	p := stackProcs{
-		postmaster: pidFile(filepath.Join(dir, "postgres", "data", "postmaster.pid")),
-		kafka:      pidFile(filepath.Join(dir, "kafka", "kafka.pid")),
-	}
+	dir := localStackDir()
+	p := stackProcs{postmaster: postmasterPID(dir), kafka: kafkaPID(dir)}
 	if p.postmaster <= 0 || p.kafka <= 0 {
 		tb.Fatalf("no PostgreSQL or Kafka of this checkout's stack in %s (postmaster pid %d, kafka pid %d); start it with scripts/stack/stack.sh up", dir, p.postmaster, p.kafka)
 	}
@@ -122,11 +110,21 @@ func setThreads(pid int, set unix.CPUSet) error {
 		if err != nil {
 			continue
 		}
-		if err := unix.SchedSetaffinity(tid, &set); err != nil && err != unix.ESRCH {
+		if err := unix.SchedSetaffinity(tid, &set); err != nil && !errors.Is(err, unix.ESRCH) {
 			return fmt.Errorf("set the CPUs of thread %d of pid %d: %w", tid, pid, err)
 		}
 	}
 	return nil
+}
+
+// firstCPU is the lowest CPU in set (-1 for none).
+func firstCPU(set unix.CPUSet) int {
+	for c := range len(set) * 64 {
+		if set.IsSet(c) {
+			return c
+		}
+	}
+	return -1
 }
 
 // children lists the processes whose parent is pid.

@@ -22,14 +22,14 @@ type CPU struct {
 
 // ReadCPU reads the counters now.
 func ReadCPU() CPU {
-	dir := cmp.Or(os.Getenv("STACK_DIR"), filepath.Join(RepoRoot(), ".stack"))
+	dir := localStackDir()
 	var ru syscall.Rusage
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
 	return CPU{
 		// The postmaster's own time, its reaped children's (backends that
 		// ended) and its live children's.
-		Postgres: processTree(pidFile(filepath.Join(dir, "postgres", "data", "postmaster.pid"))),
-		Kafka:    processTime(pidFile(filepath.Join(dir, "kafka", "kafka.pid")), false),
+		Postgres: processTree(postmasterPID(dir)),
+		Kafka:    processTime(kafkaPID(dir), false),
 		Search:   processTime(pidFile(filepath.Join(dir, "opensearch", "opensearch.pid")), false),
 		Self:     time.Duration(ru.Utime.Nano() + ru.Stime.Nano()),
 	}
@@ -47,6 +47,20 @@ func (c CPU) String() string {
 
 // clockTick is the kernel's unit for /proc/<pid>/stat times (USER_HZ).
 const clockTick = 10 * time.Millisecond
+
+// localStackDir is the STACK_DIR of the servers this checkout's scripts
+// start (scripts/stack/stack.sh).
+func localStackDir() string {
+	return cmp.Or(os.Getenv("STACK_DIR"), filepath.Join(RepoRoot(), ".stack"))
+}
+
+// postmasterPID and kafkaPID are the pids of the servers under a STACK_DIR,
+// 0 when they are not running from it.
+func postmasterPID(dir string) int {
+	return pidFile(filepath.Join(dir, "postgres", "data", "postmaster.pid"))
+}
+
+func kafkaPID(dir string) int { return pidFile(filepath.Join(dir, "kafka", "kafka.pid")) }
 
 func pidFile(path string) int {
 	b, err := os.ReadFile(path)
@@ -111,9 +125,9 @@ func processTree(root int) time.Duration {
 func (s *Server) CPU() time.Duration {
 	switch s.Kind {
 	case "postgres":
-		return processTree(pidFile(filepath.Join(s.Dir, "postgres", "data", "postmaster.pid")))
+		return processTree(postmasterPID(s.Dir))
 	case "kafka":
-		return processTime(pidFile(filepath.Join(s.Dir, "kafka", "kafka.pid")), false)
+		return processTime(kafkaPID(s.Dir), false)
 	default:
 		return processTime(pidFile(filepath.Join(s.Dir, s.Kind, s.Kind+".pid")), false)
 	}
