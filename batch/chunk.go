@@ -19,7 +19,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outboxrelay/outboxrelay/internal/failpoint"
 	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
 
@@ -332,7 +331,7 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		return res, err
 	}
 	f.pid.Store(conn.PgConn().PID())
-	failpoint.Hit("batch.before_tx")
+	hit("batch.before_tx")
 	t0 := time.Now()
 	tx, err := conn.Begin(ctx)
 	if err != nil {
@@ -406,16 +405,16 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 	} else if res.n == 0 {
 		return res, nil // the range is done; nothing to commit
 	}
-	failpoint.Hit("batch.after_upsert")
-	// A forced retryable error, after the chunk wrote its rows: tests make
-	// a chunk roll back and retry where they choose.
-	if err := failpoint.Error("batch.chunk_error"); err != nil {
-		return res, err
+	hit("batch.after_upsert")
+	// Tests make PostgreSQL fail the chunk here, after it wrote its rows,
+	// with an error the retry policy handles (nothing in release builds).
+	if err := injectedFailure(ctx, tx, "batch.chunk_error"); err != nil {
+		return res, fmt.Errorf("after the upsert: %w", err)
 	}
 	t1 := time.Now()
 	// The events were inserted by the upsert's statement (a CTE step over
 	// the rows it RETURNed); no document crosses the wire twice.
-	failpoint.Hit("batch.after_outbox")
+	hit("batch.after_outbox")
 	a.Next, a.Prev, a.Token = res.next, cursor, cl.token
 	a.N, a.Changed, a.Bad, a.Size, a.Retries = int64(res.n), res.changed, res.bad, size, retries
 	if f.pred != nil {
@@ -455,12 +454,12 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		}
 		return res, why
 	}
-	failpoint.Hit("batch.after_checkpoint")
+	hit("batch.after_checkpoint")
 	res.committing = true
 	if err := tx.Commit(ctx); err != nil {
 		return res, fmt.Errorf("commit chunk: %w", err)
 	}
-	failpoint.Hit("batch.after_commit")
+	hit("batch.after_commit")
 	res.commit = time.Since(t1) + res.write
 	return res, nil
 }

@@ -73,7 +73,8 @@
 // errors.partition_attempts attempts in all; `batcher status` shows the
 // attempts, the failures and the last error.
 //
-// Crash tests can kill the process at named points with
+// In test builds (the failpoint build tag; release binaries have none),
+// crash tests can kill the process at named points with
 // OUTBOXRELAY_FAILPOINT (see internal/failpoint): batch.before_tx,
 // batch.after_upsert, batch.after_outbox, batch.after_checkpoint (before
 // COMMIT) and batch.after_commit (before the log line); in the sweep,

@@ -7,8 +7,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/outboxrelay/outboxrelay/internal/failpoint"
 )
 
 var (
@@ -78,15 +76,14 @@ func Transient(err error) error { return &transientError{err: err} }
 
 // IsRetryable reports whether err is worth retrying the chunk for: a row
 // error marked [Transient], or a PostgreSQL error that heals (serialization
-// failure, deadlock, lock timeout, lost connection), or an error a test
-// forced at the batch.chunk_error failpoint. Never a cancellation,
+// failure, deadlock, lock timeout, lost connection). Never a cancellation,
 // nor [ErrIdleTimeout] (the chunk's own connection is gone).
 func IsRetryable(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
 	var te *transientError
-	if errors.As(err, &te) || errors.Is(err, failpoint.ErrInjected) {
+	if errors.As(err, &te) {
 		return true
 	}
 	var pgErr *pgconn.PgError

@@ -14,7 +14,6 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outboxrelay/outboxrelay/internal/failpoint"
 	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
 
@@ -261,7 +260,7 @@ func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *
 	if n == 0 {
 		return 0, nil, 0, nil
 	}
-	failpoint.Hit(failpointSweepAfterDelete)
+	hit(failpointSweepAfterDelete)
 	tag, err := tx.Exec(ctx, checkpointSweepSQL, r.spec.Job, r.runID, token, cursor, last, n, deleted)
 	if err != nil {
 		return 0, nil, 0, fmt.Errorf("write sweep checkpoint: %w", err)
@@ -269,11 +268,11 @@ func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *
 	if tag.RowsAffected() != 1 {
 		return 0, nil, 0, fmt.Errorf("%w: the sweep of %s/%s (or its cursor moved)", ErrLeaseLost, r.spec.Job, r.runID)
 	}
-	failpoint.Hit(failpointSweepAfterCheckpoint)
+	hit(failpointSweepAfterCheckpoint)
 	if err := tx.Commit(ctx); err != nil {
 		return 0, nil, 0, fmt.Errorf("commit sweep chunk: %w", err)
 	}
-	failpoint.Hit(failpointSweepAfterCommit)
+	hit(failpointSweepAfterCommit)
 	return n, last, deleted, nil
 }
 

@@ -24,7 +24,8 @@
 // [ReadReport] lists approved, committed and unprocessed ids and the current
 // state of each committed id (matching, drifted, missing).
 //
-// Crash tests can kill the process at named points with
+// In test builds (the failpoint build tag; release binaries have none),
+// crash tests can kill the process at named points with
 // OUTBOXRELAY_FAILPOINT (see internal/failpoint): manifest.after_update,
 // manifest.after_audit, manifest.after_next_index and manifest.after_commit.
 //

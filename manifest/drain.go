@@ -12,7 +12,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outboxrelay/outboxrelay/internal/failpoint"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
@@ -296,7 +295,7 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 	if err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: update %s: %w", d.jobID, chunkNo, d.target.table, err)
 	}
-	failpoint.Hit(FailpointAfterUpdate)
+	hit(FailpointAfterUpdate)
 	if len(changed) != to-from {
 		if err := sp.Rollback(ctx); err != nil {
 			return nil, job, fmt.Errorf("manifest job %s chunk %d: roll back to savepoint: %w", d.jobID, chunkNo, err)
@@ -339,7 +338,7 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 	if _, err := tx.Exec(ctx, insertAuditSQL, d.jobID, chunkNo, job.Transition.From, job.Transition.To, seqs, ids, befores, afters, fields, afterFields); err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: insert audit: %w", d.jobID, chunkNo, err)
 	}
-	failpoint.Hit(FailpointAfterAudit)
+	hit(FailpointAfterAudit)
 	enqueued, err := outbox.Enqueue(ctx, tx, events...)
 	if err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: %w", d.jobID, chunkNo, err)
@@ -355,11 +354,11 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 	if tag.RowsAffected() != 1 {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: next_index moved from %d under the job lock; chunk rolled back", d.jobID, chunkNo, from)
 	}
-	failpoint.Hit(FailpointAfterNextIndex)
+	hit(FailpointAfterNextIndex)
 	if err := tx.Commit(ctx); err != nil {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: commit: %w", d.jobID, chunkNo, err)
 	}
-	failpoint.Hit(FailpointAfterCommit)
+	hit(FailpointAfterCommit)
 	d.verified = to
 	job.NextIndex, job.State = to, state
 	chunk := &Chunk{

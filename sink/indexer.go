@@ -15,8 +15,6 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"golang.org/x/sync/errgroup"
-
-	"github.com/outboxrelay/outboxrelay/internal/failpoint"
 )
 
 // Sentinel errors.
@@ -493,7 +491,7 @@ func (ix *Indexer) runLane(ctx context.Context, bl *backlog, lane int, resolved 
 		}
 		res.Lane = lane
 		ix.router.finishBulkLoads(ctx, bt.docs)
-		failpoint.Hit(FailpointAfterBulk)
+		hit(FailpointAfterBulk)
 		resolved <- resolvedBatch{docs: bt.docs, res: res}
 		bl.release(bt)
 	}
@@ -519,7 +517,7 @@ func (ix *Indexer) runCommitter(ctx context.Context, resolved <-chan resolvedBat
 			}
 		}
 		ix.commit(ctx, pending)
-		failpoint.Hit(FailpointAfterCommit)
+		hit(FailpointAfterCommit)
 		if ix.onBatch != nil {
 			for _, rb := range pending {
 				ix.onBatch(rb.res)

@@ -1,17 +1,23 @@
 // Package failpoint lets crash tests kill a real process at a named point,
-// or force an error there.
+// or make PostgreSQL fail a statement there.
 //
-// Failpoints are compiled in always and cost one map lookup when unset. Set
-// OUTBOXRELAY_FAILPOINT to a comma-separated list of names; the process kills
-// itself with SIGKILL (no deferred functions, no rollback message, exactly
-// like a power cut of the client) when it reaches one ([Hit]), or the point
-// returns [ErrInjected] ([Error]). "name@N" fires on the Nth time the point
-// is reached (1-based), so a test can let some chunks commit before the
+// Failpoints exist only in test builds. The product packages reach this
+// package through a small file built with the failpoint build tag
+// (batch/failpoint_on.go, sink/failpoint_on.go, manifest/failpoint_on.go);
+// without the tag their hooks are empty functions and this package is not
+// linked, so a release binary neither reads OUTBOXRELAY_FAILPOINT nor holds
+// the word. Test binaries are built with the tag by internal/testproc.
+//
+// Set OUTBOXRELAY_FAILPOINT to a comma-separated list of names; the process
+// kills itself with SIGKILL (no deferred functions, no rollback message,
+// exactly like a power cut of the client) when it reaches one ([Hit]), or
+// the point reports that it fires ([Fires]) and the caller makes the
+// failure happen for real. "name@N" fires on the Nth time the point is
+// reached (1-based), so a test can let some chunks commit before the
 // crash; a name may be listed several times ("p@2,p@5").
 package failpoint
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -22,9 +28,6 @@ import (
 
 // EnvVar names the environment variable read at start.
 const EnvVar = "OUTBOXRELAY_FAILPOINT"
-
-// ErrInjected is the error an armed [Error] point returns.
-var ErrInjected = errors.New("failpoint: injected error")
 
 var (
 	mu     sync.Mutex
@@ -80,12 +83,14 @@ func Hit(name string) {
 	select {} // SIGKILL is not deliverable late; never return.
 }
 
-// Error returns an error wrapping [ErrInjected] if the failpoint name is
-// armed and reached for the configured time, else nil.
-func Error(name string) error {
+// Fires reports whether the failpoint name is armed and reached for the
+// configured time, and logs it when it is. The caller then makes a real
+// failure (e.g. a statement PostgreSQL rejects), so the code under test
+// classifies an error it can meet in production, not a test's own.
+func Fires(name string) bool {
 	if !reached(name) {
-		return nil
+		return false
 	}
 	fmt.Fprintf(os.Stderr, "failpoint %s: injecting an error\n", name)
-	return fmt.Errorf("%w at %s", ErrInjected, name)
+	return true
 }

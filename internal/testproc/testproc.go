@@ -24,8 +24,8 @@ var (
 	binDir  string
 )
 
-// Build compiles ./cmd/<name> (with -race when the test binary has it) once
-// and returns the path of the binary.
+// Build compiles ./cmd/<name> with the failpoint build tag (and -race when
+// the test binary has it) once and returns the path of the binary.
 func Build(tb testing.TB, name string) string {
 	tb.Helper()
 	buildMu.Lock()
@@ -41,7 +41,8 @@ func Build(tb testing.TB, name string) string {
 		binDir = d
 	}
 	out := filepath.Join(binDir, name)
-	args := []string{"build", "-o", out}
+	// The failpoint tag compiles in the hooks crash tests arm (internal/failpoint).
+	args := []string{"build", "-tags", "failpoint", "-o", out}
 	if raceEnabled {
 		args = append(args, "-race")
 	}
@@ -52,6 +53,21 @@ func Build(tb testing.TB, name string) string {
 		tb.Fatalf("go build %s: %v\n%s", name, err, b)
 	}
 	built[name] = out
+	return out
+}
+
+// BuildRelease compiles ./cmd/<name> as the Dockerfile does (no build tags,
+// no cgo, trimmed paths, no symbol table) into a new directory of the test
+// and returns the path of the binary.
+func BuildRelease(tb testing.TB, name string) string {
+	tb.Helper()
+	out := filepath.Join(tb.TempDir(), name)
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", out, "./cmd/"+name)
+	cmd.Dir = stack.RepoRoot()
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		tb.Fatalf("go build %s: %v\n%s", name, err, b)
+	}
 	return out
 }
 

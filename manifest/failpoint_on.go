@@ -1,0 +1,8 @@
+//go:build failpoint
+
+package manifest
+
+import "github.com/outboxrelay/outboxrelay/internal/failpoint"
+
+// hit kills the process at the named point when a test armed it.
+func hit(name string) { failpoint.Hit(name) }
