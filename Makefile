@@ -23,10 +23,10 @@ build: ## build the three binaries into bin/
 	$(GO) build -o bin/ ./cmd/batcher ./cmd/publisher ./cmd/indexer
 
 .PHONY: test
-test: test-alerts ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round)
+test: test-alerts test-fuzz ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round)
 	@$(WITH_STACK) $(STACK) versions && \
 	eval "$$(bench/peers/setup.sh)" && \
-	$(GO) test $(TEST_FLAGS) -v -run 'Smoke' ./internal/stack/ && \
+	$(GO) test $(TEST_FLAGS) -v -run 'Smoke|PostgresApart' ./internal/stack/ && \
 	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v -e '/internal/stack$$' -e '/outboxrelay/e2e$$') && \
 	$(GO) test $(TEST_FLAGS) ./e2e/
 
@@ -35,6 +35,17 @@ test-alerts: ## check the Prometheus alert rules and run their unit tests (promt
 	@scripts/stack/prometheus.sh version >/dev/null # installs Debian's prometheus (promtool) when missing
 	promtool check rules deploy/prometheus/alerts.yml
 	cd deploy/prometheus && promtool test rules alerts_test.yml
+
+# Each fuzz target, its package: `go test -fuzz` takes one target at a time.
+FUZZ_TARGETS := FuzzValidJSON:./internal/jsonvalid/ FuzzParseSpec:./batch/
+FUZZ_TIME    ?= 20s
+
+.PHONY: test-fuzz
+test-fuzz: ## run each fuzz target for FUZZ_TIME (20s) beyond its seed corpus; a failing input lands in testdata/fuzz
+	@for t in $(FUZZ_TARGETS); do \
+	  echo "fuzz: $${t%%:*} for $(FUZZ_TIME)"; \
+	  $(GO) test -run '^$$' -fuzz "^$${t%%:*}$$" -fuzztime $(FUZZ_TIME) "$${t#*:}" || exit 1; \
+	done
 
 .PHONY: test-short
 test-short: ## run the tests that need no server

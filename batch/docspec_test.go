@@ -48,9 +48,12 @@ func TestDocumentChangeNeedsVersionBump(t *testing.T) {
 	bumped := writeSpec(t, spec(upper, func(s *batch.Spec) { s.ProcessorVersion = "v2" }))
 	p = cmd("run", "--spec", bumped)
 	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+	// The expected title is computed from the source row, not from the
+	// document: "  Title 7  " must be stored as "TITLE 7".
 	var v2, upperTitles int
-	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE processor_version = 'v2'),
-		count(*) FILTER (WHERE document->>'title' = upper(document->>'title')) FROM normalized_records`).Scan(&v2, &upperTitles))
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE n.processor_version = 'v2'),
+		count(*) FILTER (WHERE n.document->>'title' = upper(btrim(s.payload->>'title')))
+		FROM normalized_records n JOIN source_records s ON s.id::text = n.source_id`).Scan(&v2, &upperTitles))
 	require.Equal(t, 1000, v2)
 	require.Equal(t, 1000, upperTitles)
 }

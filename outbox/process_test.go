@@ -3,6 +3,8 @@ package outbox_test
 import (
 	"context"
 	"math/rand/v2"
+	"os"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -66,11 +68,28 @@ func TestPublishThreeProcesses(t *testing.T) {
 	require.Zero(t, outboxCount(t, pool), "the outbox holds nothing once published")
 }
 
+// chaosSeedEnv replays TestPublishChaos's choice of victims and pauses.
+const chaosSeedEnv = "OUTBOXRELAY_CHAOS_SEED"
+
 // Chaos: events are written while a random publisher is SIGKILLed every
-// ~2 s and restarted. Nothing is lost and per-key order holds.
+// ~2 s and restarted. Nothing is lost and per-key order holds. The victims
+// and pauses come from a seed the test prints (replay: chaosSeedEnv).
 func TestPublishChaos(t *testing.T) {
 	t.Parallel()
 	const keys, chunk, chunks = 500, 1_000, 40
+	seed := uint64(time.Now().UnixNano())
+	if v := os.Getenv(chaosSeedEnv); v != "" {
+		var err error
+		seed, err = strconv.ParseUint(v, 10, 64)
+		require.NoError(t, err, chaosSeedEnv)
+	}
+	t.Logf("seed %d (replay with %s=%d)", seed, chaosSeedEnv, seed)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("FAILED with seed %d: replay with %s=%d", seed, chaosSeedEnv, seed)
+		}
+	})
+	rng := rand.New(rand.NewPCG(seed, 0))
 	bin := testproc.Build(t, "publisher")
 	brokers := stack.KafkaBrokers(t)
 	dbURL := stack.Database(t)
@@ -97,9 +116,9 @@ chaos:
 		select {
 		case <-chaosEnd:
 			break chaos
-		case <-time.After(time.Duration(1500+rand.IntN(1500)) * time.Millisecond):
+		case <-time.After(time.Duration(1500+rng.IntN(1500)) * time.Millisecond):
 		}
-		i := rand.IntN(len(procs))
+		i := rng.IntN(len(procs))
 		require.NoError(t, procs[i].Signal(syscall.SIGKILL))
 		_ = procs[i].Wait(10 * time.Second)
 		require.True(t, procs[i].Killed())
