@@ -82,8 +82,8 @@ type Follower struct {
 }
 
 // NewFollower checks that the job can be followed and the configs; the
-// database checks happen in [Follower.Run]. cfg.RunID and cfg.MaxChunks
-// must be unset (every run is a new one; a follower does not stop by
+// database checks happen in [Follower.Run]. cfg.RunID, cfg.MaxChunks and
+// cfg.Partition must be unset (every run is a new one; a follower does not stop by
 // itself); cfg.Restart applies to the first run only.
 func NewFollower(pool *pgxpool.Pool, spec Spec, cfg Config, fc FollowConfig) (*Follower, error) {
 	spec = spec.withDefaults()
@@ -95,6 +95,11 @@ func NewFollower(pool *pgxpool.Pool, spec Spec, cfg Config, fc FollowConfig) (*F
 		return nil, fmt.Errorf("follow job %s: run id %s: a follower starts a new run each time; leave the run id unset", spec.Job, cfg.RunID)
 	case cfg.MaxChunks != 0:
 		return nil, fmt.Errorf("follow job %s: max chunks %d: a follower does not stop by itself; leave it 0", spec.Job, cfg.MaxChunks)
+	case cfg.Partition != "":
+		// A run is finished when all its partitions are, and the next run
+		// starts only then: a follower of one partition would finish its
+		// own and wait for the others for good.
+		return nil, fmt.Errorf("follow job %s: partition %s: a follower works on every partition of its runs; leave the partition unset and start several followers, which share the partitions through leases", spec.Job, cfg.Partition)
 	case fc.PollInterval < 0:
 		return nil, fmt.Errorf("follow job %s: poll interval %s: want > 0 (0 = default %s)", spec.Job, fc.PollInterval, DefaultFollowPoll)
 	}

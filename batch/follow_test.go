@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/testproc"
 )
 
 func incremental(job string) batch.Spec {
@@ -281,4 +282,52 @@ func TestFollowMinIntervalGathersABusyTablesChanges(t *testing.T) {
 	for i := len(starts) - runs + 1; i < len(starts); i++ {
 		require.GreaterOrEqual(t, starts[i].Sub(starts[i-1]), floor/2, "runs %d and %d of the window", i-1, i)
 	}
+}
+
+// A follower of one partition would finish its partition's run and then
+// wait for the run's other partitions for good (#26: it stalled after its
+// own partition succeeded), so --follow with a partition is refused at
+// start, naming the setting.
+func TestFollowWithOnePartitionIsRefused(t *testing.T) {
+	t.Parallel()
+	_, err := batch.NewFollower(nil, incremental("x"), batch.Config{Partition: "t0"}, batch.FollowConfig{})
+	require.ErrorContains(t, err, "partition t0")
+
+	bin := testproc.Build(t, "batcher")
+	url, pool := newDB(t)
+	seed(t, pool, 0, 100, 1, 2)
+	specFile := writeSpec(t, spec(func(s *batch.Spec) {
+		s.Mode = batch.ModeIncremental
+		s.Vanished = batch.VanishedKeep
+		s.Source.Cursor = []string{"change_seq"}
+		s.Source.Partition = "tenant_id"
+	}))
+	p := testproc.Run(t, time.Minute, bin, env(url, "BATCH_PARTITION=t0"), "run", "--spec", specFile, "--follow")
+	require.Equal(t, 2, p.ExitCode(), p.Stderr())
+	require.Contains(t, p.Stderr(), "--follow with --partition (BATCH_PARTITION) t0")
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM batch_runs`), "refused before any run was created")
+}
+
+// --restart of an incremental job starts a new run from the beginning of
+// the change column, as a full job's does (#26: it started from the last
+// succeeded boundary and read nothing).
+func TestRestartOfIncrementalJobStartsFromTheBeginning(t *testing.T) {
+	t.Parallel()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 1000, 1, 1)
+	s := incremental("records")
+	s.Vanished = batch.VanishedKeep
+	_, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Equal(t, int64(1000), count(t, pool, "records").Processed)
+
+	_, err = run(t, pool, s, batch.Config{StartOptions: batch.StartOptions{Restart: true}})
+	require.NoError(t, err)
+	require.Equal(t, int64(1000), count(t, pool, "records").Processed, "the restarted run read every row again")
+	require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs WHERE job = 'records' AND start_cursor IS NULL`), "both runs start at the beginning")
+
+	// Without --restart the next run starts where the last one ended.
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Zero(t, count(t, pool, "records").Processed)
 }

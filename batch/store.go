@@ -194,8 +194,9 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	starts := make([][]string, len(keys))
 	for i, key := range keys {
 		var start []string
-		if s.Mode == ModeIncremental {
-			// An incremental run starts where the previous one's boundary was.
+		if s.Mode == ModeIncremental && !opts.Restart {
+			// An incremental run starts where the previous one's boundary
+			// was; a restart starts from the beginning.
 			err := tx.QueryRow(ctx, previousBoundarySQL,
 				s.Job, key, s.ProcessorVersion, scope.Hash()).Scan(&start)
 			if err != nil && !errors.Is(err, pgx.ErrNoRows) {

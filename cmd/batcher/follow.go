@@ -38,6 +38,8 @@ func (f followFlags) validate(c runConfig) error {
 		return cli.UsageError("--follow with --run-id %s: a follower starts a new run each time", c.RunID)
 	case c.MaxChunks != 0:
 		return cli.UsageError("--follow with MAX_CHUNKS=%d: a follower does not stop by itself", c.MaxChunks)
+	case c.Partition != "":
+		return cli.UsageError("--follow with --partition (BATCH_PARTITION) %s: a follower works on every partition of the job's runs (a run ends when all its partitions do); leave it unset and start several followers, which share the partitions through leases", c.Partition)
 	case f.Poll <= 0:
 		return cli.UsageError("FOLLOW_POLL=%s: want > 0", f.Poll)
 	case f.MinInterval < 0:
