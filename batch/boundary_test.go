@@ -249,3 +249,59 @@ func TestIncrementalRefusesACachedSequence(t *testing.T) {
 	require.ErrorIs(t, err, batch.ErrSpec)
 	require.ErrorContains(t, err, "CACHE 5")
 }
+
+// An incremental job's change column must be an integer a sequence sets:
+// a clock value (updated_at) is taken when a transaction starts or a row
+// is written, and such a transaction can commit after a run's boundary
+// passed it, below the boundary, and is skipped for good (#26 item 4). It
+// is refused at start, saying why and what to use.
+func TestIncrementalRefusesAClockChangeColumn(t *testing.T) {
+	t.Parallel()
+	_, pool := newDB(t)
+	for _, tc := range []struct{ cursor []string }{
+		{cursor: []string{"created_at", "id"}},
+		{cursor: []string{"created_at"}},
+	} {
+		s := spec(func(s *batch.Spec) {
+			s.Job = "records-clock"
+			s.Mode = batch.ModeIncremental
+			s.Vanished = batch.VanishedKeep
+			s.Source.Cursor = tc.cursor
+		})
+		_, err := run(t, pool, s, batch.Config{})
+		require.ErrorIs(t, err, batch.ErrSpec, "cursor %v", tc.cursor)
+		require.ErrorContains(t, err, `source.cursor[0] "created_at" of incremental job records-clock is timestamp with time zone`)
+		require.ErrorContains(t, err, "a bigint column set from a sequence on every change")
+	}
+}
+
+// TRUNCATE ... RESTART IDENTITY (or ALTER SEQUENCE ... RESTART) puts every
+// new change value below the last run's boundary, where an incremental run
+// would never read it (#26 item 4). The next run fails loudly, naming the
+// sequence and the remedy; --restart reads the job from the beginning.
+func TestIncrementalRefusesARestartedSequence(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 500, 1, 1)
+	s := spec(func(s *batch.Spec) {
+		s.Job = "records-restarted"
+		s.Mode = batch.ModeIncremental
+		s.Vanished = batch.VanishedKeep
+		s.Source.Cursor = []string{"change_seq"}
+	})
+	_, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+
+	_, err = pool.Exec(ctx, `TRUNCATE source_records; ALTER SEQUENCE source_records_change_seq RESTART`)
+	require.NoError(t, err)
+	seed(t, pool, 1000, 200, 1, 1)
+	_, err = run(t, pool, s, batch.Config{})
+	require.ErrorIs(t, err, batch.ErrCheckpointIncompatible)
+	require.ErrorContains(t, err, `sequence source_records_change_seq of source.cursor[0] "change_seq" is at 200, below the last run's boundary 500`)
+	require.ErrorContains(t, err, "StartOptions.Restart")
+
+	_, err = run(t, pool, s, batch.Config{StartOptions: batch.StartOptions{Restart: true}})
+	require.NoError(t, err)
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM source_records s LEFT JOIN normalized_records n ON n.source_id = s.id::text AND n.source_version = s.version WHERE n.source_id IS NULL`), "every new row normalized")
+}

@@ -131,6 +131,9 @@ type compiled struct {
 	types map[string]string // column -> format_type
 	cur   []string          // quoted cursor columns, "s"."col"
 	curT  []string          // their types, with the column's collation when not the default
+	// seqs fill an incremental job's change column (as regclass text):
+	// its DEFAULT's and an identity or serial column's own.
+	seqs []string
 
 	boundary   stmt // args: start, pkey
 	partitions stmt
@@ -230,11 +233,16 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 			return nil, fmt.Errorf("%w: document.fields[%d].from %q: column %q is %s, a key path needs jsonb", ErrSpec, i, f.From, root, types[root])
 		}
 	}
+	if s.Mode == ModeIncremental {
+		if err := checkChangeType(s, types[s.Source.Cursor[0]]); err != nil {
+			return nil, err
+		}
+	}
 	if err := checkCursor(ctx, db, s); err != nil {
 		return nil, err
 	}
 	if s.Mode == ModeIncremental {
-		if err := checkChangeColumn(ctx, db, s); err != nil {
+		if c.seqs, err = checkChangeColumn(ctx, db, s); err != nil {
 			return nil, err
 		}
 	}
@@ -325,6 +333,23 @@ UNION
 SELECT sq.seqrelid::regclass::text, sq.seqcache FROM pg_sequence sq
 WHERE sq.seqrelid = pg_get_serial_sequence($1, $2)::regclass`
 
+// checkChangeType refuses an incremental change column (the first cursor
+// column, of type typ) whose values are not taken in commit order: a run
+// reads past the highest value it saw, so a value taken before a run's
+// boundary and committed after it is never read.
+func checkChangeType(s Spec, typ string) error {
+	why := "its values are not handed out in commit order"
+	switch {
+	case typ == "smallint" || typ == "integer" || typ == "bigint":
+		return nil
+	case strings.HasPrefix(typ, "timestamp") || strings.HasPrefix(typ, "time ") || typ == "time" || typ == "date":
+		why = "a clock value is taken before its transaction commits (now() when it starts), so a transaction that commits after a run's boundary can land below it and is never read"
+	}
+	return fmt.Errorf("%w: source.cursor[0] %q of incremental job %s is %s: %s; "+
+		"use a bigint column set from a sequence on every change (DEFAULT nextval(...) and a BEFORE UPDATE trigger, as in the demo's source_records.change_seq), or use full mode",
+		ErrSpec, s.Source.Cursor[0], s.Job, typ, why)
+}
+
 // checkChangeColumn checks what can be checked of the incremental mode's
 // requirement on its change column (the first cursor column): values must
 // become visible in the order they are taken, up to the writers open when
@@ -332,11 +357,12 @@ WHERE sq.seqrelid = pg_get_serial_sequence($1, $2)::regclass`
 // values (CACHE > 1) breaks that: a session may commit a value far below
 // what others committed long before. A trigger's nextval() cannot be seen
 // from the catalog; the spec's doc says what it needs.
-func checkChangeColumn(ctx context.Context, db querier, s Spec) error {
+// It returns the sequences it found.
+func checkChangeColumn(ctx context.Context, db querier, s Spec) ([]string, error) {
 	col := s.Source.Cursor[0]
 	rows, err := db.Query(ctx, changeSeqSQL, q(s.Source.Schema, s.Source.Table), col)
 	if err != nil {
-		return fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
+		return nil, fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
 	}
 	type seq struct {
 		Name  string
@@ -344,14 +370,54 @@ func checkChangeColumn(ctx context.Context, db querier, s Spec) error {
 	}
 	seqs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[seq])
 	if err != nil {
-		return fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
+		return nil, fmt.Errorf("read the sequence of %s.%s.%s: %w", s.Source.Schema, s.Source.Table, col, err)
 	}
+	var names []string
 	for _, sq := range seqs {
+		names = append(names, sq.Name)
 		if sq.Cache > 1 {
-			return fmt.Errorf("%w: source.cursor[0] %q of incremental job %s is filled from sequence %s with CACHE %d: "+
+			return nil, fmt.Errorf("%w: source.cursor[0] %q of incremental job %s is filled from sequence %s with CACHE %d: "+
 				"a session hands out cached values long after others committed higher ones, so an incremental run can pass "+
 				"a row before it commits and never read it; run ALTER SEQUENCE %s CACHE 1, or use full mode",
 				ErrSpec, col, s.Job, sq.Name, sq.Cache, sq.Name)
+		}
+	}
+	return names, nil
+}
+
+// sequenceBelowSQL returns the last value of sequence $1 when it is below
+// $2 (a change value); nothing when it is not, or when the sequence has
+// not handed out a value since it was created or restarted (or this role
+// may not read it).
+const sequenceBelowSQL = `SELECT last_value::text FROM pg_sequences
+WHERE (quote_ident(schemaname) || '.' || quote_ident(sequencename))::regclass = $1::regclass AND last_value < $2::text::numeric`
+
+// checkSequencesPast refuses to start an incremental run at start (the
+// last run's boundary) when a sequence that fills the change column is
+// below it: it was restarted (TRUNCATE ... RESTART IDENTITY, ALTER
+// SEQUENCE ... RESTART, setval), and every value it hands out now is below
+// the boundary, where no incremental run reads.
+func (c *compiled) checkSequencesPast(ctx context.Context, db querier, key string, start []string) error {
+	if len(start) == 0 {
+		return nil
+	}
+	s := c.spec
+	for _, seq := range c.seqs {
+		var last string
+		err := db.QueryRow(ctx, sequenceBelowSQL, seq, start[0]).Scan(&last)
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("read sequence %s of job %s: %w", seq, s.Job, err)
+		}
+		return &IncompatibleError{
+			Problem: fmt.Sprintf("sequence %s of source.cursor[0] %q is at %s, below the last run's boundary %s (partition %q) of incremental job %s: "+
+				"it was restarted (TRUNCATE ... RESTART IDENTITY, ALTER SEQUENCE ... RESTART or setval), and the rows it numbers now would never be read",
+				seq, s.Source.Cursor[0], last, start[0], key, s.Job),
+			remedy: func(restart, _ string) string {
+				return "rerun with " + restart + " to read the job from the beginning, or move the sequence past " + start[0] + " (SELECT setval('" + seq + "', " + start[0] + "))"
+			},
 		}
 	}
 	return nil

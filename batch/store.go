@@ -202,6 +202,9 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 				return "", err
 			}
+			if err := c.checkSequencesPast(ctx, tx, key, start); err != nil {
+				return "", err
+			}
 		}
 		var boundary []string
 		if err := tx.QueryRow(ctx, c.boundary.sql, c.boundary.bind(&args{Start: start, PKey: key})...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
