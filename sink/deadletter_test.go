@@ -124,11 +124,14 @@ func fixtureTopic(t *testing.T, f *fixture, maxBytes int) string {
 }
 
 // The dead-letter writer gives up when the run ends, whatever the broker
-// does: here it accepts connections and never answers.
+// does: here it accepts connections and never answers. The write is still
+// waiting on it when the run ends, and returns the run's end (context
+// canceled) at once, not an error of its own.
 func TestDeadLetterWriteDoesNotHangShutdown(t *testing.T) {
 	t.Parallel()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
+	connected := make(chan struct{}) // closed on the writer's first connection
 	accepted := make(chan []net.Conn, 1)
 	go func() {
 		var conns []net.Conn // held open, never answered
@@ -137,6 +140,9 @@ func TestDeadLetterWriteDoesNotHangShutdown(t *testing.T) {
 			if err != nil {
 				accepted <- conns
 				return
+			}
+			if len(conns) == 0 {
+				close(connected)
 			}
 			conns = append(conns, c)
 		}
@@ -151,16 +157,28 @@ func TestDeadLetterWriteDoesNotHangShutdown(t *testing.T) {
 	w := newDeadLetterWriter(cfg)
 	defer w.Close()
 	ctx, cancel := context.WithCancel(context.Background())
-	time.AfterFunc(200*time.Millisecond, cancel) // SIGTERM
+	defer cancel()
 	d := parse(upsert("a", 1, docN(1)).message(), DefaultMaxDocumentBytes)
 	d.poison = &itemError{Code: "test", Reason: "test"}
 	done := make(chan error, 1)
-	start := time.Now()
 	go func() { done <- w.write(ctx, cfg, []*doc{d}) }()
 	select {
+	case <-connected: // the write waits on the silent broker
 	case err := <-done:
-		require.Error(t, err)
-		require.Less(t, time.Since(start), 2*time.Second, "returned %s after the context ended", time.Since(start)-200*time.Millisecond)
+		t.Fatalf("dead-letter write returned before the run ended: %v", err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the dead-letter writer never connected to the broker")
+	}
+	cancel() // SIGTERM
+	stopped := time.Now()
+	select {
+	case err := <-done:
+		require.Less(t, time.Since(stopped), 2*time.Second, "returned %s after the context ended", time.Since(stopped))
+		// Only the run's end, not a broker error, a timeout or a
+		// misclassified "too large" (whose message names
+		// DEAD_LETTER_MAX_BYTES).
+		require.ErrorIs(t, err, context.Canceled)
+		require.EqualError(t, err, fmt.Sprintf("write 1 message(s) to dead-letter topic %s: %v", cfg.DeadLetterTopic, context.Canceled))
 	case <-time.After(20 * time.Second):
 		t.Fatal("dead-letter write still blocked 20s after the context ended")
 	}
