@@ -3,6 +3,7 @@ package batch
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -237,7 +238,65 @@ func (f *Follower) Run(soft, hard context.Context) (*FollowSummary, error) {
 			return sum, err
 		}
 		mark, known = before, created
+		if created {
+			// Every value taken after before was read is above it, and
+			// the writers open when the run read its boundaries committed
+			// before it started; but one of those may have committed a
+			// value below before and above its partition's boundary
+			// (another partition, or a row outside the filter, held the
+			// table's newest value). Such a change would wait for the
+			// next write anywhere: look for it now.
+			past, err := r.changesPast(hard)
+			if err != nil {
+				return sum, err
+			}
+			known = !past
+		}
 	}
+}
+
+// runEndsSQL lists run $2's partitions with where each ended: its
+// boundary, or its start when it had nothing to read.
+const runEndsSQL = `SELECT partition_key, COALESCE(boundary, start_cursor) FROM batch_runs WHERE job = $1 AND logical_run_id = $2`
+
+// changesPast reports whether a row in scope has a change value past where
+// its partition ended in the run r worked on, or is in a partition the run
+// did not have: what the next run would read.
+func (r *Runner) changesPast(ctx context.Context) (bool, error) {
+	rows, err := r.pool.Query(ctx, runEndsSQL, r.spec.Job, r.runID)
+	if err != nil {
+		return false, fmt.Errorf("follow job %s: read the ends of run %s: %w", r.spec.Job, r.runID, err)
+	}
+	ends := map[string][]string{}
+	var key string
+	var end []string
+	if _, err := pgx.ForEachRow(rows, []any{&key, &end}, func() error { ends[key] = end; return nil }); err != nil {
+		return false, fmt.Errorf("follow job %s: read the ends of run %s: %w", r.spec.Job, r.runID, err)
+	}
+	keys := []string{""}
+	if r.spec.Source.Partition != "" {
+		keys = r.spec.Source.Partitions
+		if len(keys) == 0 {
+			rows, err := r.pool.Query(ctx, r.c.partitions.sql, r.c.partitions.bind(&args{})...)
+			if err != nil {
+				return false, fmt.Errorf("follow job %s: list partitions: %w", r.spec.Job, err)
+			}
+			if keys, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+				return false, fmt.Errorf("follow job %s: list partitions: %w", r.spec.Job, err)
+			}
+		}
+	}
+	for _, key := range keys {
+		var next []string
+		err := r.pool.QueryRow(ctx, r.c.boundary.sql, r.c.boundary.bind(&args{Start: ends[key], PKey: key})...).Scan(&next)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return false, fmt.Errorf("follow job %s: look past partition %q: %w", r.spec.Job, key, err)
+		}
+		if next != nil {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // prepare reads the change column's type (for the comparison with a stored

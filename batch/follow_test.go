@@ -331,3 +331,47 @@ func TestRestartOfIncrementalJobStartsFromTheBeginning(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, count(t, pool, "records").Processed)
 }
+
+// A change committed below what the follower saw as the table's newest
+// change value must not wait for a later write (#26 item 3): a writer
+// takes change_seq N in partition t0 and stays open; N+1 commits in t1
+// and wakes the follower, whose run reads t0's boundary below N and waits
+// for the writer; the writer commits N. The run ends with N unread (t0's
+// boundary is below it) while the table's newest value, N+1, was covered,
+// and nothing else is written: the follower must still read N at once.
+func TestFollowStrandsNoChangeBelowTheNewest(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 200, 1, 2) // ids 0, 7, 14, ...: t0 even rows, t1 odd rows
+	s := incremental("follow-strand")
+	s.Vanished = batch.VanishedKeep
+	s.Source.Partition = "tenant_id"
+	_, err := pool.Exec(ctx, batch.FollowTriggerSQL(s))
+	require.NoError(t, err)
+	// The poll is an hour: only a NOTIFY (one per committed write) or the
+	// follower's own look after a run can start the next run.
+	f := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{PollInterval: time.Hour, MinInterval: -1})
+	waitCaughtUp(t, pool, time.Minute, f)
+
+	writer, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer writer.Rollback(ctx)
+	_, err = writer.Exec(ctx, `UPDATE source_records SET payload = payload || '{"title": "held"}' WHERE id = 0`) // t0
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE source_records SET payload = payload || '{"title": "quick"}' WHERE id = 7`) // t1
+	require.NoError(t, err)
+
+	// The follower's run has read its boundaries and waits for the open
+	// writer: its session runs the open-writers query.
+	deadline := time.Now().Add(time.Minute)
+	for queryInt(t, pool, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()
+		AND query LIKE 'SELECT l.virtualtransaction, min(l.pid)%'`) == 0 {
+		require.True(t, time.Now().Before(deadline), "the follower never waited for the open writer")
+		time.Sleep(10 * time.Millisecond) // poll interval of the check, not a synchronization
+	}
+	require.NoError(t, writer.Commit(ctx))
+	waitCaughtUp(t, pool, 30*time.Second, f)
+	_, err = f.stop(t)
+	require.NoError(t, err)
+}
