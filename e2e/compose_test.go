@@ -37,7 +37,46 @@ type composeService struct {
 	DependsOn   map[string]map[string]any `yaml:"depends_on"`
 	Healthcheck map[string]any            `yaml:"healthcheck"`
 	Volumes     []string                  `yaml:"volumes"`
-	Secrets     []string                  `yaml:"secrets"`
+	Secrets     []composeRef              `yaml:"secrets"`
+	Configs     []composeRef              `yaml:"configs"`
+	Networks    []string                  `yaml:"networks"`
+	User        string                    `yaml:"user"`
+	Restart     string                    `yaml:"restart"`
+}
+
+// composeRef is a service's secret or config, in the short form (the name)
+// or the long one (source, target).
+type composeRef struct {
+	Source, Target string
+}
+
+func (r *composeRef) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind == yaml.ScalarNode {
+		r.Source = n.Value
+		return nil
+	}
+	var long struct {
+		Source string `yaml:"source"`
+		Target string `yaml:"target"`
+	}
+	if err := n.Decode(&long); err != nil {
+		return err
+	}
+	r.Source, r.Target = long.Source, long.Target
+	return nil
+}
+
+// path is where the container sees it: secrets under /run/secrets/,
+// configs at /<name>, unless the target is an absolute path.
+func (r composeRef) path(dir string) string {
+	switch {
+	case strings.HasPrefix(r.Target, "/"):
+		return r.Target
+	case r.Target != "":
+		return dir + r.Target
+	default:
+		return dir + r.Source
+	}
 }
 
 func loadCompose(t *testing.T, name string) composeFile {
