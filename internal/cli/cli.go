@@ -441,3 +441,7 @@ func takeWarnings() []string {
 	pending.w = nil
 	return w
 }
+
+// Stdout is the binaries' standard output: every secret registered with
+// package redact is masked in what the commands print (status, lists).
+var Stdout io.Writer = redact.Writer(os.Stdout)

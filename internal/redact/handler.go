@@ -3,6 +3,7 @@ package redact
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
 )
 
@@ -60,4 +61,24 @@ func attr(a slog.Attr) slog.Attr {
 		}
 	}
 	return slog.Attr{Key: a.Key, Value: v}
+}
+
+// Writer returns w with every registered secret value masked in each
+// Write (for the commands' standard output: status tables, JSON). A secret
+// split across two Writes is not seen; fmt, encoding/json and
+// text/tabwriter write a value (a table cell) in one Write.
+func Writer(w io.Writer) io.Writer { return &writer{w: w} }
+
+type writer struct{ w io.Writer }
+
+func (w *writer) Write(p []byte) (int, error) {
+	s := string(p)
+	m := String(s)
+	if m == s {
+		return w.w.Write(p)
+	}
+	if _, err := io.WriteString(w.w, m); err != nil {
+		return 0, err
+	}
+	return len(p), nil
 }

@@ -82,3 +82,20 @@ func TestHandlerMasksLogRecords(t *testing.T) {
 		require.Contains(t, out, "wrapped: bad password "+redact.Mask, format)
 	}
 }
+
+// The commands' standard output (status tables, JSON) masks registered
+// secrets too.
+func TestWriterMasks(t *testing.T) {
+	t.Cleanup(redact.Reset)
+	redact.Reset()
+	var buf bytes.Buffer
+	w := redact.Writer(&buf)
+	n, err := fmt.Fprintf(w, "error: %s\n", "st4tus-s3cret")
+	require.NoError(t, err)
+	require.Equal(t, len("error: st4tus-s3cret\n"), n)
+	redact.Add("st4tus-s3cret")
+	n, err = fmt.Fprintf(w, "error: %s\n", "st4tus-s3cret")
+	require.NoError(t, err)
+	require.Equal(t, len("error: st4tus-s3cret\n"), n)
+	require.Equal(t, "error: st4tus-s3cret\nerror: xxxxx\n", buf.String())
+}
