@@ -44,24 +44,25 @@ var (
 // URL hides the passwords of a connection string: a URL (several hosts or
 // several comma-separated URLs included) or a libpq key=value string, so
 // the result can be logged or shown in an error. A password in the user
-// info is taken to run from the user's ':' to the last '@' before the next
-// URL, and a password query parameter to the next '&' ('#' included), which
-// over-redacts rather than leaks.
+// info is taken to run from the user's ':' to the last '@' of the string
+// (with several URLs, from the first user's ':' to the last URL's '@': a
+// password may hold a comma or "://" too), and a password query parameter
+// to the next '&' ('#' included); this over-redacts rather than leaks.
 func URL(s string) string {
-	starts := urlStarts(s)
-	if len(starts) == 0 {
+	if !schemeRE.MatchString(s) {
 		return keyValue(s)
 	}
-	var b strings.Builder
-	b.WriteString(keyValue(s[:starts[0]]))
-	for i, st := range starts {
-		end := len(s)
-		if i+1 < len(starts) {
-			end = starts[i+1]
-		}
-		b.WriteString(urlSegment(s[st:end]))
+	if loc := schemeRE.FindStringIndex(strings.TrimSpace(s)); loc != nil && loc[0] == 0 {
+		// A URL: a "password=" in it is in the user info or a query.
+		return urlSegment(s)
 	}
-	return b.String()
+	// Text, or a key=value string (whose quoted password may hold
+	// "://"): its passwords first, then what looks like a URL.
+	s = keyValue(s)
+	if starts := urlStarts(s); len(starts) > 0 {
+		return s[:starts[0]] + urlSegment(s[starts[0]:])
+	}
+	return s
 }
 
 // urlStarts lists where URLs begin in s: a scheme followed by "://" at the
@@ -186,6 +187,9 @@ func AddConnString(s string) {
 	var secrets []string
 	starts := urlStarts(s)
 	if len(starts) > 0 {
+		// As URL reads it (one segment), and node by node (a list of
+		// search engine URLs, each with its user info).
+		secrets = append(secrets, urlSecrets(s[starts[0]:])...)
 		for i, st := range starts {
 			end := len(s)
 			if i+1 < len(starts) {
