@@ -282,7 +282,7 @@ func (f *FlagSet) Parse(args []string) ([]string, error) {
 	}
 	if err := f.fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			f.PrintUsage(os.Stdout)
+			f.PrintUsage(Stdout)
 			return nil, flag.ErrHelp
 		}
 		return nil, UsageError("%v (see --help)", err)
