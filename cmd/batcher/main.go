@@ -3,7 +3,6 @@ package main
 
 import (
 	"context"
-	"os"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 )
@@ -14,10 +13,10 @@ func main() {
 
 func commands() []cli.Command {
 	cmds := []cli.Command{
-		cli.MigrateCommand("batcher", os.Stdout),
+		cli.MigrateCommand("batcher", cli.Stdout),
 	}
-	cmds = append(cmds, scanCommands(os.Stdout)...)
+	cmds = append(cmds, scanCommands(cli.Stdout)...)
 	cmds = append(cmds, manifestCommands()...)
-	cmds = append(cmds, followCommands(os.Stdout)...)
-	return append(cmds, demoCommands(os.Stdout)...)
+	cmds = append(cmds, followCommands(cli.Stdout)...)
+	return append(cmds, demoCommands(cli.Stdout)...)
 }

@@ -17,7 +17,7 @@ import (
 
 // manifestCommands returns the `manifest ...` sub-commands (issue 4).
 func manifestCommands() []cli.Command {
-	return manifestCommandsTo(os.Stdout, os.Stdin)
+	return manifestCommandsTo(cli.Stdout, os.Stdin)
 }
 
 func manifestCommandsTo(stdout io.Writer, stdin io.Reader) []cli.Command {

@@ -3,7 +3,6 @@ package main
 
 import (
 	"context"
-	"os"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 )
@@ -14,14 +13,14 @@ func main() {
 
 func commands() []cli.Command {
 	return []cli.Command{
-		cli.MigrateCommand("indexer", os.Stdout),
+		cli.MigrateCommand("indexer", cli.Stdout),
 		runCommand(),
-		statusCommand(os.Stdout),
-		replayCommand(os.Stdout),
-		reindexCommand(os.Stdout),
-		reconcileCommand(os.Stdout),
-		cutoverCommand(os.Stdout),
-		rollbackCommand(os.Stdout),
-		dropCommand(os.Stdout),
+		statusCommand(cli.Stdout),
+		replayCommand(cli.Stdout),
+		reindexCommand(cli.Stdout),
+		reconcileCommand(cli.Stdout),
+		cutoverCommand(cli.Stdout),
+		rollbackCommand(cli.Stdout),
+		dropCommand(cli.Stdout),
 	}
 }

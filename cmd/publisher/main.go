@@ -4,13 +4,12 @@ package main
 import (
 	"context"
 	"io"
-	"os"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 )
 
 func main() {
-	cli.Main(context.Background(), "publisher", "drains the transactional outbox to Kafka, at-least-once and ordered per key", commands(os.Stdout))
+	cli.Main(context.Background(), "publisher", "drains the transactional outbox to Kafka, at-least-once and ordered per key", commands(cli.Stdout))
 }
 
 func commands(stdout io.Writer) []cli.Command {

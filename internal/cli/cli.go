@@ -14,9 +14,11 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"text/tabwriter"
 	"time"
 
+	"github.com/outboxrelay/outboxrelay/internal/redact"
 	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
 
@@ -96,10 +98,14 @@ func Dispatch(ctx context.Context, binary, about string, commands []Command, arg
 	// still buffered are flushed before the exit.
 	stopTracing, err := tracing.Setup(ctx, binary)
 	if err != nil {
-		fmt.Fprintf(stderr, "%s %s: %v\n", binary, cmd.Name, err)
+		fmt.Fprintf(stderr, "%s %s: %s\n", binary, cmd.Name, redact.String(err.Error()))
 		return ExitUsage
 	}
 	err = cmd.Run(ctx, rest)
+	// Warnings no logger has taken (a command that builds none).
+	for _, w := range takeWarnings() {
+		fmt.Fprintf(stderr, "%s %s: warning: %s\n", binary, cmd.Name, redact.String(w))
+	}
 	flushCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	_ = stopTracing(flushCtx) // an unreachable collector must not fail the command
 	cancel()
@@ -109,7 +115,9 @@ func Dispatch(ctx context.Context, binary, about string, commands []Command, arg
 	if errors.Is(err, flag.ErrHelp) {
 		return ExitOK
 	}
-	fmt.Fprintf(stderr, "%s %s: %v\n", binary, cmd.Name, err)
+	// The error may quote a secret (a driver's message, a setting's
+	// value): every known secret value is masked.
+	fmt.Fprintf(stderr, "%s %s: %s\n", binary, cmd.Name, redact.String(err.Error()))
 	var ee *ExitError
 	if errors.As(err, &ee) {
 		return ee.Code
@@ -135,6 +143,8 @@ type FlagSet struct {
 	lookup   func(string) (string, bool)
 	// files are the *_FILE forms of secrets, read at the end of Parse.
 	files []*secretFile
+	// warnings are the warnings of the last Parse.
+	warnings []string
 }
 
 type secretFile struct {
@@ -146,6 +156,12 @@ type setting struct {
 	flag, env, def, usage string
 	want                  string // what a valid value looks like, for errors
 	secret                bool
+	// conn marks a secret that is a connection string (its passwords are
+	// secret, not the whole string).
+	conn bool
+	// secretFile marks the name of a file holding a secret.
+	secretFile bool
+	value      *string // secret and secretFile settings
 }
 
 // NewFlagSet creates a set for "binary command"; synopsis is one line shown
@@ -171,10 +187,23 @@ func (f *FlagSet) String(p *string, name, env, def, usage string) {
 	f.add(name, env, def, usage)
 }
 
-// Secret is String whose value is never printed (defaults included).
+// Secret is String whose value is never printed (defaults included). The
+// value is registered with package redact, which masks it in every log line
+// and error; given as a flag it is a warning (see [FlagSet.Warnings]).
 func (f *FlagSet) Secret(p *string, name, env, def, usage string) {
 	f.String(p, name, env, def, usage)
-	f.settings[len(f.settings)-1].secret = true
+	s := f.settings[len(f.settings)-1]
+	s.secret, s.value = true, p
+}
+
+// SecretFile is String for the name of a file that holds a secret (a
+// password file, a private key) and that another package reads: a file its
+// group or others may read is a warning, and its content is registered
+// with package redact.
+func (f *FlagSet) SecretFile(p *string, name, env, usage string) {
+	f.String(p, name, env, "", usage)
+	s := f.settings[len(f.settings)-1]
+	s.secretFile, s.value = true, p
 }
 
 // SecretOrFile is Secret plus its file form, for connection strings:
@@ -184,6 +213,7 @@ func (f *FlagSet) Secret(p *string, name, env, def, usage string) {
 // an error.
 func (f *FlagSet) SecretOrFile(p *string, name, env, usage string) {
 	f.Secret(p, name, env, "", usage)
+	f.settings[len(f.settings)-1].conn = true
 	sf := &secretFile{dst: p, env: env}
 	f.files = append(f.files, sf)
 	fileEnv := ""
@@ -191,6 +221,8 @@ func (f *FlagSet) SecretOrFile(p *string, name, env, usage string) {
 		fileEnv = env + "_FILE"
 	}
 	f.String(&sf.file, name+"-file", fileEnv, "", "file holding --"+name+" (instead of "+env+")")
+	f.settings[len(f.settings)-1].secretFile = true
+	f.settings[len(f.settings)-1].value = &sf.file
 }
 
 // Int binds an int setting.
@@ -231,6 +263,7 @@ func (f *FlagSet) Duration(p *time.Duration, name, env string, def time.Duration
 // Parse applies environment variables, then flags. An environment variable
 // that does not parse is an error naming the variable and its value.
 func (f *FlagSet) Parse(args []string) ([]string, error) {
+	f.warnings = nil
 	for _, s := range f.settings {
 		if s.env == "" {
 			continue
@@ -249,11 +282,12 @@ func (f *FlagSet) Parse(args []string) ([]string, error) {
 	}
 	if err := f.fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			f.PrintUsage(os.Stdout)
+			f.PrintUsage(Stdout)
 			return nil, flag.ErrHelp
 		}
 		return nil, UsageError("%v (see --help)", err)
 	}
+	f.registerSecrets(args[:len(args)-len(f.fs.Args())])
 	for _, sf := range f.files {
 		if sf.file == "" {
 			continue
@@ -270,7 +304,9 @@ func (f *FlagSet) Parse(args []string) ([]string, error) {
 			return nil, UsageError("%s_FILE=%q: the file is empty", sf.env, sf.file)
 		}
 		*sf.dst = v
+		redact.AddConnString(v)
 	}
+	addWarnings(f.warnings)
 	return f.fs.Args(), nil
 }
 
@@ -298,3 +334,114 @@ func (f *FlagSet) PrintUsage(w io.Writer) {
 		fmt.Fprintf(w, "  --%s  (env %s, default %s)\n      %s\n", s.flag, env, def, s.usage)
 	}
 }
+
+// Warnings are the warnings of the last Parse: secrets given as flags,
+// secret files that others may read. They are also queued for the process:
+// [Common.Logger] logs them with the logger it builds, and [Dispatch]
+// prints those no logger took.
+func (f *FlagSet) Warnings() []string { return f.warnings }
+
+// registerSecrets registers the secret values with package redact, checks
+// the modes of secret files and warns about secrets given as flags.
+// parsed are the arguments the flags were parsed from.
+func (f *FlagSet) registerSecrets(parsed []string) {
+	// The flags given on the command line (Visit also lists those set
+	// from the environment).
+	onCmdline := map[string]bool{}
+	for _, a := range parsed {
+		if a == "--" {
+			break
+		}
+		if name, ok := strings.CutPrefix(a, "-"); ok {
+			name, _, _ = strings.Cut(strings.TrimPrefix(name, "-"), "=")
+			onCmdline[name] = true
+		}
+	}
+	for _, s := range f.settings {
+		if s.value == nil || *s.value == "" {
+			continue
+		}
+		v := *s.value
+		switch {
+		case s.secret && s.conn:
+			redact.AddConnString(v)
+			if onCmdline[s.flag] && redact.URL(v) != v {
+				f.warnFlag(s)
+			}
+		case s.secret:
+			redact.Add(v)
+			if onCmdline[s.flag] {
+				f.warnFlag(s)
+			}
+		case s.secretFile:
+			f.checkSecretFile(s, v)
+		}
+	}
+}
+
+// warnFlag warns that a secret was given on the command line.
+func (f *FlagSet) warnFlag(s *setting) {
+	instead := "set " + s.env + " instead"
+	for _, o := range f.settings {
+		if s.env != "" && o.env == s.env+"_FILE" {
+			instead = "set " + s.env + " or " + o.env + " instead"
+		}
+	}
+	if s.env == "" {
+		instead = "pass it in a file instead"
+	}
+	f.warnings = append(f.warnings, fmt.Sprintf("--%s is given on the command line, where every local user can read it (/proc/PID/cmdline, ps); %s", s.flag, instead))
+}
+
+// checkSecretFile warns when a secret file's group or others may read it,
+// and registers its content (as another package will read it: whole, or
+// with surrounding white space or a trailing newline dropped).
+func (f *FlagSet) checkSecretFile(s *setting, path string) {
+	name := s.env
+	if name == "" {
+		name = "--" + s.flag
+	}
+	if fi, err := os.Stat(path); err == nil {
+		// Group and others: the bits a Docker or Kubernetes secret
+		// mounted 0400/0600 does not have.
+		if m := fi.Mode().Perm(); m&0o077 != 0 {
+			who := "its group"
+			switch {
+			case m&0o070 == 0:
+				who = "others"
+			case m&0o007 != 0:
+				who = "its group and others"
+			}
+			f.warnings = append(f.warnings, fmt.Sprintf("%s=%q is readable by %s (mode %04o): chmod 600 the file (or mount the secret with mode 0400)", name, path, who, m))
+		}
+	}
+	if b, err := os.ReadFile(path); err == nil {
+		v := string(b)
+		redact.Add(v, strings.TrimSpace(v), strings.TrimRight(v, "\r\n"), strings.TrimSuffix(strings.TrimSuffix(v, "\n"), "\r"))
+	}
+}
+
+// pending are the warnings of every Parse not yet taken.
+var pending struct {
+	mu sync.Mutex
+	w  []string
+}
+
+func addWarnings(w []string) {
+	pending.mu.Lock()
+	defer pending.mu.Unlock()
+	pending.w = append(pending.w, w...)
+}
+
+// takeWarnings returns the queued warnings and empties the queue.
+func takeWarnings() []string {
+	pending.mu.Lock()
+	defer pending.mu.Unlock()
+	w := pending.w
+	pending.w = nil
+	return w
+}
+
+// Stdout is the binaries' standard output: every secret registered with
+// package redact is masked in what the commands print (status, lists).
+var Stdout io.Writer = redact.Writer(os.Stdout)

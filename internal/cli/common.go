@@ -34,11 +34,15 @@ func (c *Common) RegisterLogging(fs *FlagSet) {
 	fs.String(&c.LogLevel, "log-level", "LOG_LEVEL", "info", "log level: debug, info, warn or error")
 }
 
-// Logger builds the logger on stderr.
+// Logger builds the logger on stderr (it masks every secret registered with
+// package redact) and logs the settings' warnings with it.
 func (c *Common) Logger() (*slog.Logger, error) {
 	l, err := logging.New(os.Stderr, logging.Options{Format: c.LogFormat, Level: c.LogLevel})
 	if err != nil {
 		return nil, UsageError("%v", err)
+	}
+	for _, w := range takeWarnings() {
+		l.Warn(w)
 	}
 	return l, nil
 }

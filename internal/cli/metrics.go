@@ -24,7 +24,7 @@ func (m *Metrics) RegisterMetrics(fs *FlagSet, defaultAddr string) {
 	fs.String(&m.Addr, "metrics-addr", "METRICS_ADDR", defaultAddr, `address for /metrics, /healthz and /readyz ("" disables; 0.0.0.0:PORT for a remote Prometheus)`)
 	fs.String(&m.Username, "metrics-username", "METRICS_USERNAME", "", "require HTTP basic auth with this user on /metrics (with METRICS_PASSWORD or METRICS_PASSWORD_FILE)")
 	fs.Secret(&m.Password, "metrics-password", "METRICS_PASSWORD", "", "password of METRICS_USERNAME")
-	fs.String(&m.PasswordFile, "metrics-password-file", "METRICS_PASSWORD_FILE", "", "file holding the password of METRICS_USERNAME (instead of METRICS_PASSWORD)")
+	fs.SecretFile(&m.PasswordFile, "metrics-password-file", "METRICS_PASSWORD_FILE", "file holding the password of METRICS_USERNAME (instead of METRICS_PASSWORD)")
 }
 
 // Endpoint checks the settings and returns what metrics.Serve needs.

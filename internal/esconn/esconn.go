@@ -25,6 +25,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"regexp"
 	"strings"
 	"syscall"
 	"time"
@@ -58,12 +59,12 @@ type Settings struct {
 func (s *Settings) Register(fs *cli.FlagSet) {
 	fs.String(&s.Username, "elasticsearch-username", "ELASTICSEARCH_USERNAME", "", "basic auth user for the search engine (or user info in ELASTICSEARCH_URL)")
 	fs.Secret(&s.Password, "elasticsearch-password", "ELASTICSEARCH_PASSWORD", "", "basic auth password (prefer --elasticsearch-password-file)")
-	fs.String(&s.PasswordFile, "elasticsearch-password-file", "ELASTICSEARCH_PASSWORD_FILE", "", "file holding the basic auth password (Docker/Kubernetes secret)")
+	fs.SecretFile(&s.PasswordFile, "elasticsearch-password-file", "ELASTICSEARCH_PASSWORD_FILE", "file holding the basic auth password (Docker/Kubernetes secret)")
 	fs.Secret(&s.APIKey, "elasticsearch-api-key", "ELASTICSEARCH_API_KEY", "", `API key sent as "Authorization: ApiKey …" (the encoded value, or id:api_key)`)
-	fs.String(&s.APIKeyFile, "elasticsearch-api-key-file", "ELASTICSEARCH_API_KEY_FILE", "", "file holding the API key")
+	fs.SecretFile(&s.APIKeyFile, "elasticsearch-api-key-file", "ELASTICSEARCH_API_KEY_FILE", "file holding the API key")
 	fs.String(&s.CAFile, "elasticsearch-ca-file", "ELASTICSEARCH_CA_FILE", "", `PEM file of the CA(s) that sign the engine's certificate ("" = system roots)`)
 	fs.String(&s.CertFile, "elasticsearch-cert-file", "ELASTICSEARCH_CERT_FILE", "", "PEM client certificate (with --elasticsearch-key-file)")
-	fs.String(&s.KeyFile, "elasticsearch-key-file", "ELASTICSEARCH_KEY_FILE", "", "PEM private key of --elasticsearch-cert-file")
+	fs.SecretFile(&s.KeyFile, "elasticsearch-key-file", "ELASTICSEARCH_KEY_FILE", "PEM private key of --elasticsearch-cert-file")
 }
 
 // Conn is what the search engine client needs.
@@ -88,11 +89,18 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 		userInfo *url.Userinfo
 		err      error
 	)
-	for _, raw := range strings.Split(rawURL, ",") {
+	for _, raw := range splitURLs(rawURL) {
 		raw = strings.TrimSpace(raw)
 		u, perr := url.Parse(raw)
 		if perr != nil || u.Scheme == "" || u.Host == "" {
 			return nil, cli.UsageError("ELASTICSEARCH_URL=%q: want a URL such as https://127.0.0.1:9200, or several nodes' URLs separated by commas", redact.URL(raw))
+		}
+		// An unescaped '#', '?' or '/' in the password makes url.Parse
+		// read "user:" as the host and the rest as a fragment, a query
+		// or a path: the URL would name another host and be printed
+		// with the password.
+		if strings.Contains(raw, "#") || strings.Contains(u.RawQuery, "@") || strings.Contains(u.Path, "@") {
+			return nil, cli.UsageError("ELASTICSEARCH_URL=%q: percent-encode '#', '?', '/' and '@' in the user info (or set ELASTICSEARCH_USERNAME and ELASTICSEARCH_PASSWORD_FILE); a node URL has no fragment", redact.URL(raw))
 		}
 		if u.User != nil {
 			if userInfo != nil && userInfo.String() != u.User.String() {
@@ -128,8 +136,10 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 			return nil, err
 		}
 	}
+	redact.Add(pass, apiKey)
 	if strings.Contains(apiKey, ":") {
 		apiKey = base64.StdEncoding.EncodeToString([]byte(apiKey))
+		redact.Add(apiKey)
 	}
 	var auth, describe string
 	switch {
@@ -187,6 +197,23 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 	}
 	conn.URL = strings.Join(conn.urls, ",")
 	return conn, nil
+}
+
+// nodeSepRE is a comma that separates two nodes' URLs: one followed by a
+// scheme. Any other comma (in a password) belongs to the URL.
+var nodeSepRE = regexp.MustCompile(`,\s*[A-Za-z][A-Za-z0-9+.-]*://`)
+
+// splitURLs splits ELASTICSEARCH_URL into the nodes' URLs.
+func splitURLs(raw string) []string {
+	var out []string
+	for {
+		loc := nodeSepRE.FindStringIndex(raw)
+		if loc == nil {
+			return append(out, raw)
+		}
+		out = append(out, raw[:loc[0]])
+		raw = raw[loc[0]+1:]
+	}
 }
 
 func readSecret(setting, file string) (string, error) {

@@ -37,6 +37,7 @@ import (
 	"github.com/segmentio/kafka-go/sasl/scram"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/redact"
 )
 
 // Mechanism names accepted by KAFKA_SASL_MECHANISM (case-insensitive).
@@ -77,13 +78,13 @@ func (s *Settings) Register(fs *cli.FlagSet) {
 	fs.Bool(&s.TLS, "kafka-tls", "KAFKA_TLS", false, "connect to Kafka over TLS (implied by any --kafka-tls-*-file)")
 	fs.String(&s.CAFile, "kafka-tls-ca-file", "KAFKA_TLS_CA_FILE", "", `PEM file of the CA(s) that sign the brokers' certificates ("" = system roots)`)
 	fs.String(&s.CertFile, "kafka-tls-cert-file", "KAFKA_TLS_CERT_FILE", "", "PEM client certificate for mTLS (with --kafka-tls-key-file)")
-	fs.String(&s.KeyFile, "kafka-tls-key-file", "KAFKA_TLS_KEY_FILE", "", "PEM private key of --kafka-tls-cert-file")
+	fs.SecretFile(&s.KeyFile, "kafka-tls-key-file", "KAFKA_TLS_KEY_FILE", "PEM private key of --kafka-tls-cert-file")
 	fs.Bool(&s.InsecureSkipVerify, "kafka-tls-insecure-skip-verify", "KAFKA_TLS_INSECURE_SKIP_VERIFY", false, "DANGEROUS: accept any broker certificate and name (logged as a warning)")
 	fs.String(&s.Mechanism, "kafka-sasl-mechanism", "KAFKA_SASL_MECHANISM", "", `SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 ("" = no SASL)`)
 	fs.String(&s.Username, "kafka-sasl-username", "KAFKA_SASL_USERNAME", "", "SASL user name")
 	fs.String(&s.UsernameFile, "kafka-sasl-username-file", "KAFKA_SASL_USERNAME_FILE", "", "file holding the SASL user name (instead of --kafka-sasl-username)")
 	fs.Secret(&s.Password, "kafka-sasl-password", "KAFKA_SASL_PASSWORD", "", "SASL password (prefer --kafka-sasl-password-file)")
-	fs.String(&s.PasswordFile, "kafka-sasl-password-file", "KAFKA_SASL_PASSWORD_FILE", "", "file holding the SASL password (Docker/Kubernetes secret)")
+	fs.SecretFile(&s.PasswordFile, "kafka-sasl-password-file", "KAFKA_SASL_PASSWORD_FILE", "file holding the SASL password (Docker/Kubernetes secret)")
 }
 
 // Security is what a Kafka construction site needs: nil fields mean
@@ -204,6 +205,7 @@ func (s Settings) mechanism() (sasl.Mechanism, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
+	redact.Add(pass) // masked in every log line and error from now on
 	name := strings.ToUpper(strings.TrimSpace(s.Mechanism))
 	if name == "" {
 		if user != "" || pass != "" {

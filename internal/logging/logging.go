@@ -8,6 +8,8 @@ import (
 	"log/slog"
 	"os"
 	"strings"
+
+	"github.com/outboxrelay/outboxrelay/internal/redact"
 )
 
 // Options select the format and level. Format is "json", "text" or "auto"
@@ -18,8 +20,17 @@ type Options struct {
 	Level  string
 }
 
-// New returns a logger writing to w.
+// New returns a logger writing to w. Every secret value registered with
+// package redact is masked in its records.
 func New(w io.Writer, opts Options) (*slog.Logger, error) {
+	h, err := newHandler(w, opts)
+	if err != nil {
+		return nil, err
+	}
+	return slog.New(redact.NewHandler(h)), nil
+}
+
+func newHandler(w io.Writer, opts Options) (slog.Handler, error) {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(cmpOr(opts.Level, "info"))); err != nil {
 		return nil, fmt.Errorf("LOG_LEVEL=%q: want debug, info, warn or error", opts.Level)
@@ -27,14 +38,14 @@ func New(w io.Writer, opts Options) (*slog.Logger, error) {
 	ho := &slog.HandlerOptions{Level: level}
 	switch strings.ToLower(cmpOr(opts.Format, "auto")) {
 	case "json":
-		return slog.New(slog.NewJSONHandler(w, ho)), nil
+		return slog.NewJSONHandler(w, ho), nil
 	case "text":
-		return slog.New(slog.NewTextHandler(w, ho)), nil
+		return slog.NewTextHandler(w, ho), nil
 	case "auto":
 		if IsTerminal(w) {
-			return slog.New(slog.NewTextHandler(w, ho)), nil
+			return slog.NewTextHandler(w, ho), nil
 		}
-		return slog.New(slog.NewJSONHandler(w, ho)), nil
+		return slog.NewJSONHandler(w, ho), nil
 	default:
 		return nil, fmt.Errorf("LOG_FORMAT=%q: want json, text or auto", opts.Format)
 	}

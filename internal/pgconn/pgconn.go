@@ -22,11 +22,15 @@ func Open(ctx context.Context, url string, maxConns int) (*pgxpool.Pool, error) 
 	if url == "" {
 		return nil, fmt.Errorf("DATABASE_URL is empty (e.g. postgres://user:pass@localhost:5432/db)")
 	}
+	// The passwords, as written and as pgx reads them, are masked in every
+	// log line and error from now on.
+	redact.AddConnString(url)
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		// pgx's parse error may quote the input; do not pass it through.
 		return nil, fmt.Errorf("DATABASE_URL=%s: not a valid PostgreSQL connection string", redact.URL(url))
 	}
+	redact.Add(cfg.ConnConfig.Password)
 	if maxConns > 0 {
 		cfg.MaxConns = int32(maxConns)
 	}
@@ -35,13 +39,20 @@ func Open(ctx context.Context, url string, maxConns int) (*pgxpool.Pool, error) 
 	defer cancel()
 	pool, err := pgxpool.NewWithConfig(pctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL=%s: %w", redact.URL(url), err)
+		return nil, &oneLineError{msg: fmt.Sprintf("DATABASE_URL=%s: %s", redact.URL(url), redact.String(err.Error())), err: err}
 	}
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
-		return nil, &oneLineError{msg: fmt.Sprintf("DATABASE_URL=%s: cannot connect: %s", redact.URL(url), flatten(err.Error())), err: err}
+		return nil, ConnectError(url, err)
 	}
 	return pool, nil
+}
+
+// ConnectError is the error Open returns when url does not connect: one
+// line naming DATABASE_URL, its passwords and every registered secret
+// masked. err stays available to errors.Is and errors.As.
+func ConnectError(url string, err error) error {
+	return &oneLineError{msg: fmt.Sprintf("DATABASE_URL=%s: cannot connect: %s", redact.URL(url), flatten(redact.String(err.Error()))), err: err}
 }
 
 // oneLineError keeps the wrapped error for errors.Is/As but prints on one
