@@ -37,7 +37,7 @@ test-alerts: ## check the Prometheus alert rules and run their unit tests (promt
 	cd deploy/prometheus && promtool test rules alerts_test.yml
 
 # Each fuzz target, its package: `go test -fuzz` takes one target at a time.
-FUZZ_TARGETS := FuzzValidJSON:./internal/jsonvalid/ FuzzParseSpec:./batch/
+FUZZ_TARGETS := FuzzValidJSON:./internal/jsonvalid/ FuzzParseSpec:./batch/ FuzzRedact:./internal/redact/
 FUZZ_TIME    ?= 20s
 
 .PHONY: test-fuzz
