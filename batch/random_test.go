@@ -2,6 +2,7 @@ package batch_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -24,12 +25,17 @@ import (
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
-// randomSeedEnv replays TestRandomizedRunsMatchTheModel with a seed it
-// printed; randomDurationEnv sets how long its chaos phase lasts (Go
-// duration, default 20s; the whole test takes about twice that).
+// TestRandomizedRunsMatchTheModel runs independent histories, each from its
+// own seed, until randomBudgetEnv is spent (Go duration, default 2m30s; at
+// least one history runs). randomSeedEnv replays the one history of a seed
+// it printed; randomDurationEnv sets how long each history's chaos phase
+// lasts (default 10s; the rest of a history, its runs after the changes
+// stop, takes longer: about 70 s in all under -race on a loaded 2-core
+// machine).
 const (
 	randomSeedEnv     = "OUTBOXRELAY_RANDOM_SEED"
 	randomDurationEnv = "OUTBOXRELAY_RANDOM_DURATION"
+	randomBudgetEnv   = "OUTBOXRELAY_RANDOM_BUDGET"
 )
 
 // The two jobs over rand_records, each with its own source name (so each
@@ -104,43 +110,97 @@ type randSnap struct {
 // slow writers keep transactions open across the runs' starts, some of
 // them inside a BEFORE INSERT trigger after nextval() and before they have
 // a transaction id; chunks are forced to roll back and retry (failpoint
-// batch.chunk_error); processes are SIGKILLed at failpoints and at random
-// moments; while changes go on, the full job often changes its processor
-// version, so that every row must be written again by the next run. Each
-// iteration runs one full process and, meanwhile, incremental processes
-// one after another (short runs, which pass a slow writer's change_seq
-// before it commits unless they waited for it).
+// batch.chunk_error: PostgreSQL raises a serialization failure the
+// batcher's own classifier retries); processes are SIGKILLed at failpoints
+// and at random moments; while changes go on, the full job often changes
+// its processor version, so that every row must be written again by the
+// next run. Each iteration runs one full process and, meanwhile,
+// incremental processes one after another (short runs, which pass a slow
+// writer's change_seq before it commits unless they waited for it).
 //
-// The model is the source table itself, read by the test:
+// The model is the source table itself, read by the test (never the
+// product's batch_runs for what must hold):
 //   - every full run that succeeded (partition and sweep) holds at its
 //     boundary: each row of a snapshot read before the run was created is
 //     normalized under the run's processor version at that version or a
 //     later one, and rows that were hidden or hard-deleted are tombstones;
-//   - every incremental run that succeeded holds at its boundary: each row
-//     whose change_seq is at or below it is normalized at its version;
+//   - the incremental job holds at the change_seq values the test read:
+//     before an incremental process starts after one that exited 0, the
+//     test reads every row's change_seq; the run the next process to exit
+//     0 finished was created after that read, so each row whose change_seq
+//     is at or below the highest one of the read still in the table is
+//     normalized at its version;
 //   - no two events for one (row, version, processor version), and every
 //     normalized row has its event;
 //   - once the changes stop, runs go on (still under chaos, while new rows
 //     arrive) until three of each job that started after the last change
-//     have succeeded: normalized_records then equals the model exactly.
+//     have succeeded: the full job's normalized_records then equals the
+//     model exactly (late rows may be there or not); then, with every
+//     writer stopped, a clean process of each job and one more clean
+//     incremental process, started after the test read the source, and
+//     the incremental job's normalized_records equals that read exactly;
+//   - the chaos happened, as the processes' exit status and stderr tell:
+//     every SIGKILL was a planned one, each history has at least one kill
+//     at a failpoint, one batch.chunk_error that fired and was retried as
+//     a serialization failure (SQLSTATE 40001) by the batcher, and one
+//     partition or sweep a killed process held that a later process
+//     claimed again (a higher attempt) and finished. The plan of each
+//     history's first iteration guarantees one of each.
 //
-// The choices come from a seed it prints; set OUTBOXRELAY_RANDOM_SEED to
-// replay them (the timing of the processes still varies).
+// It prints a master seed and each history's seed; set
+// OUTBOXRELAY_RANDOM_SEED to replay one history's choices (the timing of
+// the processes still varies).
 func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	t.Parallel()
-	seed := uint64(time.Now().UnixNano())
+	chaosFor := envDuration(t, randomDurationEnv, 10*time.Second)
+	budget := envDuration(t, randomBudgetEnv, 150*time.Second)
+	began := time.Now()
+	bin := testproc.Build(t, "batcher")
+	t.Logf("%s: the batcher built", time.Since(began).Round(time.Second))
 	if v := os.Getenv(randomSeedEnv); v != "" {
-		var err error
-		seed, err = strconv.ParseUint(v, 10, 64)
+		seed, err := strconv.ParseUint(v, 10, 64)
 		require.NoError(t, err, randomSeedEnv)
+		t.Logf("replaying the history of seed %d", seed)
+		randomHistory(t, bin, seed, chaosFor)
+		return
 	}
-	chaosFor := 20 * time.Second
-	if v := os.Getenv(randomDurationEnv); v != "" {
-		var err error
-		chaosFor, err = time.ParseDuration(v)
-		require.NoError(t, err, randomDurationEnv)
+	master := uint64(time.Now().UnixNano())
+	t.Logf("master seed %d; histories start while %s (%s) is not spent, each with its own seed", master, budget, randomBudgetEnv)
+	seeds := rand.New(rand.NewPCG(master, 0))
+	var total chaosCounts
+	start := time.Now()
+	for h := 1; ; h++ {
+		seed := seeds.Uint64()
+		t.Logf("history %d: seed %d (replay just it with %s=%d)", h, seed, randomSeedEnv, seed)
+		hb := time.Now()
+		var c chaosCounts
+		if !t.Run(fmt.Sprintf("history%d", h), func(t *testing.T) { c = randomHistory(t, bin, seed, chaosFor) }) {
+			t.Fatalf("history %d failed: replay just it with %s=%d", h, randomSeedEnv, seed)
+		}
+		total.add(c)
+		took := time.Since(hb)
+		// Another history only if one as long as this one ends within the budget.
+		if time.Since(start)+took > budget {
+			t.Logf("%s: %d histories (%s); in all %s", time.Since(began).Round(time.Second), h, budget, total)
+			return
+		}
 	}
-	t.Logf("seed %d (replay with %s=%d)", seed, randomSeedEnv, seed)
+}
+
+func envDuration(t *testing.T, name string, def time.Duration) time.Duration {
+	t.Helper()
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	d, err := time.ParseDuration(v)
+	require.NoError(t, err, name)
+	return d
+}
+
+// randomHistory runs one history from seed and returns what its chaos
+// did (each kind at least once, or it fails).
+func randomHistory(t *testing.T, bin string, seed uint64, chaosFor time.Duration) chaosCounts {
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("FAILED with seed %d: replay with %s=%d", seed, randomSeedEnv, seed)
@@ -149,7 +209,6 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	began := time.Now()
 	rng := rand.New(rand.NewPCG(seed, 1))
 	ctx := context.Background()
-	bin := testproc.Build(t, "batcher")
 	url, pool := newDB(t)
 	_, err := pool.Exec(ctx, randSchema)
 	require.NoError(t, err)
@@ -182,11 +241,34 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	t.Logf("full job: chunk size %d, pipeline %d; incremental job: chunk size %d, pipeline %d",
 		fullSize, full.spec.Chunk.Pipeline, incrSize, incr.spec.Chunk.Pipeline)
 
+	chaos := &chaos{}
+	// The incremental processes run one after another; cover tracks what
+	// the last one that exited 0 must have brought the job to.
+	var cover incrCover
+	runIncr := func(ip randProcess) error {
+		if cover.pending == nil {
+			s, err := readSeqs(ctx, pool)
+			if err != nil {
+				return err
+			}
+			cover.pending = &s
+		}
+		killed, err := ip.run(t, bin, url, incr.file(t), chaos)
+		if err == nil && !killed {
+			cover.covered, cover.pending = cover.pending, nil
+		}
+		return err
+	}
+
 	// One iteration: a process of each job at once, under chaos; then the
-	// checks of every run that succeeded meanwhile.
+	// checks of every run that succeeded meanwhile. The first one's plan
+	// guarantees a kill at a failpoint (the full process, at its first
+	// chunk; the next full process resumes its run) and a forced retry
+	// (the first incremental process, whose run has hundreds of rows).
 	var snaps []randSnap
 	checkedFull := map[string]bool{}
 	processes := 0
+	first := true
 	iterate := func(final bool) {
 		t.Helper()
 		fp := full.plan(rng, final)
@@ -197,6 +279,11 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 		for i := range ips {
 			ips[i] = incr.plan(rng, final)
 		}
+		if first {
+			first = false
+			fp = randProcess{job: randFull, fp: []string{"batch.after_upsert@1"}, kill: "batch.after_upsert", mustKill: true}
+			ips[0] = randProcess{job: randIncr, fp: []string{"batch.chunk_error@1", "batch.chunk_error@3"}, mustRetry: true}
+		}
 		pv := full.nextPV(t, pool, rng, !final)
 		snap := readSnap(t, pool)
 		snaps = append(snaps, snap)
@@ -205,13 +292,17 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 		var ferr, ierr error
 		fullDone := make(chan struct{})
 		wg.Add(2)
-		go func() { defer wg.Done(); defer close(fullDone); ferr = fp.run(t, bin, url, specFile) }()
+		go func() {
+			defer wg.Done()
+			defer close(fullDone)
+			_, ferr = fp.run(t, bin, url, specFile, chaos)
+		}()
 		var nIncr int
 		go func() {
 			defer wg.Done()
 			for _, ip := range ips {
 				nIncr++
-				if ierr = ip.run(t, bin, url, incr.file(t)); ierr != nil {
+				if ierr = runIncr(ip); ierr != nil {
 					return
 				}
 				select {
@@ -225,18 +316,18 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 		processes += 1 + nIncr
 		require.NoError(t, errors.Join(ferr, ierr))
 		checkFullRuns(t, pool, snaps, checkedFull)
-		checkIncrRuns(t, pool)
+		checkIncrRuns(t, pool, cover.covered)
 		checkEvents(t, pool)
 	}
 
 	// Chaos: changes everywhere while runs come and go.
-	t.Logf("%s: set up (the batcher built)", time.Since(began).Round(time.Second))
+	t.Logf("%s: set up", time.Since(began).Round(time.Second))
 	mctx, stopChanges := context.WithCancel(ctx)
 	changes := m.run(mctx, false)
 	// Two slow writers: a run start often finds one inside its trigger.
 	slow, slow2 := m.slowWriter(mctx, false), m.slowWriter(mctx, false)
 	t.Cleanup(stopChanges)
-	for deadline := time.Now().Add(chaosFor); time.Now().Before(deadline); {
+	for deadline := time.Now().Add(chaosFor); first || time.Now().Before(deadline); {
 		iterate(false)
 	}
 	stopChanges()
@@ -249,7 +340,8 @@ func TestRandomizedRunsMatchTheModel(t *testing.T) {
 	// Then only new rows arrive (many of them right ahead of the running
 	// cursor, inside the ranges of chunks in flight, some from slow
 	// writers), and the runs go on until three of each job created after
-	// the last change succeeded.
+	// the last change succeeded (batch_runs only says when to stop: what
+	// must hold is checked from the test's own reads).
 	lctx, stopLate := context.WithCancel(ctx)
 	late := m.run(lctx, true)
 	lateSlow := m.slowWriter(lctx, true)
@@ -268,8 +360,22 @@ GROUP BY logical_run_id HAVING bool_and(r.state = 'succeeded') AND min(r.created
 	require.NoError(t, <-late)
 	require.NoError(t, <-lateSlow)
 
-	checkFinal(t, pool, quiet)
-	t.Logf("%s: %d processes, %d full runs (%d processor versions), %d incremental runs, %d chunk retries, %d sweep tombstones, %d rows (%d late, %d hidden, %d deleted, %d hard-deleted)",
+	// Every writer stopped. A clean process of each job finishes what a
+	// killed one left; the test reads the source, the final model; then a
+	// last clean incremental process, which starts after that read and
+	// after one that exited 0, so its run covers every row of it.
+	_, err = randProcess{job: randFull}.run(t, bin, url, writeSpec(t, full.withPV(full.nextPV(t, pool, rng, false))), chaos)
+	require.NoError(t, err)
+	require.NoError(t, runIncr(randProcess{job: randIncr}))
+	end := readSnap(t, pool)
+	require.NoError(t, runIncr(randProcess{job: randIncr}))
+	require.NotNil(t, cover.covered)
+	require.False(t, cover.covered.at.Before(end.at), "the last incremental process exited 0 but its run started before the final read of the source")
+	processes += 3
+
+	checkFinal(t, pool, quiet, end)
+	counts := chaos.finish(t, pool)
+	t.Logf("%s: %d processes, %d full runs (%d processor versions), %d incremental runs, %d chunk retries, %d sweep tombstones, %d rows (%d late, %d hidden, %d deleted, %d hard-deleted); chaos: %s",
 		time.Since(began).Round(time.Second), processes,
 		queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs WHERE job = $1`, randFull), full.pvs,
 		queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs WHERE job = $1`, randIncr),
@@ -277,7 +383,12 @@ GROUP BY logical_run_id HAVING bool_and(r.state = 'succeeded') AND min(r.created
 		queryInt(t, pool, `SELECT COALESCE(sum(deleted_count), 0) FROM batch_sweeps`),
 		queryInt(t, pool, `SELECT count(*) FROM rand_records`), queryInt(t, pool, `SELECT count(*) FROM rand_records WHERE late`),
 		queryInt(t, pool, `SELECT count(*) FROM rand_records WHERE hidden`), queryInt(t, pool, `SELECT count(*) FROM rand_records WHERE deleted`),
-		queryInt(t, pool, `SELECT count(*) FROM rand_graveyard`))
+		queryInt(t, pool, `SELECT count(*) FROM rand_graveyard`), counts)
+	require.Positive(t, counts.FailpointKills, "no process of this history died at a failpoint (the failpoints do not kill?)")
+	require.Positive(t, counts.Injected, "no batch.chunk_error failpoint fired")
+	require.Positive(t, counts.Retried, "no chunk was retried after an injected serialization failure")
+	require.Positive(t, counts.Resumed, "no partition or sweep of a killed process was claimed again and finished by a later process")
+	return counts
 }
 
 // randJob is one of the test's two jobs.
@@ -331,7 +442,10 @@ WHERE r.job = $1 GROUP BY r.logical_run_id, r.processor_version ORDER BY max(r.c
 type randProcess struct {
 	job       string
 	fp        []string
+	kill      string // the failpoint planned to kill it (reached or not), or ""
 	killAfter time.Duration
+	mustKill  bool // the kill at the failpoint must happen (the plan guarantees it is reached)
+	mustRetry bool // a batch.chunk_error must fire and be retried (the plan guarantees it is reached)
 }
 
 // plan draws a process: clean, with forced chunk retries (often, and
@@ -348,12 +462,16 @@ func (j *randJob) plan(rng *rand.Rand, final bool) randProcess {
 		retries(3, 30)
 	}
 	points := []string{"batch.before_tx", "batch.after_upsert", "batch.after_checkpoint", "batch.after_commit", "batch.sweep_after_delete", "batch.sweep_after_commit"}
+	if j.spec.Mode == batch.ModeIncremental {
+		points = points[:4] // no sweep
+	}
 	switch rng.IntN(5) {
 	case 0: // a clean process
 	case 1, 2:
 		retries(2+rng.IntN(4), 40)
 	case 3:
-		p.fp = append(p.fp, fmt.Sprintf("%s@%d", points[rng.IntN(len(points))], 1+rng.IntN(8)))
+		p.kill = points[rng.IntN(len(points))]
+		p.fp = append(p.fp, fmt.Sprintf("%s@%d", p.kill, 1+rng.IntN(8)))
 		retries(rng.IntN(3), 10)
 	case 4:
 		p.killAfter = time.Duration(50+rng.IntN(1500)) * time.Millisecond
@@ -362,24 +480,197 @@ func (j *randJob) plan(rng *rand.Rand, final bool) randProcess {
 	return p
 }
 
-// run runs the process to its end; a process that was not killed must
-// exit 0.
-func (p randProcess) run(t *testing.T, bin, url, specFile string) error {
+// run runs the process to its end and reports whether it was killed; a
+// process that was not killed must exit 0. What its chaos did is added to
+// c (an error if it is not what the plan allows).
+func (p randProcess) run(t *testing.T, bin, url, specFile string, c *chaos) (killed bool, err error) {
 	proc := testproc.Start(t, bin, env(url, failpoint.EnvVar+"="+strings.Join(p.fp, ","), crashLease), "run", "--spec", specFile)
+	signaled := false
 	if p.killAfter > 0 {
 		select {
 		case <-proc.Done():
 		case <-time.After(p.killAfter): // a kill at a random moment
-			_ = proc.Signal(syscall.SIGKILL)
+			signaled = proc.Signal(syscall.SIGKILL) == nil
 		}
 	}
 	if err := proc.Wait(2 * time.Minute); err != nil && !proc.Killed() && proc.ExitCode() < 0 {
-		return fmt.Errorf("%s: batcher did not end: %w\nstderr:\n%s", p.job, err, proc.Stderr())
+		return false, fmt.Errorf("%s: batcher did not end: %w\nstderr:\n%s", p.job, err, proc.Stderr())
 	}
 	if !proc.Killed() && proc.ExitCode() != 0 {
-		return fmt.Errorf("%s: batcher exited %d (failpoints %v); stderr:\n%s", p.job, proc.ExitCode(), p.fp, proc.Stderr())
+		return false, fmt.Errorf("%s: batcher exited %d (failpoints %v); stderr:\n%s", p.job, proc.ExitCode(), p.fp, proc.Stderr())
+	}
+	if err := c.add(p, proc.Stderr(), proc.Killed(), signaled); err != nil {
+		return proc.Killed(), fmt.Errorf("%s (failpoints %v, killed %v): %w; stderr:\n%s", p.job, p.fp, proc.Killed(), err, proc.Stderr())
+	}
+	return proc.Killed(), nil
+}
+
+// chaos collects what a history's processes went through, from their exit
+// status and stderr (not from the product's tables).
+type chaos struct {
+	mu sync.Mutex
+	chaosCounts
+	claims []randClaim // what killed processes had claimed
+}
+
+// chaosCounts: how often each kind of chaos happened.
+type chaosCounts struct {
+	FailpointKills int // processes that died of SIGKILL at their planned failpoint
+	TimerKills     int // processes the test SIGKILLed at a random moment
+	Unreached      int // planned failpoint kills not reached (the run had fewer chunks; the process exited 0)
+	Injected       int // batch.chunk_error failpoints that fired
+	Retried        int // chunks the batcher retried after an injected serialization failure (SQLSTATE 40001)
+	Resumed        int // partitions and sweeps of killed processes a later process claimed again and finished
+}
+
+func (c *chaosCounts) add(o chaosCounts) {
+	c.FailpointKills += o.FailpointKills
+	c.TimerKills += o.TimerKills
+	c.Unreached += o.Unreached
+	c.Injected += o.Injected
+	c.Retried += o.Retried
+	c.Resumed += o.Resumed
+}
+
+func (c chaosCounts) String() string {
+	return fmt.Sprintf("%d kills at failpoints (%d planned ones not reached), %d kills at random moments, %d chunk errors injected, %d retried as serialization failures, %d claims of killed processes resumed",
+		c.FailpointKills, c.Unreached, c.TimerKills, c.Injected, c.Retried, c.Resumed)
+}
+
+// randClaim is a partition ("partition claimed") or sweep ("sweep
+// claimed") a process claimed, as its log says.
+type randClaim struct {
+	job, run, partition string
+	sweep               bool
+	attempt             int
+}
+
+// add reads one process's stderr: the failpoints' own lines ("failpoint
+// NAME: killing process", "failpoint batch.chunk_error: injecting an
+// error") and the batcher's JSON log (retries, claims).
+func (c *chaos) add(p randProcess, stderr string, killed, signaled bool) error {
+	var (
+		problems          []string
+		injected, retried int
+		atFailpoint       bool
+		claims            []randClaim
+	)
+	for _, line := range strings.Split(stderr, "\n") {
+		switch {
+		case line == "failpoint batch.chunk_error: injecting an error":
+			injected++
+		case strings.HasPrefix(line, "failpoint ") && strings.Contains(line, ": killing process"):
+			if p.kill == "" || !strings.HasPrefix(line, "failpoint "+p.kill+": ") {
+				problems = append(problems, "an unplanned failpoint kill: "+line)
+			}
+			atFailpoint = true
+		case strings.HasPrefix(line, "{"):
+			var e struct {
+				Msg, Reason, Error, Job, Run, Partition string
+				Attempt                                 int
+			}
+			if json.Unmarshal([]byte(line), &e) != nil {
+				continue
+			}
+			switch e.Msg {
+			case "chunk rolled back; retrying":
+				if !strings.Contains(e.Error, "injected at batch.chunk_error") {
+					continue // a real conflict with the test's writers
+				}
+				if e.Reason != "transient" || !strings.Contains(e.Error, "(SQLSTATE 40001)") {
+					problems = append(problems, fmt.Sprintf("an injected chunk error retried with reason %q, error %q: want a serialization failure (SQLSTATE 40001), reason transient", e.Reason, e.Error))
+				}
+				retried++
+			case "partition claimed", "sweep claimed":
+				claims = append(claims, randClaim{job: e.Job, run: e.Run, partition: e.Partition, sweep: e.Msg == "sweep claimed", attempt: e.Attempt})
+			}
+		}
+	}
+	switch {
+	case killed && !atFailpoint && !signaled:
+		problems = append(problems, "died of SIGKILL, neither at its planned failpoint nor by the test")
+	case atFailpoint && !killed:
+		problems = append(problems, "its failpoint said it kills the process, which did not die of SIGKILL")
+	case p.mustKill && !atFailpoint:
+		problems = append(problems, fmt.Sprintf("the planned kill at %s did not happen", p.kill))
+	}
+	// Every injected error is retried; a kill may come between the two.
+	if retried > injected || retried < injected-1 || (retried < injected && !killed) {
+		problems = append(problems, fmt.Sprintf("%d chunk errors injected, %d retried", injected, retried))
+	}
+	if p.mustRetry && (injected == 0 || retried == 0) {
+		problems = append(problems, fmt.Sprintf("the planned batch.chunk_error did not fire and get retried (%d injected, %d retried)", injected, retried))
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case killed && atFailpoint:
+		c.FailpointKills++
+	case killed:
+		c.TimerKills++
+	}
+	if p.kill != "" && !atFailpoint {
+		c.Unreached++
+	}
+	c.Injected += injected
+	c.Retried += retried
+	if killed {
+		c.claims = append(c.claims, claims...)
+	}
+	if len(problems) > 0 {
+		return errors.New(strings.Join(problems, "; "))
 	}
 	return nil
+}
+
+// finish checks, once the last clean processes ended, that every partition
+// and sweep a killed process had claimed is finished, and counts those a
+// later process claimed again (a higher attempt).
+func (c *chaos) finish(t *testing.T, pool *pgxpool.Pool) chaosCounts {
+	t.Helper()
+	for _, cl := range c.claims {
+		var state string
+		var attempt int
+		var err error
+		if cl.sweep {
+			err = pool.QueryRow(context.Background(), `SELECT state, attempt FROM batch_sweeps WHERE job = $1 AND logical_run_id = $2`, cl.job, cl.run).Scan(&state, &attempt)
+		} else {
+			err = pool.QueryRow(context.Background(), `SELECT state, attempt FROM batch_runs WHERE job = $1 AND logical_run_id = $2 AND partition_key = $3`, cl.job, cl.run, cl.partition).Scan(&state, &attempt)
+		}
+		require.NoError(t, err, "%+v", cl)
+		require.Equal(t, "succeeded", state, "a killed process had claimed %+v; after the last clean processes it is not finished", cl)
+		if attempt > cl.attempt {
+			c.Resumed++
+		}
+	}
+	return c.chaosCounts
+}
+
+// seqSnap is every row's change_seq, read in one snapshot at `at` (the
+// server's clock, after the snapshot was taken).
+type seqSnap struct {
+	at  time.Time
+	ids []string
+	seq []int64
+}
+
+func readSeqs(ctx context.Context, pool *pgxpool.Pool) (seqSnap, error) {
+	var s seqSnap
+	err := pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&s.at); err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, `SELECT COALESCE(array_agg(id), '{}'), COALESCE(array_agg(change_seq), '{}') FROM rand_records`).Scan(&s.ids, &s.seq)
+	})
+	return s, err
+}
+
+// incrCover: what the incremental job must hold. pending is the test's
+// read before the first incremental process after the last one that
+// exited 0; covered is the read an exited-0 process covers (its run was
+// created after it: it was the unfinished run then or created later).
+type incrCover struct {
+	pending, covered *seqSnap
 }
 
 // readSnap reads the source in one snapshot.
@@ -547,15 +838,21 @@ func lateProblem(id string, n normRow, now randSnap) []string {
 	return nil
 }
 
-// checkIncrRuns checks the incremental job at the highest boundary of its
-// succeeded runs: every row whose change_seq is at or below it (a change
+// checkIncrRuns checks the incremental job at what the test read before
+// the run the last exited-0 process finished was created: each row of
+// that read still in the table with the same change_seq was there when
+// the run read its boundary, so the boundary is at or above the highest
+// of them, and every row whose change_seq is at or below it (a change
 // gives a row a new, higher one) is normalized at its version.
-func checkIncrRuns(t *testing.T, pool *pgxpool.Pool) {
+func checkIncrRuns(t *testing.T, pool *pgxpool.Pool, covered *seqSnap) {
 	t.Helper()
-	b := queryInt(t, pool, `SELECT COALESCE(max(boundary[1]::bigint), 0) FROM batch_runs WHERE job = $1 AND state = 'succeeded'`, randIncr)
-	requireNoProblems(t, incrProblems(t, pool, b), "incremental runs succeeded up to change_seq %d but normalized_records does not hold the rows below it", b)
+	if covered == nil {
+		return
+	}
+	b := queryInt(t, pool, `SELECT COALESCE(max(c.seq), 0) FROM unnest($1::text[], $2::bigint[]) c(id, seq) JOIN rand_records s ON s.id = c.id AND s.change_seq = c.seq`, covered.ids, covered.seq)
+	requireNoProblems(t, incrProblems(t, pool, b), "an incremental process exited 0 after the test read the source at %s: every row at or below change_seq %d (the highest of that read still unchanged) must be normalized at its version",
+		covered.at.Format(time.RFC3339Nano), b)
 }
-
 func incrProblems(t *testing.T, pool *pgxpool.Pool, boundary int64) []string {
 	t.Helper()
 	rows, err := pool.Query(context.Background(), `
@@ -606,27 +903,46 @@ func checkEvents(t *testing.T, pool *pgxpool.Pool) {
 
 // checkFinal: after three runs of each job that started after the last
 // change, normalized_records equals the model.
-func checkFinal(t *testing.T, pool *pgxpool.Pool, model randSnap) {
+// checkFinal: after three runs of each job that started after the last
+// change, the full job's normalized_records equals the model (the source
+// when the changes stopped; late rows may be there or not). After the last
+// clean incremental process, which started after the test read end with
+// every writer stopped, the incremental job's equals end: every row at its
+// version, and no other row but hard-deleted ones (an incremental run does
+// not see hard deletes).
+func checkFinal(t *testing.T, pool *pgxpool.Pool, model, end randSnap) {
 	t.Helper()
 	var pv string
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT processor_version FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1`, randFull).Scan(&pv))
 	now := readSnap(t, pool)
 	requireNoProblems(t, fullProblems(model, now, readNormalized(t, pool, randFull), pv, true), "full job: normalized_records differs from the model")
 
-	b := queryInt(t, pool, `SELECT COALESCE(max(boundary[1]::bigint), 0) FROM batch_runs WHERE job = $1 AND state = 'succeeded'`, randIncr)
-	problems := incrProblems(t, pool, b)
-	for id, n := range readNormalized(t, pool, randIncr) {
-		if _, ok := model.rows[id]; ok || model.gone[id] || now.gone[id] {
-			continue // an incremental run does not see hard deletes
+	var problems []string
+	norm := readNormalized(t, pool, randIncr)
+	for id, r := range end.rows {
+		n, ok := norm[id]
+		switch {
+		case !ok:
+			problems = append(problems, fmt.Sprintf("row %s (version %d) never normalized", id, r.version))
+		case n.version != r.version:
+			problems = append(problems, fmt.Sprintf("row %s: normalized at version %d, source has %d", id, n.version, r.version))
+		default:
+			if p := matches(id, n, r); p != "" {
+				problems = append(problems, p)
+			}
 		}
-		problems = append(problems, lateProblem(id, n, now)...)
+	}
+	for id := range norm {
+		if _, ok := end.rows[id]; !ok && !end.gone[id] {
+			problems = append(problems, fmt.Sprintf("normalized row %s is not in the source", id))
+		}
 	}
 	for id, r := range model.rows {
-		if _, ok := now.rows[id]; !ok {
+		if _, ok := end.rows[id]; !ok {
 			problems = append(problems, fmt.Sprintf("row %s (version %d) of the model is gone from the source", id, r.version))
 		}
 	}
-	requireNoProblems(t, problems, "incremental job: normalized_records differs from the model")
+	requireNoProblems(t, problems, "incremental job: normalized_records differs from the source read before the last clean incremental process")
 	checkEvents(t, pool)
 }
 
