@@ -177,11 +177,15 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 		}
 		tr.TLSClientConfig = cfg
 	}
+	nodes := map[string]bool{}
+	for _, u := range urls {
+		nodes[origin(u)] = true
+	}
 	var rt http.RoundTripper = tr
 	if auth != "" {
-		rt = &authTransport{next: tr, auth: auth}
+		rt = &authTransport{next: tr, auth: auth, nodes: nodes}
 	}
-	conn := &Conn{HTTP: &http.Client{Transport: rt}, describe: describe}
+	conn := &Conn{HTTP: &http.Client{Transport: rt, CheckRedirect: sameNodes(nodes)}, describe: describe}
 	for _, u := range urls {
 		conn.urls = append(conn.urls, u.String())
 	}
@@ -197,16 +201,49 @@ func readSecret(setting, file string) (string, error) {
 	return strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r"), nil
 }
 
-// authTransport adds the Authorization header to every request.
+// authTransport adds the Authorization header to every request to one of
+// the configured nodes, and only to them: Go's client strips sensitive
+// headers on a redirect to another host only when they were set on the
+// request, not when a transport adds them.
 type authTransport struct {
-	next http.RoundTripper
-	auth string
+	next  http.RoundTripper
+	auth  string
+	nodes map[string]bool // origin() of each configured node
 }
 
 func (t *authTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if !t.nodes[origin(r.URL)] {
+		return t.next.RoundTrip(r)
+	}
 	r = r.Clone(r.Context())
 	r.Header.Set("Authorization", t.auth)
 	return t.next.RoundTrip(r)
+}
+
+// origin is scheme://host:port of u, the port made explicit, lower case:
+// what a request must match to be sent credentials.
+func origin(u *url.URL) string {
+	scheme := strings.ToLower(u.Scheme)
+	port := u.Port()
+	if port == "" {
+		port = map[string]string{"http": "80", "https": "443"}[scheme]
+	}
+	return scheme + "://" + net.JoinHostPort(strings.ToLower(u.Hostname()), port)
+}
+
+// sameNodes refuses a redirect that leaves the configured nodes (another
+// host or port, or https to http): the engine never redirects, so one is
+// a proxy's misconfiguration or an attempt to collect the credentials.
+func sameNodes(nodes map[string]bool) func(*http.Request, []*http.Request) error {
+	return func(req *http.Request, via []*http.Request) error {
+		if len(via) >= 10 {
+			return errors.New("stopped after 10 redirects")
+		}
+		if !nodes[origin(req.URL)] {
+			return fmt.Errorf("search engine redirect to %s refused: it is not one of the ELASTICSEARCH_URL nodes (credentials go to those only)", redact.URL(req.URL.String()))
+		}
+		return nil
+	}
 }
 
 // ProbeError is a failed start-up probe, one line.
