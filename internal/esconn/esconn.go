@@ -7,8 +7,8 @@
 //	var es esconn.Settings
 //	es.Register(fs)
 //	...
-//	conn, err := es.Build(rawURL, logger) // user:password@ in the URL is accepted
-//	if err := conn.Probe(ctx); err != nil { ... }
+//	conn, err := es.Build(rawURL) // user:password@ in the URL is accepted
+//	if err := conn.Probe(ctx, logger); err != nil { ... } // also logs Warnings
 //	client, err := sink.NewClientWith(conn.URL, conn.HTTP)
 package esconn
 
@@ -77,7 +77,13 @@ type Conn struct {
 	HTTP *http.Client
 	// describe names the authentication for errors, never a secret.
 	describe string
+	// warnings are logged by Probe: settings that work but are unsafe.
+	warnings []string
 }
+
+// Warnings are the settings that work but are unsafe (credentials over
+// http://), one line each, without secrets. Probe logs them.
+func (c *Conn) Warnings() []string { return c.warnings }
 
 // Build validates the settings and returns the connection for rawURL, one
 // address or a comma-separated list of a cluster's nodes. Errors are usage
@@ -147,6 +153,34 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 		describe = "no authentication"
 	}
 
+	var plain []string // the http:// nodes
+	for _, u := range urls {
+		if !strings.EqualFold(u.Scheme, "https") {
+			plain = append(plain, u.String())
+		}
+	}
+	if len(plain) > 0 {
+		// TLS settings would be ignored for these nodes.
+		var tlsSet []string
+		if s.CAFile != "" {
+			tlsSet = append(tlsSet, "ELASTICSEARCH_CA_FILE")
+		}
+		if s.CertFile != "" || s.KeyFile != "" {
+			tlsSet = append(tlsSet, "ELASTICSEARCH_CERT_FILE/ELASTICSEARCH_KEY_FILE")
+		}
+		if len(tlsSet) > 0 {
+			return nil, cli.UsageError("%s is set but ELASTICSEARCH_URL %s is not https: use https:// (the TLS settings would be ignored) or unset them", strings.Join(tlsSet, " and "), plain[0])
+		}
+	}
+	var warnings []string
+	if auth != "" && len(plain) > 0 {
+		what := "basic auth"
+		if apiKey != "" {
+			what = "API key"
+		}
+		warnings = append(warnings, fmt.Sprintf("%s over http:// (ELASTICSEARCH_URL %s): the credentials and documents cross the network in clear; use https://", what, strings.Join(plain, ",")))
+	}
+
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConnsPerHost = 64
 	if s.CAFile != "" || s.CertFile != "" || s.KeyFile != "" {
@@ -185,7 +219,7 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 	if auth != "" {
 		rt = &authTransport{next: tr, auth: auth, nodes: nodes}
 	}
-	conn := &Conn{HTTP: &http.Client{Transport: rt, CheckRedirect: sameNodes(nodes)}, describe: describe}
+	conn := &Conn{HTTP: &http.Client{Transport: rt, CheckRedirect: sameNodes(nodes)}, describe: describe, warnings: warnings}
 	for _, u := range urls {
 		conn.urls = append(conn.urls, u.String())
 	}
@@ -267,6 +301,11 @@ func (e *ProbeError) Unwrap() error { return e.Err }
 // errors are returned (one line naming the setting); a node that is down or
 // slow is logged and left to the caller's retries.
 func (c *Conn) Probe(ctx context.Context, logger *slog.Logger) error {
+	if logger != nil {
+		for _, w := range c.warnings {
+			logger.Warn(w)
+		}
+	}
 	ctx, cancel := context.WithTimeout(ctx, ProbeLimit)
 	defer cancel()
 	urls := c.urls

@@ -147,6 +147,9 @@ func (s Settings) Build(logger *slog.Logger) (*Security, error) {
 		return nil, err
 	}
 	sec.SASL = mech
+	if mech != nil && !useTLS && logger != nil {
+		logger.Warn("KAFKA_SASL_MECHANISM=" + mech.Name() + " without KAFKA_TLS: the SASL exchange (with PLAIN, the password itself) and every message cross the network in clear; set KAFKA_TLS=true and use the brokers' SASL_SSL listener")
+	}
 	switch {
 	case useTLS && mech != nil:
 		parts = append(parts, "SASL_SSL")
