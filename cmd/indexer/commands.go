@@ -89,6 +89,7 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.String(&s.autoCutover, "auto-cutover", "AUTO_CUTOVER", "", `comma-separated scan jobs whose rebuilt index generation goes live as soon as indexer cutover --job would accept it (needs DATABASE_URL; "" = never, cut over by hand)`)
 	fs.Duration(&s.autoCutoverInterval, "auto-cutover-interval", "AUTO_CUTOVER_INTERVAL", 30*time.Second, "how often the AUTO_CUTOVER jobs' generations are checked")
 	fs.SecretOrFile(&s.common.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (only with AUTO_CUTOVER)")
+	s.common.BindRequireTLS(fs)
 }
 
 // validateAutoCutover checks the automatic cutover's settings before

@@ -52,6 +52,11 @@ type Settings struct {
 	// CertFile and KeyFile are a PEM client certificate and key
 	// (ELASTICSEARCH_CERT_FILE, ELASTICSEARCH_KEY_FILE). Both or neither.
 	CertFile, KeyFile string
+	// RequireTLS (REQUIRE_TLS, shared with the other connections) refuses
+	// an http:// node.
+	RequireTLS bool
+	// requireFlag is the command's REQUIRE_TLS, bound by Register.
+	requireFlag *bool
 }
 
 // Register adds the settings to fs.
@@ -64,6 +69,7 @@ func (s *Settings) Register(fs *cli.FlagSet) {
 	fs.String(&s.CAFile, "elasticsearch-ca-file", "ELASTICSEARCH_CA_FILE", "", `PEM file of the CA(s) that sign the engine's certificate ("" = system roots)`)
 	fs.String(&s.CertFile, "elasticsearch-cert-file", "ELASTICSEARCH_CERT_FILE", "", "PEM client certificate (with --elasticsearch-key-file)")
 	fs.String(&s.KeyFile, "elasticsearch-key-file", "ELASTICSEARCH_KEY_FILE", "", "PEM private key of --elasticsearch-cert-file")
+	s.requireFlag = fs.RequireTLS()
 }
 
 // Conn is what the search engine client needs.
@@ -158,6 +164,9 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 		if !strings.EqualFold(u.Scheme, "https") {
 			plain = append(plain, u.String())
 		}
+	}
+	if len(plain) > 0 && (s.RequireTLS || (s.requireFlag != nil && *s.requireFlag)) {
+		return nil, cli.UsageError("REQUIRE_TLS=true: ELASTICSEARCH_URL %s is not https: use https:// (with ELASTICSEARCH_CA_FILE unless the system roots sign the engine's certificate)", strings.Join(plain, ","))
 	}
 	if len(plain) > 0 {
 		// TLS settings would be ignored for these nodes.
