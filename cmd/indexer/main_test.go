@@ -34,6 +34,7 @@ func TestBadSettingsExitWithUsage(t *testing.T) {
 		{name: "reconcile of typed ids", args: []string{"reconcile"}, env: map[string]string{"ID_FORMAT": "type:id"}, want: "ID_FORMAT=type:id"},
 		{name: "reindex without --into", args: []string{"reindex"}, want: "--into is required"},
 		{name: "unknown command", args: []string{"frobnicate"}, want: "unknown command"},
+		{name: "replay to another topic", args: []string{"dead-letter", "replay", "--to", "payments"}, want: "--to=payments: dead letters are replayed only to the topic this indexer consumes, TOPIC=outboxrelay.records"},
 		// REQUIRE_TLS refuses each connection that does not verify its server.
 		{name: "require TLS, plaintext Kafka", args: []string{"run"}, env: map[string]string{"REQUIRE_TLS": "true"},
 			want: "REQUIRE_TLS=true: Kafka is plaintext: set KAFKA_TLS=true"},
