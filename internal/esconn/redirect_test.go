@@ -118,3 +118,21 @@ func TestRedirectToPlainHTTPGetsNoCredentials(t *testing.T) {
 		require.Empty(t, a, "the plain http endpoint received credentials")
 	}
 }
+
+// The transport itself sends the credentials only to the configured nodes:
+// a request to any other address made with the client (not only a
+// redirect, which the client refuses first) goes without them.
+func TestCredentialsOnlyToConfiguredNodes(t *testing.T) {
+	t.Parallel()
+	other := newRecorder(t, "127.0.0.2:0", nil)
+	node := newRecorder(t, "127.0.0.1:0", nil)
+	conn, err := esconn.Settings{APIKey: "id:s3cret"}.Build(node.srv.URL)
+	require.NoError(t, err)
+	for _, u := range []string{node.srv.URL, other.srv.URL} {
+		resp, err := conn.HTTP.Get(u + "/")
+		require.NoError(t, err)
+		resp.Body.Close()
+	}
+	require.Equal(t, []string{"ApiKey " + base64.StdEncoding.EncodeToString([]byte("id:s3cret"))}, node.got())
+	require.Equal(t, []string{""}, other.got())
+}
