@@ -99,3 +99,16 @@ func selfSigned(t *testing.T) (certFile, keyFile string) {
 	require.NoError(t, os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), 0o600))
 	return certFile, keyFile
 }
+
+// REQUIRE_TLS refuses any http:// node, and accepts https ones.
+func TestRequireTLS(t *testing.T) {
+	t.Parallel()
+	cert, _ := selfSigned(t)
+	_, err := esconn.Settings{RequireTLS: true}.Build("https://a:9200,http://b:9200")
+	require.ErrorContains(t, err, "REQUIRE_TLS=true: ELASTICSEARCH_URL http://b:9200 is not https")
+	_, err = esconn.Settings{RequireTLS: true}.Build("http://u:s3cret@a:9200")
+	require.ErrorContains(t, err, "REQUIRE_TLS=true: ELASTICSEARCH_URL http://a:9200 is not https")
+	require.NotContains(t, err.Error(), "s3cret")
+	_, err = esconn.Settings{RequireTLS: true, CAFile: cert}.Build("https://a:9200,https://b:9200")
+	require.NoError(t, err)
+}

@@ -30,3 +30,30 @@ func TestSASLWithoutTLSIsLogged(t *testing.T) {
 		require.Empty(t, logs.String(), mech)
 	}
 }
+
+// REQUIRE_TLS accepts what verifies the brokers and refuses the rest, one
+// line naming the setting to change.
+func TestRequireTLS(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		s    kafkaconn.Settings
+		want string // "" = accepted
+	}{
+		{"plaintext", kafkaconn.Settings{}, "REQUIRE_TLS=true: Kafka is plaintext: set KAFKA_TLS=true"},
+		{"SASL without TLS", kafkaconn.Settings{Mechanism: "PLAIN", Username: "u", Password: "s3cret"}, "REQUIRE_TLS=true: Kafka is plaintext"},
+		{"TLS not verified", kafkaconn.Settings{TLS: true, InsecureSkipVerify: true}, "REQUIRE_TLS=true: KAFKA_TLS_INSECURE_SKIP_VERIFY=true"},
+		{"TLS, system roots", kafkaconn.Settings{TLS: true}, ""},
+		{"SASL_SSL", kafkaconn.Settings{TLS: true, Mechanism: "SCRAM-SHA-512", Username: "u", Password: "s3cret"}, ""},
+	} {
+		tc.s.RequireTLS = true
+		_, err := tc.s.Build(nil)
+		if tc.want == "" {
+			require.NoError(t, err, tc.name)
+			continue
+		}
+		require.ErrorContains(t, err, tc.want, tc.name)
+		require.NotContains(t, err.Error(), "\n")
+		require.NotContains(t, err.Error(), "s3cret")
+	}
+}
