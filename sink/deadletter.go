@@ -243,17 +243,54 @@ const replayChunk = 500
 type ReplayResult struct {
 	Republished int
 	ByTopic     map[string]int
+	// Refused are the dead letters not sent because they name a topic
+	// other than the one the indexer consumes, one per partition (the
+	// partition's replay stops there).
+	Refused []RefusedDeadLetter
 }
 
-// ReplayDeadLetters re-publishes every dead-lettered message not replayed
-// before to the topic it came from (header dlq_topic), with its original
-// key, value and headers, and records its progress as committed offsets of
-// [ReplayGroup]. It stops at the end offsets seen when it starts. Run it
-// after fixing the cause (a mapping, the document); a message that fails
-// again is dead-lettered again with fresh error headers.
+// RefusedDeadLetter is a dead letter a replay did not send: its dlq_topic
+// header names Topic, not the topic the indexer consumes.
+type RefusedDeadLetter struct {
+	Partition int
+	Offset    int64
+	Topic     string
+}
+
+// ReplayOptions are the choices of [ReplayDeadLettersWith].
+type ReplayOptions struct {
+	// To sends every dead letter to this topic, whatever its dlq_topic
+	// header says. It must be the topic the indexer consumes (cfg.Topic).
+	// Default "": each goes to the topic its header names, which must be
+	// cfg.Topic.
+	To string
+}
+
+// ReplayDeadLetters is [ReplayDeadLettersWith] without options.
 func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
+	return ReplayDeadLettersWith(ctx, cfg, ReplayOptions{})
+}
+
+// ReplayDeadLettersWith re-publishes every dead-lettered message not
+// replayed before to the topic it came from (header dlq_topic), with its
+// original key, value and headers, and records its progress as committed
+// offsets of [ReplayGroup]. It stops at the end offsets seen when it
+// starts. Run it after fixing the cause (a mapping, the document); a
+// message that fails again is dead-lettered again with fresh error headers.
+//
+// It writes only to the topic the indexer consumes (cfg.Topic): whoever
+// can write the dead-letter topic must not choose where a replay writes. A
+// dead letter naming another topic is not sent, nor is anything after it
+// in its partition (the progress stops before it, so nothing is skipped);
+// it is listed in ReplayResult.Refused and the error names it. opts.To
+// sends everything to cfg.Topic regardless of the header, once an operator
+// has looked.
+func ReplayDeadLettersWith(ctx context.Context, cfg Config, opts ReplayOptions) (ReplayResult, error) {
 	cfg = cfg.withDefaults()
 	res := ReplayResult{ByTopic: map[string]int{}}
+	if opts.To != "" && opts.To != cfg.Topic {
+		return res, fmt.Errorf("--to=%s: dead letters are replayed only to the topic this indexer consumes, TOPIC=%s", opts.To, cfg.Topic)
+	}
 	c := &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 30 * time.Second, Transport: cfg.kafkaTransport()}
 	group := ReplayGroup(cfg)
 	offs, err := topicOffsets(ctx, c, cfg.DeadLetterTopic, group)
@@ -322,8 +359,14 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 				return res, fmt.Errorf("read %s/%d: %w", cfg.DeadLetterTopic, po.Partition, err)
 			}
 			topic, _ := header(m, HeaderDLQTopic)
-			if topic == "" {
+			if topic == "" || opts.To != "" {
 				topic = cfg.Topic
+			}
+			if topic != cfg.Topic {
+				res.Refused = append(res.Refused, RefusedDeadLetter{Partition: po.Partition, Offset: m.Offset, Topic: topic})
+				cfg.Logger.Warn("dead letter names a topic this indexer does not consume: not re-published, nor what follows it in its partition",
+					slog.String("topic", cfg.DeadLetterTopic), slog.Int("partition", po.Partition), slog.Int64("offset", m.Offset), slog.String("dlq_topic", topic))
+				break
 			}
 			var h []kafka.Header
 			for _, mh := range m.Headers {
@@ -345,6 +388,14 @@ func ReplayDeadLetters(ctx context.Context, cfg Config) (ReplayResult, error) {
 		if err := flush(); err != nil {
 			return res, err
 		}
+	}
+	if len(res.Refused) > 0 {
+		var where []string
+		for _, rf := range res.Refused {
+			where = append(where, fmt.Sprintf("%s/%d@%d names %q", cfg.DeadLetterTopic, rf.Partition, rf.Offset, rf.Topic))
+		}
+		return res, fmt.Errorf("dead letters naming a topic other than TOPIC=%s were not re-published (%s), nor what follows them in their partition: check them, then run again with --to %s to send them there",
+			cfg.Topic, strings.Join(where, ", "), cfg.Topic)
 	}
 	return res, nil
 }

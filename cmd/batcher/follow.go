@@ -12,7 +12,6 @@ import (
 
 	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 )
 
 // followFlags are `batcher run --follow` and its settings (issue 17).
@@ -108,7 +107,7 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 		_, err = io.WriteString(stdout, batch.FollowTriggerSQL(spec))
 		return err
 	}
-	pool, err := pgconn.Open(ctx, c.DatabaseURL, 2)
+	pool, err := c.OpenDB(ctx, 2)
 	if err != nil {
 		return err
 	}

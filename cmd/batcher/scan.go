@@ -18,7 +18,6 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/logging"
 	"github.com/outboxrelay/outboxrelay/internal/metrics"
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
 	"github.com/outboxrelay/outboxrelay/internal/shutdown"
 )
 
@@ -110,7 +109,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	defer stop()
 	// Each worker holds a connection per chunk in flight (chunk.pipeline,
 	// at most 2 by default) plus the heartbeats and lease checks.
-	pool, err := pgconn.Open(hard, c.DatabaseURL, 3*c.Workers+2+c.Follow.conns())
+	pool, err := c.OpenDB(hard, 3*c.Workers+2+c.Follow.conns())
 	if err != nil {
 		return err
 	}

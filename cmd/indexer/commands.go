@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -89,6 +90,7 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.String(&s.autoCutover, "auto-cutover", "AUTO_CUTOVER", "", `comma-separated scan jobs whose rebuilt index generation goes live as soon as indexer cutover --job would accept it (needs DATABASE_URL; "" = never, cut over by hand)`)
 	fs.Duration(&s.autoCutoverInterval, "auto-cutover-interval", "AUTO_CUTOVER_INTERVAL", 30*time.Second, "how often the AUTO_CUTOVER jobs' generations are checked")
 	fs.SecretOrFile(&s.common.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (only with AUTO_CUTOVER)")
+	s.common.BindRequireTLS(fs)
 }
 
 // validateAutoCutover checks the automatic cutover's settings before
@@ -280,24 +282,29 @@ func replayCommand(stdout io.Writer) cli.Command {
 		Summary: "re-publish dead-lettered messages to their topic (after fixing the cause)",
 		Run: func(ctx context.Context, args []string) error {
 			var s settings
-			fs := cli.NewFlagSet("indexer dead-letter replay", "Re-publishes every dead-lettered message not replayed before, with its original key, value and\nheaders, to the topic it came from; progress is kept as offsets of group <group>.dlq-replay.")
+			var opts sink.ReplayOptions
+			fs := cli.NewFlagSet("indexer dead-letter replay", "Re-publishes every dead-lettered message not replayed before, with its original key, value and\nheaders, to the topic it came from; progress is kept as offsets of group <group>.dlq-replay.\nOnly TOPIC is written to: a dead letter naming another topic is reported, not sent.")
 			s.registerKafka(fs)
 			s.common.RegisterLogging(fs)
+			fs.String(&opts.To, "to", "", "", `send every dead letter to this topic whatever its dlq_topic header says; must be TOPIC ("" = the header's topic, which must be TOPIC)`)
 			if _, err := fs.Parse(args); err != nil {
 				return err
+			}
+			if topic := cmp.Or(s.cfg.Topic, sink.DefaultTopic); opts.To != "" && opts.To != topic {
+				return cli.UsageError("--to=%s: dead letters are replayed only to the topic this indexer consumes, TOPIC=%s", opts.To, topic)
 			}
 			if _, err := s.load(ctx, false); err != nil {
 				return err
 			}
-			res, err := sink.ReplayDeadLetters(ctx, s.cfg)
-			if err != nil {
-				return err
-			}
+			res, err := sink.ReplayDeadLettersWith(ctx, s.cfg, opts)
 			fmt.Fprintf(stdout, "re-published %d message(s)\n", res.Republished)
 			for t, n := range res.ByTopic {
 				fmt.Fprintf(stdout, "  %s: %d\n", t, n)
 			}
-			return nil
+			for _, rf := range res.Refused {
+				fmt.Fprintf(stdout, "  refused: partition %d offset %d names topic %q\n", rf.Partition, rf.Offset, rf.Topic)
+			}
+			return err
 		},
 	}
 }

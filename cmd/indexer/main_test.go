@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -33,6 +34,16 @@ func TestBadSettingsExitWithUsage(t *testing.T) {
 		{name: "reconcile of typed ids", args: []string{"reconcile"}, env: map[string]string{"ID_FORMAT": "type:id"}, want: "ID_FORMAT=type:id"},
 		{name: "reindex without --into", args: []string{"reindex"}, want: "--into is required"},
 		{name: "unknown command", args: []string{"frobnicate"}, want: "unknown command"},
+		{name: "replay to another topic", args: []string{"dead-letter", "replay", "--to", "payments"}, want: "--to=payments: dead letters are replayed only to the topic this indexer consumes, TOPIC=outboxrelay.records"},
+		// REQUIRE_TLS refuses each connection that does not verify its server.
+		{name: "require TLS, plaintext Kafka", args: []string{"run"}, env: map[string]string{"REQUIRE_TLS": "true"},
+			want: "REQUIRE_TLS=true: Kafka is plaintext: set KAFKA_TLS=true"},
+		{name: "require TLS, Kafka not verified", args: []string{"dead-letter", "replay", "--require-tls"}, env: map[string]string{"KAFKA_TLS_INSECURE_SKIP_VERIFY": "true"},
+			want: "REQUIRE_TLS=true: KAFKA_TLS_INSECURE_SKIP_VERIFY=true does not verify the brokers"},
+		{name: "require TLS, http engine", args: []string{"reindex", "--into", "x"}, env: map[string]string{"REQUIRE_TLS": "true"},
+			want: "REQUIRE_TLS=true: ELASTICSEARCH_URL http://127.0.0.1:1 is not https"},
+		{name: "require TLS, database", args: []string{"reconcile"}, env: map[string]string{"REQUIRE_TLS": "true", "DATABASE_URL": "postgres://u:pw@127.0.0.1:1,db.example:5432/x?sslmode=require"},
+			want: "REQUIRE_TLS=true: DATABASE_URL does not verify the server of 127.0.0.1:1, db.example:5432"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -43,6 +54,10 @@ func TestBadSettingsExitWithUsage(t *testing.T) {
 			code := cli.Dispatch(context.Background(), "indexer", "test", commands(), tt.args, &stdout, &stderr)
 			require.Equal(t, cli.ExitUsage, code, stderr.String())
 			require.Contains(t, stderr.String(), tt.want)
+			if strings.HasPrefix(tt.want, "REQUIRE_TLS") {
+				require.Equal(t, 1, strings.Count(stderr.String(), "\n"), "one line: %s", stderr.String())
+				require.NotContains(t, stderr.String(), ":pw@")
+			}
 		})
 	}
 }

@@ -74,7 +74,11 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			if err != nil {
 				return err
 			}
-			if err := conn.Probe(ctx, nil); err != nil {
+			logger, err := common.Logger()
+			if err != nil {
+				return err
+			}
+			if err := conn.Probe(ctx, logger); err != nil { // logs the unsafe settings too
 				return err
 			}
 			client, err := sink.NewClientWith(conn.URL, conn.HTTP)

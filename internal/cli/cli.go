@@ -145,6 +145,19 @@ type FlagSet struct {
 	files []*secretFile
 	// warnings are the warnings of the last Parse.
 	warnings []string
+	// requireTLS is REQUIRE_TLS, registered by the first RequireTLS call.
+	requireTLS *bool
+}
+
+// RequireTLS registers --require-tls / REQUIRE_TLS on the first call and
+// returns the same value to every caller: the Kafka, search engine and
+// PostgreSQL settings of a command share the one setting.
+func (f *FlagSet) RequireTLS() *bool {
+	if f.requireTLS == nil {
+		f.requireTLS = new(bool)
+		f.Bool(f.requireTLS, "require-tls", "REQUIRE_TLS", false, "refuse any connection that does not verify its server: Kafka without KAFKA_TLS or with KAFKA_TLS_INSECURE_SKIP_VERIFY, an http:// ELASTICSEARCH_URL, a DATABASE_URL without sslmode=verify-full or verify-ca")
+	}
+	return f.requireTLS
 }
 
 type secretFile struct {

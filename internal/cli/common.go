@@ -20,13 +20,21 @@ type Common struct {
 	LogFormat string
 	// LogLevel is debug, info, warn or error (default info).
 	LogLevel string
+	// requireTLS is REQUIRE_TLS (see [FlagSet.RequireTLS]); nil: false.
+	requireTLS *bool
 }
 
 // RegisterDatabase adds --database-url / DATABASE_URL and its file form
-// --database-url-file / DATABASE_URL_FILE (the URL may hold a password).
+// --database-url-file / DATABASE_URL_FILE (the URL may hold a password),
+// and REQUIRE_TLS.
 func (c *Common) RegisterDatabase(fs *FlagSet) {
 	fs.SecretOrFile(&c.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (required)")
+	c.BindRequireTLS(fs)
 }
+
+// BindRequireTLS makes OpenDB follow fs's REQUIRE_TLS (for a command that
+// registers DATABASE_URL itself).
+func (c *Common) BindRequireTLS(fs *FlagSet) { c.requireTLS = fs.RequireTLS() }
 
 // RegisterLogging adds --log-format and --log-level.
 func (c *Common) RegisterLogging(fs *FlagSet) {

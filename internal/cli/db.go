@@ -78,13 +78,24 @@ func (d DBCommand) Command(binary string) Command {
 	}}
 }
 
-// OpenDB opens a pool of conns connections (default 2) on DatabaseURL.
+// OpenDB opens a pool of conns connections (default 2) on DatabaseURL. A
+// connection that does not verify the server is refused under REQUIRE_TLS,
+// and logged as a warning when its host is not loopback.
 func (c *Common) OpenDB(ctx context.Context, conns int) (*pgxpool.Pool, error) {
 	if c.DatabaseURL == "" {
 		return nil, errors.New("DATABASE_URL is empty: set --database-url or DATABASE_URL (e.g. postgres://user:pass@localhost:5432/db)")
 	}
 	if conns <= 0 {
 		conns = 2
+	}
+	warning, err := pgconn.CheckTLS(c.DatabaseURL, c.requireTLS != nil && *c.requireTLS)
+	if err != nil {
+		return nil, &ExitError{Code: ExitUsage, Err: err}
+	}
+	if warning != "" {
+		if logger, err := c.Logger(); err == nil {
+			logger.Warn(warning)
+		}
 	}
 	return pgconn.Open(ctx, c.DatabaseURL, conns)
 }

@@ -13,8 +13,8 @@ type Metrics struct {
 	// Addr is the listen address (default: 127.0.0.1:<the service's port>,
 	// loopback only; "" disables the endpoint).
 	Addr string
-	// Username and Password require HTTP basic auth on /metrics when set
-	// (default: none). PasswordFile is read instead of Password when set.
+	// Username and Password require HTTP basic auth on /metrics and /readyz
+	// when set (default: none). PasswordFile is read instead of Password when set.
 	Username, Password, PasswordFile string
 }
 
@@ -22,7 +22,7 @@ type Metrics struct {
 // METRICS_PASSWORD and METRICS_PASSWORD_FILE.
 func (m *Metrics) RegisterMetrics(fs *FlagSet, defaultAddr string) {
 	fs.String(&m.Addr, "metrics-addr", "METRICS_ADDR", defaultAddr, `address for /metrics, /healthz and /readyz ("" disables; 0.0.0.0:PORT for a remote Prometheus)`)
-	fs.String(&m.Username, "metrics-username", "METRICS_USERNAME", "", "require HTTP basic auth with this user on /metrics (with METRICS_PASSWORD or METRICS_PASSWORD_FILE)")
+	fs.String(&m.Username, "metrics-username", "METRICS_USERNAME", "", "require HTTP basic auth with this user on /metrics and /readyz (with METRICS_PASSWORD or METRICS_PASSWORD_FILE; /healthz stays open)")
 	fs.Secret(&m.Password, "metrics-password", "METRICS_PASSWORD", "", "password of METRICS_USERNAME")
 	fs.SecretFile(&m.PasswordFile, "metrics-password-file", "METRICS_PASSWORD_FILE", "file holding the password of METRICS_USERNAME (instead of METRICS_PASSWORD)")
 }

@@ -7,8 +7,8 @@
 //	var es esconn.Settings
 //	es.Register(fs)
 //	...
-//	conn, err := es.Build(rawURL, logger) // user:password@ in the URL is accepted
-//	if err := conn.Probe(ctx); err != nil { ... }
+//	conn, err := es.Build(rawURL) // user:password@ in the URL is accepted
+//	if err := conn.Probe(ctx, logger); err != nil { ... } // also logs Warnings
 //	client, err := sink.NewClientWith(conn.URL, conn.HTTP)
 package esconn
 
@@ -53,6 +53,11 @@ type Settings struct {
 	// CertFile and KeyFile are a PEM client certificate and key
 	// (ELASTICSEARCH_CERT_FILE, ELASTICSEARCH_KEY_FILE). Both or neither.
 	CertFile, KeyFile string
+	// RequireTLS (REQUIRE_TLS, shared with the other connections) refuses
+	// an http:// node.
+	RequireTLS bool
+	// requireFlag is the command's REQUIRE_TLS, bound by Register.
+	requireFlag *bool
 }
 
 // Register adds the settings to fs.
@@ -65,6 +70,7 @@ func (s *Settings) Register(fs *cli.FlagSet) {
 	fs.String(&s.CAFile, "elasticsearch-ca-file", "ELASTICSEARCH_CA_FILE", "", `PEM file of the CA(s) that sign the engine's certificate ("" = system roots)`)
 	fs.String(&s.CertFile, "elasticsearch-cert-file", "ELASTICSEARCH_CERT_FILE", "", "PEM client certificate (with --elasticsearch-key-file)")
 	fs.SecretFile(&s.KeyFile, "elasticsearch-key-file", "ELASTICSEARCH_KEY_FILE", "PEM private key of --elasticsearch-cert-file")
+	s.requireFlag = fs.RequireTLS()
 }
 
 // Conn is what the search engine client needs.
@@ -78,7 +84,13 @@ type Conn struct {
 	HTTP *http.Client
 	// describe names the authentication for errors, never a secret.
 	describe string
+	// warnings are logged by Probe: settings that work but are unsafe.
+	warnings []string
 }
+
+// Warnings are the settings that work but are unsafe (credentials over
+// http://), one line each, without secrets. Probe logs them.
+func (c *Conn) Warnings() []string { return c.warnings }
 
 // Build validates the settings and returns the connection for rawURL, one
 // address or a comma-separated list of a cluster's nodes. Errors are usage
@@ -157,6 +169,37 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 		describe = "no authentication"
 	}
 
+	var plain []string // the http:// nodes
+	for _, u := range urls {
+		if !strings.EqualFold(u.Scheme, "https") {
+			plain = append(plain, u.String())
+		}
+	}
+	if len(plain) > 0 && (s.RequireTLS || (s.requireFlag != nil && *s.requireFlag)) {
+		return nil, cli.UsageError("REQUIRE_TLS=true: ELASTICSEARCH_URL %s is not https: use https:// (with ELASTICSEARCH_CA_FILE unless the system roots sign the engine's certificate)", strings.Join(plain, ","))
+	}
+	if len(plain) > 0 {
+		// TLS settings would be ignored for these nodes.
+		var tlsSet []string
+		if s.CAFile != "" {
+			tlsSet = append(tlsSet, "ELASTICSEARCH_CA_FILE")
+		}
+		if s.CertFile != "" || s.KeyFile != "" {
+			tlsSet = append(tlsSet, "ELASTICSEARCH_CERT_FILE/ELASTICSEARCH_KEY_FILE")
+		}
+		if len(tlsSet) > 0 {
+			return nil, cli.UsageError("%s is set but ELASTICSEARCH_URL %s is not https: use https:// (the TLS settings would be ignored) or unset them", strings.Join(tlsSet, " and "), plain[0])
+		}
+	}
+	var warnings []string
+	if auth != "" && len(plain) > 0 {
+		what := "basic auth"
+		if apiKey != "" {
+			what = "API key"
+		}
+		warnings = append(warnings, fmt.Sprintf("%s over http:// (ELASTICSEARCH_URL %s): the credentials and documents cross the network in clear; use https://", what, strings.Join(plain, ",")))
+	}
+
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConnsPerHost = 64
 	if s.CAFile != "" || s.CertFile != "" || s.KeyFile != "" {
@@ -187,11 +230,15 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 		}
 		tr.TLSClientConfig = cfg
 	}
+	nodes := map[string]bool{}
+	for _, u := range urls {
+		nodes[origin(u)] = true
+	}
 	var rt http.RoundTripper = tr
 	if auth != "" {
-		rt = &authTransport{next: tr, auth: auth}
+		rt = &authTransport{next: tr, auth: auth, nodes: nodes}
 	}
-	conn := &Conn{HTTP: &http.Client{Transport: rt}, describe: describe}
+	conn := &Conn{HTTP: &http.Client{Transport: rt, CheckRedirect: sameNodes(nodes)}, describe: describe, warnings: warnings}
 	for _, u := range urls {
 		conn.urls = append(conn.urls, u.String())
 	}
@@ -224,16 +271,49 @@ func readSecret(setting, file string) (string, error) {
 	return strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r"), nil
 }
 
-// authTransport adds the Authorization header to every request.
+// authTransport adds the Authorization header to every request to one of
+// the configured nodes, and only to them: Go's client strips sensitive
+// headers on a redirect to another host only when they were set on the
+// request, not when a transport adds them.
 type authTransport struct {
-	next http.RoundTripper
-	auth string
+	next  http.RoundTripper
+	auth  string
+	nodes map[string]bool // origin() of each configured node
 }
 
 func (t *authTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if !t.nodes[origin(r.URL)] {
+		return t.next.RoundTrip(r)
+	}
 	r = r.Clone(r.Context())
 	r.Header.Set("Authorization", t.auth)
 	return t.next.RoundTrip(r)
+}
+
+// origin is scheme://host:port of u, the port made explicit, lower case:
+// what a request must match to be sent credentials.
+func origin(u *url.URL) string {
+	scheme := strings.ToLower(u.Scheme)
+	port := u.Port()
+	if port == "" {
+		port = map[string]string{"http": "80", "https": "443"}[scheme]
+	}
+	return scheme + "://" + net.JoinHostPort(strings.ToLower(u.Hostname()), port)
+}
+
+// sameNodes refuses a redirect that leaves the configured nodes (another
+// host or port, or https to http): the engine never redirects, so one is
+// a proxy's misconfiguration or an attempt to collect the credentials.
+func sameNodes(nodes map[string]bool) func(*http.Request, []*http.Request) error {
+	return func(req *http.Request, via []*http.Request) error {
+		if len(via) >= 10 {
+			return errors.New("stopped after 10 redirects")
+		}
+		if !nodes[origin(req.URL)] {
+			return fmt.Errorf("search engine redirect to %s refused: it is not one of the ELASTICSEARCH_URL nodes (credentials go to those only)", redact.URL(req.URL.String()))
+		}
+		return nil
+	}
 }
 
 // ProbeError is a failed start-up probe, one line.
@@ -257,6 +337,11 @@ func (e *ProbeError) Unwrap() error { return e.Err }
 // errors are returned (one line naming the setting); a node that is down or
 // slow is logged and left to the caller's retries.
 func (c *Conn) Probe(ctx context.Context, logger *slog.Logger) error {
+	if logger != nil {
+		for _, w := range c.warnings {
+			logger.Warn(w)
+		}
+	}
 	ctx, cancel := context.WithTimeout(ctx, ProbeLimit)
 	defer cancel()
 	urls := c.urls

@@ -71,6 +71,11 @@ type Settings struct {
 	// (KAFKA_SASL_USERNAME_FILE, KAFKA_SASL_PASSWORD_FILE).
 	Username, Password         string
 	UsernameFile, PasswordFile string
+	// RequireTLS (REQUIRE_TLS, shared with the other connections) refuses
+	// a plaintext connection and KAFKA_TLS_INSECURE_SKIP_VERIFY.
+	RequireTLS bool
+	// requireFlag is the command's REQUIRE_TLS, bound by Register.
+	requireFlag *bool
 }
 
 // Register adds the settings to fs as flags and environment variables.
@@ -85,6 +90,7 @@ func (s *Settings) Register(fs *cli.FlagSet) {
 	fs.String(&s.UsernameFile, "kafka-sasl-username-file", "KAFKA_SASL_USERNAME_FILE", "", "file holding the SASL user name (instead of --kafka-sasl-username)")
 	fs.Secret(&s.Password, "kafka-sasl-password", "KAFKA_SASL_PASSWORD", "", "SASL password (prefer --kafka-sasl-password-file)")
 	fs.SecretFile(&s.PasswordFile, "kafka-sasl-password-file", "KAFKA_SASL_PASSWORD_FILE", "file holding the SASL password (Docker/Kubernetes secret)")
+	s.requireFlag = fs.RequireTLS()
 }
 
 // Security is what a Kafka construction site needs: nil fields mean
@@ -132,6 +138,14 @@ func (s *Security) Dialer() *kafka.Dialer {
 func (s Settings) Build(logger *slog.Logger) (*Security, error) {
 	sec := &Security{log: logger}
 	useTLS := s.TLS || s.CAFile != "" || s.CertFile != "" || s.KeyFile != "" || s.InsecureSkipVerify
+	if s.RequireTLS || (s.requireFlag != nil && *s.requireFlag) {
+		switch {
+		case !useTLS:
+			return nil, cli.UsageError("REQUIRE_TLS=true: Kafka is plaintext: set KAFKA_TLS=true (and KAFKA_TLS_CA_FILE unless the system roots sign the brokers' certificates) and use their TLS listener")
+		case s.InsecureSkipVerify:
+			return nil, cli.UsageError("REQUIRE_TLS=true: KAFKA_TLS_INSECURE_SKIP_VERIFY=true does not verify the brokers: unset it and set KAFKA_TLS_CA_FILE to the CA that signs their certificates")
+		}
+	}
 	var parts []string
 	if useTLS {
 		cfg, err := s.tlsConfig()
@@ -148,6 +162,9 @@ func (s Settings) Build(logger *slog.Logger) (*Security, error) {
 		return nil, err
 	}
 	sec.SASL = mech
+	if mech != nil && !useTLS && logger != nil {
+		logger.Warn("KAFKA_SASL_MECHANISM=" + mech.Name() + " without KAFKA_TLS: the SASL exchange (with PLAIN, the password itself) and every message cross the network in clear; set KAFKA_TLS=true and use the brokers' SASL_SSL listener")
+	}
 	switch {
 	case useTLS && mech != nil:
 		parts = append(parts, "SASL_SSL")

@@ -33,14 +33,28 @@ type Health struct {
 	mu       sync.Mutex
 	checks   map[string]func(context.Context) error
 	degraded map[string]string
+	now      func() time.Time // time.Now; tests replace it
+
+	// readyMu serializes the runs of the checks: a request waits for the
+	// run in flight and takes its result.
+	readyMu   sync.Mutex
+	readyAt   time.Time // when the cached result was computed (zero: none)
+	readyErr  error
+	readyOnce bool
 }
+
+// ReadyCache is how long a readiness result is reused: each check is a
+// remote call, and probes (or anyone who can reach the endpoint) must not
+// multiply them.
+const ReadyCache = time.Second
 
 // NewHealth returns an empty Health.
 func NewHealth() *Health {
-	return &Health{checks: map[string]func(context.Context) error{}, degraded: map[string]string{}}
+	return &Health{checks: map[string]func(context.Context) error{}, degraded: map[string]string{}, now: time.Now}
 }
 
-// AddCheck registers a readiness check run on every /readyz request.
+// AddCheck registers a readiness check, run by /readyz at most once a
+// second (ReadyCache).
 func (h *Health) AddCheck(name string, check func(context.Context) error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -67,6 +81,27 @@ func (h *Health) Degraded() map[string]string {
 		out[k] = v
 	}
 	return out
+}
+
+// cachedReady returns the result of the checks, run again only when the
+// last result is ReadyCache old. The checks get their own deadline, not the
+// request's context: a client that hangs up must not leave a cancelled
+// result for the others.
+func (h *Health) cachedReady() error {
+	h.readyMu.Lock()
+	defer h.readyMu.Unlock()
+	now := h.now
+	if now == nil {
+		now = time.Now
+	}
+	if h.readyOnce && now().Sub(h.readyAt) < ReadyCache {
+		return h.readyErr
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	h.readyErr = h.ready(ctx)
+	h.readyAt, h.readyOnce = now(), true
+	return h.readyErr
 }
 
 func (h *Health) ready(ctx context.Context) error {
@@ -100,30 +135,33 @@ type Endpoint struct {
 	// 0.0.0.0:PORT (or the host's address) set on purpose.
 	Addr string
 	// Username and Password, when both set, require HTTP basic auth on
-	// /metrics. /healthz and /readyz stay open for probes. Default: none.
+	// /metrics and /readyz (whose answer names hosts, the cluster, group
+	// and client ids). /healthz stays open for liveness probes. Default:
+	// none.
 	Username, Password string
 }
 
-// Handler serves /metrics (behind basic auth when ep has credentials),
-// /healthz and /readyz.
+// Handler serves /metrics and /readyz (both behind basic auth when ep has
+// credentials) and /healthz (always open: it says only that the process
+// answers).
 func Handler(ep Endpoint, reg *prometheus.Registry, health *Health) http.Handler {
 	mux := http.NewServeMux()
 	var m http.Handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg})
-	if ep.Username != "" || ep.Password != "" {
-		m = basicAuth(ep.Username, ep.Password, m)
-	}
-	mux.Handle("/metrics", m)
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
-		cctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-		defer cancel()
-		if err := health.ready(cctx); err != nil {
+	var ready http.Handler = http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		if err := health.cachedReady(); err != nil {
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
 		}
 		fmt.Fprintln(w, "ready")
+	})
+	if ep.Username != "" || ep.Password != "" {
+		m = basicAuth(ep.Username, ep.Password, m)
+		ready = basicAuth(ep.Username, ep.Password, ready)
+	}
+	mux.Handle("/metrics", m)
+	mux.Handle("/readyz", ready)
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintln(w, "ok")
 	})
 	return mux
 }
