@@ -66,7 +66,7 @@ func TestPipelineOverSecuredKafka(t *testing.T) {
 			// A record of no known event type: the indexer dead-letters it.
 			// The plaintext listener may learn of the new partitions a moment
 			// after the one `topics ensure` asked: retry only that error.
-			w := &kafka.Writer{Addr: kafka.TCP(k.Env), Topic: p.topic, BatchTimeout: 10 * time.Millisecond}
+			w := &kafka.Writer{Addr: kafka.TCP(k.Env), Topic: p.topic, BatchTimeout: 10 * time.Millisecond, RequiredAcks: kafka.RequireAll}
 			for deadline := time.Now().Add(30 * time.Second); ; {
 				err := w.WriteMessages(ctx, kafka.Message{Key: []byte("poison-1"), Value: []byte(`{"not":"an event"}`)})
 				if err == nil {

@@ -66,7 +66,8 @@ func TestPipelineThroughSecuredSearch(t *testing.T) {
 		ctx := context.Background()
 		p := newPipeline(t, pipelineOptions{TopicPartitions: 2})
 		// Records on the topic, so a committed offset would show.
-		w := &kafka.Writer{Addr: kafka.TCP(p.brokers...), Topic: p.topic, Balancer: &kafka.Hash{}, BatchTimeout: 10 * time.Millisecond}
+		// RequireAll: the writer's default (no acknowledgement) may lose a record.
+		w := &kafka.Writer{Addr: kafka.TCP(p.brokers...), Topic: p.topic, Balancer: &kafka.Hash{}, BatchTimeout: 10 * time.Millisecond, RequiredAcks: kafka.RequireAll}
 		require.NoError(t, w.WriteMessages(ctx, kafka.Message{Key: []byte("1"), Value: []byte("{}")}, kafka.Message{Key: []byte("2"), Value: []byte("{}")}))
 		require.NoError(t, w.Close())
 
