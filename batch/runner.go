@@ -191,7 +191,9 @@ func NewRunner(pool *pgxpool.Pool, spec Spec, cfg Config) (*Runner, error) {
 
 // Prepare checks the spec against the database (table and columns exist),
 // then finds, creates or refuses the run (see [StartOptions]). It returns
-// the run id. Run calls it when it was not called.
+// the run id. Run calls it when it was not called. A new run waits for the
+// transactions that wrote the source table up to [Config].OpenWritersWait,
+// then returns an [OpenWritersError] and changes nothing.
 func (r *Runner) Prepare(ctx context.Context) (string, error) {
 	if r.runID != "" {
 		return r.runID, nil
