@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -35,7 +37,37 @@ var (
 	// connection is gone, so it is not retried in place: the partition
 	// fails, and the next run resumes it from its checkpoint.
 	ErrIdleTimeout = errors.New("PostgreSQL ended the chunk's transaction: idle for the lease TTL")
+	// ErrOpenWriters is wrapped by an [OpenWritersError]: a run did not
+	// start because transactions that wrote the source table stayed open
+	// longer than [Config].OpenWritersWait. Nothing changed; a later
+	// attempt waits again ([Follower] retries by itself).
+	ErrOpenWriters = errors.New("transactions that wrote the source table are still open")
 )
+
+// OpenWritersError says which transactions a run start gave up waiting for;
+// it wraps [ErrOpenWriters]. Error names the setting Config.OpenWritersWait;
+// a front end that calls it something else (the batcher's
+// OPEN_WRITERS_WAIT) prints [OpenWritersError.Message].
+type OpenWritersError struct {
+	Job   string
+	Table string // the source table, as SQL names it
+	// Writers are the transactions still open: virtual transaction id and,
+	// unless prepared, " (pid N)".
+	Writers []string
+	Wait    time.Duration // how long the run start waited
+}
+
+func (e *OpenWritersError) Error() string { return e.Message("Config.OpenWritersWait") }
+
+// Message is Error with setting as the name of Config.OpenWritersWait.
+func (e *OpenWritersError) Message(setting string) string {
+	return fmt.Sprintf("start a run of job %s: transactions %s that wrote %s have been open for over %s (%s); "+
+		"they may still commit rows below the new run's boundary, so the run does not start before they end: "+
+		"end them (pg_stat_activity, pg_prepared_xacts) or raise %s; nothing changed",
+		e.Job, strings.Join(e.Writers, ", "), e.Table, e.Wait, setting, setting)
+}
+
+func (e *OpenWritersError) Unwrap() error { return ErrOpenWriters }
 
 // IncompatibleError is a refusal to go on with a stored run; it wraps
 // [ErrCheckpointIncompatible]. Error names the [StartOptions] that would let

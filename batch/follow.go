@@ -146,7 +146,10 @@ CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR
 // chunk boundary as [Runner.Run] does; the next follower resumes that run)
 // or hard is (the chunk in flight rolls back), and returns nil then. A run
 // that fails (a partition failed for good, a lost lease, an incompatible
-// checkpoint) ends the follower with its error.
+// checkpoint) ends the follower with its error; a run start that gave up
+// waiting for open writers ([ErrOpenWriters]) does not: it is logged and
+// tried again after the poll interval (at most 30s), for as long as the
+// writers stay open.
 func (f *Follower) Run(soft, hard context.Context) (*FollowSummary, error) {
 	sum := &FollowSummary{}
 	if err := f.prepare(hard); err != nil {
@@ -197,6 +200,7 @@ func (f *Follower) Run(soft, hard context.Context) (*FollowSummary, error) {
 		}
 		cfg := f.cfg
 		cfg.StartOptions = opts
+		cfg.follower = true
 		opts.Restart = false
 		r, err := NewRunner(f.pool, f.spec, cfg)
 		if err != nil {
@@ -210,6 +214,19 @@ func (f *Follower) Run(soft, hard context.Context) (*FollowSummary, error) {
 			sum.Changed += rs.Changed
 			sum.Quarantined += rs.Quarantined
 			sum.LastRunID = cmp.Or(rs.RunID, sum.LastRunID)
+		}
+		if errors.Is(err, ErrOpenWriters) {
+			// A long writer delays the run, and the follower waits it out:
+			// the start's transaction (and the job lock) is given up, and
+			// the next attempt reads new boundaries. batch_open_writers
+			// keeps the wait's since across the attempts.
+			retry := min(f.fc.PollInterval, 30*time.Second)
+			f.log.Warn("follow: the run did not start; trying again", slog.String("error", err.Error()), slog.Duration("retry_in", retry))
+			known = false
+			if !f.sleep(soft, retry) {
+				return sum, nil
+			}
+			continue
 		}
 		if err != nil {
 			return sum, err

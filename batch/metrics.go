@@ -16,7 +16,11 @@ type Metrics struct {
 	Retries       *prometheus.CounterVec   // batch_retry_total{job,reason}
 	RateLimitWait *prometheus.HistogramVec // batch_rate_limit_wait_seconds{job}
 	LockWait      *prometheus.HistogramVec // batch_lock_wait_seconds{job}
-	age           *checkpointAge           // batch_checkpoint_age_seconds{job}
+	// OpenWritersExpired counts the run starts that gave up waiting for
+	// open writers of the source table (Config.OpenWritersWait).
+	OpenWritersExpired *prometheus.CounterVec // batch_open_writers_wait_expired_total{job}
+	age                *checkpointAge         // batch_checkpoint_age_seconds{job}
+	writersWait        *checkpointAge         // batch_open_writers_wait_seconds{job}
 }
 
 // NewMetrics registers the series on reg (nil: not registered, still
@@ -45,15 +49,20 @@ func NewMetrics(reg prometheus.Registerer, db DB) *Metrics {
 			Name: "batch_lock_wait_seconds", Help: "Time chunks spent before failing on a lock wait (lock_timeout).",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2.5, 10),
 		}, []string{"job"}),
+		OpenWritersExpired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "batch_open_writers_wait_expired_total", Help: "Run starts of this process that gave up waiting for transactions that wrote the source table (OPEN_WRITERS_WAIT); a follower tries again.",
+		}, []string{"job"}),
 	}
 	if db != nil {
-		m.age = &checkpointAge{db: db, desc: prometheus.NewDesc("batch_checkpoint_age_seconds",
+		m.writersWait = &checkpointAge{db: db, query: openWritersWaitSecondsSQL, desc: prometheus.NewDesc("batch_open_writers_wait_seconds",
+			"Seconds a run start of the job has been waiting for transactions that wrote its source table, read from batch_open_writers (any process's; a follower's retries count as one wait); 0 while none waits.", []string{"job"}, nil)}
+		m.age = &checkpointAge{db: db, query: checkpointAgeSQL, desc: prometheus.NewDesc("batch_checkpoint_age_seconds",
 			"Seconds since the last checkpoint of the job's oldest running partition or sweep, read from batch_runs and batch_sweeps (any process's); 0 while none runs.", []string{"job"}, nil)}
 	}
 	if reg != nil {
-		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Inflight, m.Retries, m.RateLimitWait, m.LockWait)
+		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Inflight, m.Retries, m.RateLimitWait, m.LockWait, m.OpenWritersExpired)
 		if m.age != nil {
-			reg.MustRegister(m.age)
+			reg.MustRegister(m.age, m.writersWait)
 		}
 	}
 	return m
@@ -78,6 +87,7 @@ func (m *Metrics) forJob(job string) {
 		m.Retries.WithLabelValues(job, reason)
 	}
 	m.LockWait.WithLabelValues(job)
+	m.OpenWritersExpired.WithLabelValues(job)
 }
 
 // inflight moves batch_items_inflight by n rows.
@@ -100,12 +110,24 @@ FROM (SELECT job, NULL::timestamptz AS at FROM batch_jobs
       SELECT job, coalesce(checkpoint_at, started_at, created_at) FROM batch_sweeps WHERE state = 'running') r
 GROUP BY job`
 
+// openWritersWaitSecondsSQL: per job, how long a run start has been
+// waiting for open writers (a row checked recently, and not of a one-shot
+// run that gave up), else 0. A job's first
+// run start waits before its batch_jobs row is committed.
+const openWritersWaitSecondsSQL = `
+SELECT j.job, coalesce(extract(epoch FROM now() - w.since)::float8, 0)
+FROM (SELECT job FROM batch_jobs UNION SELECT job FROM batch_open_writers) j LEFT JOIN batch_open_writers w ON w.job = j.job
+  AND w.checked_at > now() - ` + openWritersFresh + ` AND (w.expired_at IS NULL OR w.follower)`
+
 // checkpointAgeTimeout bounds the scrape's query.
 const checkpointAgeTimeout = 2 * time.Second
 
+// checkpointAge is a gauge per job read by query (job, value) at each
+// scrape.
 type checkpointAge struct {
-	db   querier
-	desc *prometheus.Desc
+	db    querier
+	query string
+	desc  *prometheus.Desc
 }
 
 func (c *checkpointAge) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
@@ -113,7 +135,7 @@ func (c *checkpointAge) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 func (c *checkpointAge) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), checkpointAgeTimeout)
 	defer cancel()
-	rows, err := c.db.Query(ctx, checkpointAgeSQL)
+	rows, err := c.db.Query(ctx, c.query)
 	if err != nil {
 		ch <- prometheus.NewInvalidMetric(c.desc, err)
 		return

@@ -82,6 +82,44 @@ func Status(ctx context.Context, db DB, job string, runs int) ([]RunStatus, erro
 	return out, rows.Err()
 }
 
+// OpenWritersWait is a run start that waited for transactions that wrote
+// its source table (see [Config].OpenWritersWait), as `batcher status`
+// shows it.
+type OpenWritersWait struct {
+	Job   string
+	Table string // the source table, as SQL names it
+	// Writers are the transactions waited for when last checked: virtual
+	// transaction id and, unless prepared, " (pid N)".
+	Writers string
+	// Since is when the wait began (the first of a follower's attempts);
+	// CheckedAt when the writers were last seen open.
+	Since, CheckedAt time.Time
+	// ExpiredAt is when the last attempt gave up (nil while it waits).
+	ExpiredAt *time.Time
+	// Follower: the waiting batcher is a follower, which tries again after
+	// giving up.
+	Follower bool
+	// Current: a batcher waits now, or a follower that gave up tries again
+	// soon: checked within the last minute, and not a one-shot run that
+	// gave up.
+	Current bool
+}
+
+const openWritersWaitsSQL = `SELECT job, source, writers, since, checked_at, expired_at, follower,
+  checked_at > now() - ` + openWritersFresh + ` AND (expired_at IS NULL OR follower)
+FROM batch_open_writers WHERE $1 = '' OR job = $1 ORDER BY job`
+
+// OpenWritersWaits lists the run starts of job ("" = every job) that wait
+// or waited for open writers of their source table and have not started
+// since.
+func OpenWritersWaits(ctx context.Context, db DB, job string) ([]OpenWritersWait, error) {
+	rows, err := db.Query(ctx, openWritersWaitsSQL, job)
+	if err != nil {
+		return nil, fmt.Errorf("read the waits for open writers: %w", err)
+	}
+	return pgx.CollectRows(rows, pgx.RowToStructByPos[OpenWritersWait])
+}
+
 // SetState pauses (to "paused") or resumes (to "pending") the partitions
 // of a run. run "" = the job's newest run; partition "" = all. A worker
 // holding a paused partition rolls back its chunk in flight and lets it go.

@@ -68,7 +68,22 @@ type Config struct {
 	RateLimit float64
 	// RateBurst is the bucket's size. Default 1.
 	RateBurst int
+	// OpenWritersWait bounds how long a run start waits for the
+	// transactions that had written the source table when it read its
+	// boundaries (they may still commit rows below them). Past it the run
+	// does not start: [Runner.Prepare] and [Runner.Run] return an
+	// [OpenWritersError], and a [Follower] logs it and tries again. While a
+	// start waits, batch_open_writers says so (see [OpenWritersWaits]).
+	// Default [DefaultOpenWritersWait]; negative: no limit.
+	OpenWritersWait time.Duration
+
+	// follower: the runs are a Follower's, which starts again after an
+	// OpenWritersError (batch_open_writers says so).
+	follower bool
 }
+
+// DefaultOpenWritersWait is [Config].OpenWritersWait's default.
+const DefaultOpenWritersWait = 2 * time.Minute
 
 func (c Config) withDefaults() Config {
 	if c.WorkerID == "" {
@@ -78,6 +93,7 @@ func (c Config) withDefaults() Config {
 	c.Workers = cmp.Or(c.Workers, 1)
 	c.LeaseTTL = cmp.Or(c.LeaseTTL, 30*time.Second)
 	c.HeartbeatInterval = cmp.Or(c.HeartbeatInterval, c.LeaseTTL/3)
+	c.OpenWritersWait = cmp.Or(c.OpenWritersWait, DefaultOpenWritersWait)
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -175,7 +191,9 @@ func NewRunner(pool *pgxpool.Pool, spec Spec, cfg Config) (*Runner, error) {
 
 // Prepare checks the spec against the database (table and columns exist),
 // then finds, creates or refuses the run (see [StartOptions]). It returns
-// the run id. Run calls it when it was not called.
+// the run id. Run calls it when it was not called. A new run waits for the
+// transactions that wrote the source table up to [Config].OpenWritersWait,
+// then returns an [OpenWritersError] and changes nothing.
 func (r *Runner) Prepare(ctx context.Context) (string, error) {
 	if r.runID != "" {
 		return r.runID, nil
@@ -185,7 +203,7 @@ func (r *Runner) Prepare(ctx context.Context) (string, error) {
 		return "", err
 	}
 	r.c = c
-	id, err := prepareRun(ctx, r.pool, c, r.cfg.StartOptions, time.Now())
+	id, err := prepareRun(ctx, r.pool, c, r.cfg.StartOptions, time.Now(), openWriters{db: r.pool, wait: r.cfg.OpenWritersWait, metrics: r.cfg.Metrics, follower: r.cfg.follower})
 	if err != nil {
 		return "", err
 	}

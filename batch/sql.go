@@ -168,6 +168,27 @@ WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHER
   AND ($2::text[] IS NULL OR l.virtualtransaction = ANY($2::text[]))
 GROUP BY l.virtualtransaction`
 
+// openWritersFresh is how recent batch_open_writers.checked_at must be
+// for a row to count as a run start waiting now (status, the gauge) and for
+// a new wait to keep its since (a follower's retries). A waiting batcher
+// renews it every few seconds, and a follower retries within its poll
+// interval (at most 30 s).
+const openWritersFresh = `interval '1 minute'`
+
+// openWritersWaitingSQL records that job $1's run start has waited $4
+// seconds for transactions $3 that wrote $2, and gave up if $5; $6: a
+// follower waits, and tries again after giving up. since is kept from a
+// row still fresh (an earlier attempt).
+const openWritersWaitingSQL = `
+INSERT INTO batch_open_writers AS w (job, source, writers, since, checked_at, expired_at, follower)
+VALUES ($1, $2, $3, now() - make_interval(secs => $4::float8), now(), CASE WHEN $5::bool THEN now() END, $6)
+ON CONFLICT (job) DO UPDATE SET source = EXCLUDED.source, writers = EXCLUDED.writers,
+  since = CASE WHEN w.checked_at > now() - ` + openWritersFresh + ` THEN least(w.since, EXCLUDED.since) ELSE EXCLUDED.since END,
+  checked_at = now(), expired_at = EXCLUDED.expired_at, follower = EXCLUDED.follower`
+
+// openWritersDoneSQL: job $1's run start waits no more.
+const openWritersDoneSQL = `DELETE FROM batch_open_writers WHERE job = $1`
+
 // unfinishedRunSQL is the newest run of job $1 that is not finished.
 const unfinishedRunSQL = `
 SELECT logical_run_id FROM batch_runs WHERE job = $1

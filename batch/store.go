@@ -58,7 +58,7 @@ type storedPartition struct {
 // prepareRun finds or creates the run, checks it is compatible with the
 // spec, and resets failed partitions to pending (a new `run` is the retry).
 // It returns the run id.
-func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions, now time.Time) (string, error) {
+func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions, now time.Time, ow openWriters) (string, error) {
 	s := c.spec
 	scope := s.Scope()
 	tx, err := db.Begin(ctx)
@@ -218,7 +218,7 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	// them before they are visible, and an incremental next run starts at
 	// this boundary: they would never be read. So wait for them now; every
 	// transaction that starts later orders after the boundary.
-	if err := waitForOpenWriters(ctx, tx, s.Job, pgx.Identifier{cmpOr(s.Source.Schema, "public"), s.Source.Table}.Sanitize()); err != nil {
+	if err := waitForOpenWriters(ctx, tx, ow, s.Job, pgx.Identifier{cmpOr(s.Source.Schema, "public"), s.Source.Table}.Sanitize()); err != nil {
 		return "", err
 	}
 	// A first load sweeps nothing, and its chunks write with plain INSERTs.
@@ -300,8 +300,23 @@ func checkDocumentUnchanged(ctx context.Context, tx pgx.Tx, s Spec, opts StartOp
 	return nil
 }
 
-// openWritersWait bounds waitForOpenWriters.
-var openWritersWait = 2 * time.Minute
+// openWriters is what waitForOpenWriters needs besides the run start's
+// transaction: where to say that it waits (db, outside that transaction),
+// how long to wait at most (negative: no limit), and the metrics.
+type openWriters struct {
+	db       querier
+	wait     time.Duration
+	metrics  *Metrics
+	follower bool // the caller tries again after giving up
+}
+
+// openWritersShown is how long a run start waits before it says so in
+// batch_open_writers (most waits last milliseconds, and are not worth two
+// writes); openWritersRefresh is how often it renews checked_at then.
+const (
+	openWritersShown   = time.Second
+	openWritersRefresh = 5 * time.Second
+)
 
 // waitForOpenWriters waits until every transaction that held a write lock
 // on the source table when it was called has ended: a writer holds a
@@ -314,10 +329,25 @@ var openWritersWait = 2 * time.Minute
 // the rest of the transaction). Transactions that take the lock later
 // order after the boundary (see the incremental mode's requirements on the
 // change column in [Source]) and do not delay the run.
-func waitForOpenWriters(ctx context.Context, tx pgx.Tx, job, table string) error {
+//
+// A wait that lasts is recorded in batch_open_writers (over ow.db, so other
+// sessions see it) and the row is deleted in tx once the writers are gone;
+// past ow.wait it returns an [OpenWritersError] (tx is then rolled back by
+// the caller, releasing the job lock) and leaves the row, marked expired.
+func waitForOpenWriters(ctx context.Context, tx pgx.Tx, ow openWriters, job, table string) error {
 	type writer struct {
 		VXID string
 		Pid  *int32
+	}
+	describe := func(ws []writer) []string {
+		desc := make([]string, len(ws))
+		for i, w := range ws {
+			desc[i] = w.VXID
+			if w.Pid != nil {
+				desc[i] += " (pid " + strconv.Itoa(int(*w.Pid)) + ")"
+			}
+		}
+		return desc
 	}
 	rows, err := tx.Query(ctx, openWritersSQL, table, nil)
 	if err != nil {
@@ -327,43 +357,52 @@ func waitForOpenWriters(ctx context.Context, tx pgx.Tx, job, table string) error
 	if err != nil {
 		return fmt.Errorf("list open writers of %s: %w", table, err)
 	}
-	if len(writers) == 0 {
-		return nil
-	}
-	vxids := make([]string, len(writers))
-	for i, w := range writers {
-		vxids[i] = w.VXID
-	}
-	deadline := time.Now().Add(openWritersWait)
-	for wait := 5 * time.Millisecond; ; wait = min(wait*2, 200*time.Millisecond) {
-		rows, err := tx.Query(ctx, openWritersSQL, table, vxids)
-		if err != nil {
-			return fmt.Errorf("watch open writers of %s: %w", table, err)
+	if len(writers) > 0 {
+		vxids := make([]string, len(writers))
+		for i, w := range writers {
+			vxids[i] = w.VXID
 		}
-		open, err := pgx.CollectRows(rows, pgx.RowToStructByPos[writer])
-		if err != nil {
-			return fmt.Errorf("watch open writers of %s: %w", table, err)
-		}
-		if len(open) == 0 {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			desc := make([]string, len(open))
-			for i, w := range open {
-				desc[i] = w.VXID
-				if w.Pid != nil {
-					desc[i] += " (pid " + strconv.Itoa(int(*w.Pid)) + ")"
-				}
+		started := time.Now()
+		var shown time.Time // when batch_open_writers was last written
+		for wait := 5 * time.Millisecond; ; wait = min(wait*2, 200*time.Millisecond) {
+			rows, err := tx.Query(ctx, openWritersSQL, table, vxids)
+			if err != nil {
+				return fmt.Errorf("watch open writers of %s: %w", table, err)
 			}
-			return fmt.Errorf("start a run of job %s: transactions %s that wrote %s have been open for over %s; "+
-				"they may still commit rows below the new run's boundary, so the run does not start before they end", job, strings.Join(desc, ", "), table, openWritersWait)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(wait):
+			open, err := pgx.CollectRows(rows, pgx.RowToStructByPos[writer])
+			if err != nil {
+				return fmt.Errorf("watch open writers of %s: %w", table, err)
+			}
+			if len(open) == 0 {
+				break
+			}
+			waited := time.Since(started)
+			expired := ow.wait >= 0 && waited > ow.wait
+			if expired || (shown.IsZero() && waited >= openWritersShown) || (!shown.IsZero() && time.Since(shown) >= openWritersRefresh) {
+				if _, err := ow.db.Exec(ctx, openWritersWaitingSQL, job, table, strings.Join(describe(open), ", "), waited.Seconds(), expired, ow.follower); err != nil {
+					return fmt.Errorf("record the wait of job %s for open writers of %s: %w", job, table, err)
+				}
+				shown = time.Now()
+			}
+			if expired {
+				if ow.metrics != nil {
+					ow.metrics.OpenWritersExpired.WithLabelValues(job).Inc()
+				}
+				return &OpenWritersError{Job: job, Table: table, Writers: describe(open), Wait: ow.wait}
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(wait):
+			}
 		}
 	}
+	// The run starts: it waits no more (nor did an earlier attempt that
+	// gave up, for the writers it waited for have ended too).
+	if _, err := tx.Exec(ctx, openWritersDoneSQL, job); err != nil {
+		return fmt.Errorf("clear the wait of job %s for open writers: %w", job, err)
+	}
+	return nil
 }
 
 type beginner interface {

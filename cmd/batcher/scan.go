@@ -51,6 +51,8 @@ type runConfig struct {
 	Linger    time.Duration // METRICS_LINGER
 	Progress  string
 	Follow    followFlags
+	// OpenWritersWait: OPEN_WRITERS_WAIT (0 = no limit).
+	OpenWritersWait time.Duration
 }
 
 func (c runConfig) validate() error {
@@ -65,6 +67,8 @@ func (c runConfig) validate() error {
 		return cli.UsageError("MAX_CHUNKS=%d: want >= 0", c.MaxChunks)
 	case c.LeaseTTL < 100*time.Millisecond:
 		return cli.UsageError("LEASE_TTL=%s: want >= 100ms", c.LeaseTTL)
+	case c.OpenWritersWait < 0:
+		return cli.UsageError("OPEN_WRITERS_WAIT=%s: want >= 0 (0 = wait without limit)", c.OpenWritersWait)
 	case c.Progress != "auto" && c.Progress != "on" && c.Progress != "off":
 		return cli.UsageError("PROGRESS=%q: want auto, on or off", c.Progress)
 	}
@@ -87,6 +91,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	fs.String(&c.WorkerID, "worker-id", "WORKER_ID", "", "name of this worker in leases (default host-pid)")
 	fs.Duration(&c.LeaseTTL, "lease-ttl", "LEASE_TTL", 30*time.Second, "a lease without heartbeat for this long may be taken by another worker; a stalled worker's open chunk transaction is ended after as long (a chunk may take longer)")
 	fs.Duration(&c.Grace, "grace", "SHUTDOWN_GRACE", 30*time.Second, "after the first signal, wait this long for the chunk in flight before cancelling it")
+	fs.Duration(&c.OpenWritersWait, "open-writers-wait", "OPEN_WRITERS_WAIT", batch.DefaultOpenWritersWait, "how long a run start waits for transactions that had written the source table when it read its boundaries (they may still commit rows below them); past it the run does not start: a one-shot run exits 1 naming them, a follower logs it and tries again (0 = wait without limit)")
 	c.RegisterMetrics(fs, "127.0.0.1:9101")
 	fs.Duration(&c.Linger, "metrics-linger", "METRICS_LINGER", 0, "after the run ends, keep serving /metrics this long (or until a signal) so a last scrape sees the final numbers (0 = exit at once)")
 	fs.String(&c.Progress, "progress", "PROGRESS", "auto", "progress line on stderr: auto (on a terminal), on or off")
@@ -130,7 +135,10 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	cfg := batch.Config{
 		StartOptions: batch.StartOptions{RunID: c.RunID, Restart: c.Restart, Resume: c.Resume},
 		WorkerID:     c.WorkerID, Workers: c.Workers, LeaseTTL: c.LeaseTTL, MaxChunks: c.MaxChunks, Partition: c.Partition,
-		Logger: logger, Metrics: batch.NewMetrics(reg, pool),
+		Logger: logger, Metrics: batch.NewMetrics(reg, pool), OpenWritersWait: c.OpenWritersWait,
+	}
+	if c.OpenWritersWait == 0 {
+		cfg.OpenWritersWait = -1 // no limit (the library's zero is its default)
 	}
 	if c.Progress == "on" || (c.Progress == "auto" && logging.IsTerminal(os.Stderr)) {
 		cfg.Progress = os.Stderr
@@ -181,7 +189,14 @@ func lingerMetrics(soft context.Context, d time.Duration, logger *slog.Logger) {
 	}
 }
 
+// openWritersSetting names Config.OpenWritersWait in the batcher's errors.
+const openWritersSetting = "OPEN_WRITERS_WAIT (--open-writers-wait)"
+
 func classify(err error) error {
+	var writers *batch.OpenWritersError
+	if errors.As(err, &writers) {
+		return errors.New(writers.Message(openWritersSetting))
+	}
 	var incompatible *batch.IncompatibleError
 	if errors.As(err, &incompatible) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: errors.New(incompatible.Message("--restart", "--resume"))}
@@ -267,6 +282,9 @@ func printStatus(ctx context.Context, stdout io.Writer, pool *pgxpool.Pool, st [
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := printOpenWritersWaits(ctx, stdout, pool, job); err != nil {
+		return err
+	}
 	// A full run's sweep of rows that vanished from its scope.
 	sweeps, err := batch.Sweeps(ctx, pool, job, runs)
 	if err != nil || len(sweeps) == 0 {
@@ -280,6 +298,35 @@ func printStatus(ctx context.Context, stdout io.Writer, pool *pgxpool.Pool, st [
 			deref(w.LeaseOwner), strings.ReplaceAll(deref(w.Error), "\t", " "))
 	}
 	return tw.Flush()
+}
+
+// printOpenWritersWaits says which run starts wait (or gave up waiting)
+// for transactions that wrote the source table.
+func printOpenWritersWaits(ctx context.Context, stdout io.Writer, pool *pgxpool.Pool, job string) error {
+	waits, err := batch.OpenWritersWaits(ctx, pool, job)
+	if err != nil || len(waits) == 0 {
+		return err
+	}
+	fmt.Fprintln(stdout)
+	for _, w := range waits {
+		since := w.Since.UTC().Format(time.RFC3339)
+		switch {
+		case w.ExpiredAt == nil && w.Current:
+			fmt.Fprintf(stdout, "job %s: a run start is waiting since %s (%s) for transactions %s that wrote %s (%s)\n",
+				w.Job, since, w.CheckedAt.Sub(w.Since).Round(time.Second), w.Writers, w.Table, openWritersSetting)
+		case w.ExpiredAt == nil:
+			fmt.Fprintf(stdout, "job %s: a run start stopped waiting at %s (its batcher ended) after waiting since %s for transactions %s that wrote %s (%s)\n",
+				w.Job, w.CheckedAt.UTC().Format(time.RFC3339), since, w.Writers, w.Table, openWritersSetting)
+		default:
+			what := "no run starts before they end: rerun it"
+			if w.Current {
+				what = "the follower tries again"
+			}
+			fmt.Fprintf(stdout, "job %s: a run start gave up at %s after waiting since %s for transactions %s that wrote %s (%s); %s\n",
+				w.Job, w.ExpiredAt.UTC().Format(time.RFC3339), since, w.Writers, w.Table, openWritersSetting, what)
+		}
+	}
+	return nil
 }
 
 // stateCommand is `pause` (to = paused) and `resume` (to = pending).
