@@ -260,6 +260,10 @@ type GoneRepair struct {
 	// KeptBack: the row is in scope again, or its normalized row changed,
 	// since the comparison; the pipeline carries it.
 	KeptBack int `json:"kept_back,omitempty"`
+	// Pending: normalized_records holds a tombstone above the document's
+	// version already (a repair or a sweep wrote it); its delete event is on
+	// its way, nothing is written again.
+	Pending int `json:"pending,omitempty"`
 }
 
 // RepairGone deletes the gone documents of rep through the pipeline, as
@@ -272,8 +276,9 @@ type GoneRepair struct {
 // document without a normalized row gets a tombstone row at its index
 // version + 1). The write is fenced: an id whose source row is in scope
 // again, or whose normalized row changed since this statement read it, is
-// left alone; run twice, the second writes nothing (the tombstone is not
-// live, its event id is deterministic). Only documents of
+// left alone; an id whose normalized row is a tombstone above the document
+// already is pending (its delete is on its way): run twice, the second
+// writes nothing. Only documents of
 // Config.AggregateType are deleted; more than MaxRemoveFloor and
 // MaxRemoveShare of the documents compared needs Config.Force. A gone list
 // capped by Config.Limit leaves the rest to the next pass.
@@ -311,16 +316,14 @@ func RepairGone(ctx context.Context, cfg Config, spec batch.Spec, rep SourceRepo
 	for lo := 0; lo < len(ids); lo += batchSize {
 		hi := min(lo+batchSize, len(ids))
 		err := pgx.BeginFunc(ctx, cfg.DB, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, sql, bind(ids[lo:hi], vers[lo:hi])...)
-			if err != nil {
-				return err
-			}
-			done, err := pgx.CollectRows(rows, pgx.RowTo[string])
-			if err != nil {
+			var done []string
+			var pending int64
+			if err := tx.QueryRow(ctx, sql, bind(ids[lo:hi], vers[lo:hi])...).Scan(&done, &pending); err != nil {
 				return err
 			}
 			res.Enqueued += int64(len(done))
-			res.KeptBack += hi - lo - len(done)
+			res.Pending += int(pending)
+			res.KeptBack += hi - lo - len(done) - int(pending)
 			for _, id := range done {
 				if len(res.IDs) < cfg.Limit {
 					res.IDs = append(res.IDs, id)
@@ -338,7 +341,7 @@ func RepairGone(ctx context.Context, cfg Config, spec batch.Spec, rep SourceRepo
 
 // repairGoneSQL is the statement of [RepairGone]: its last two parameters
 // are the ids and their versions in the index. It returns the ids it wrote
-// a tombstone for.
+// a tombstone for, and how many already had one above the document.
 func repairGoneSQL(scope batch.ScopeRows, cfg Config) (string, func(ids []string, vers []int64) []any) {
 	n := len(scope.Args)
 	ph := func(i int) string { return "$" + strconv.Itoa(n+i) }
@@ -357,17 +360,21 @@ WITH g AS (
 ), cur AS (
   SELECT g.id, g.iver, n.source_version AS nver, n.deleted AS ndel FROM g
   LEFT JOIN normalized_records n ON n.source = ` + src + ` AND n.source_id = g.id
+), todo AS (
+  -- A tombstone above the document's version is written already: its
+  -- delete is on its way.
+  SELECT * FROM cur WHERE NOT (coalesce(cur.ndel, false) AND cur.nver > cur.iver)
 ), up AS (
   UPDATE normalized_records n
   SET document = NULL, deleted = true, source_version = greatest(cur.nver, cur.iver) + 1,
       processor_version = ` + pv + `, vanished = true, updated_at = now()
-  FROM cur
+  FROM todo cur
   WHERE cur.nver IS NOT NULL AND n.source = ` + src + ` AND n.source_id = cur.id
     AND n.source_version = cur.nver AND n.deleted = cur.ndel
   RETURNING n.source_id, n.source_version, n.document, n.deleted
 ), ins AS (
   INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, vanished, updated_at)
-  SELECT ` + src + `, cur.id, NULL, cur.iver + 1, ` + pv + `, true, true, now() FROM cur WHERE cur.nver IS NULL
+  SELECT ` + src + `, cur.id, NULL, cur.iver + 1, ` + pv + `, true, true, now() FROM todo cur WHERE cur.nver IS NULL
   ON CONFLICT (source, source_id) DO NOTHING
   RETURNING n.source_id, n.source_version, n.document, n.deleted
 ), tomb AS (
@@ -385,6 +392,6 @@ WITH g AS (
 	}, "tomb") + `
   RETURNING 1
 )
-SELECT source_id FROM tomb`
+SELECT coalesce((SELECT array_agg(source_id) FROM tomb), '{}'), (SELECT count(*) FROM cur) - (SELECT count(*) FROM todo)`
 	return sql, bind
 }

@@ -316,8 +316,9 @@ func printSourceReport(w io.Writer, rep reconcile.SourceReport, fixed *reconcile
 			}
 			fmt.Fprintf(w, "  %s\n", id)
 		}
-		if fixed.KeptUnowned+fixed.KeptBack > 0 {
-			fmt.Fprintf(w, "kept: %d without this aggregate type, %d back in scope or changed since the comparison\n", fixed.KeptUnowned, fixed.KeptBack)
+		if fixed.KeptUnowned+fixed.KeptBack+fixed.Pending > 0 {
+			fmt.Fprintf(w, "kept: %d without this aggregate type, %d back in scope or changed since the comparison, %d with a tombstone on its way already\n",
+				fixed.KeptUnowned, fixed.KeptBack, fixed.Pending)
 		}
 	case rep.Clean():
 		fmt.Fprintln(w, "\nno drift from the source table")
