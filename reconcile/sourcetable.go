@@ -167,7 +167,8 @@ GROUP BY 1`, q.args...)
 }
 
 // scopeQuery is the job's scope with what the comparison needs of each
-// row: id, index version, deleted, quarantined.
+// row: id, index version, deleted, quarantined (an uncorrelated IN: the
+// job's open quarantine entries are read once, into a hash).
 type scopeQuery struct {
 	rows string
 	args []any
@@ -180,8 +181,8 @@ func newScopeQuery(scope batch.ScopeRows, cfg Config, job string) scopeQuery {
 	ph := func(i int) string { return "$" + strconv.Itoa(n+i) }
 	q := scopeQuery{args: append(slices.Clone(scope.Args), cfg.Source, cfg.ProcessorVersion, job), pv: ph(2) + "::text", next: n + 4}
 	q.rows = `SELECT s.id, s.version + coalesce(n.version_offset, 0) AS version, s.deleted,
-  EXISTS (SELECT FROM batch_quarantine bq WHERE bq.job = ` + ph(3) + `::text AND bq.source_id = s.id AND bq.resolved_at IS NULL
-          AND bq.logical_run_id IN (SELECT r.logical_run_id FROM batch_runs r WHERE r.job = ` + ph(3) + `::text AND r.processor_version = ` + ph(2) + `::text)) AS quarantined
+  s.id IN (SELECT bq.source_id FROM batch_quarantine bq WHERE bq.job = ` + ph(3) + `::text AND bq.resolved_at IS NULL
+           AND bq.logical_run_id IN (SELECT r.logical_run_id FROM batch_runs r WHERE r.job = ` + ph(3) + `::text AND r.processor_version = ` + ph(2) + `::text)) AS quarantined
 FROM (` + scope.SQL + `) s
 LEFT JOIN normalized_records n ON n.source = ` + ph(1) + `::text AND n.source_id = s.id`
 	return q

@@ -20,7 +20,8 @@ import (
 // list: rows hard-deleted, moved out of the filter or out of the partition
 // list, a document the index holds without a normalized row, and one
 // without an aggregate type are gone; a soft delete and an update no run
-// carried yet are behind; a new row is missing. RepairGone writes a
+// carried yet are behind; a new row is missing, a quarantined one is
+// not. RepairGone writes a
 // tombstone and a delete event per gone id of the job's own, one version
 // above the document's (also when the index is ahead of
 // normalized_records), leaves alone a row back in scope since the
@@ -36,6 +37,8 @@ func TestSourceTableFindsGoneRowsAndRepairsThemThroughTheOutbox(t *testing.T) {
 	f.spec.Source.Partition = "tenant_id"
 	f.spec.Source.Partitions = []string{"tenant-0", "tenant-1", "tenant-2"}
 	f.spec.Source.Filter = []batch.Condition{{Column: "archived", Op: "=", Value: "false"}}
+	// A row the normalizer refuses: quarantined, not missing.
+	require.EqualValues(t, 1, f.exec(t, `UPDATE source_records SET payload = payload - 'title' WHERE id = (SELECT min(id) FROM source_records WHERE tenant_id = 'tenant-1')`))
 	f.run(t)
 	f.index(t)
 	spec, err := batch.LoadJobSpec(ctx, f.pool, f.spec.Job)
@@ -93,6 +96,7 @@ func TestSourceTableFindsGoneRowsAndRepairsThemThroughTheOutbox(t *testing.T) {
 	require.Equal(t, sorted(deleted, archived, moved, []string{"888888", "999999"}), driftIDs(rep.Gone), "gone")
 	require.Equal(t, sorted(softDeleted, updated), driftIDs(rep.Behind), "behind")
 	require.Equal(t, inserted, driftIDs(rep.Missing), "missing")
+	require.EqualValues(t, 1, rep.Quarantined)
 	require.False(t, rep.Clean())
 
 	// A deleted row comes back before the repair: left alone.
