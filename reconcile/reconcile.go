@@ -368,45 +368,11 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		return err
 	}
 
-	idx := map[string]indexState{}
-	q := elastic.NewTermsQuery(sink.FieldBucket, toAny(buckets)...)
-	var query elastic.Query = q
-	if slices.Contains(buckets, 0) {
-		// Bucket 0 also stands for documents without a bucket field.
-		query = elastic.NewBoolQuery().Should(q, elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(sink.FieldBucket)))
+	idx, read, err := scrollBuckets(ctx, cfg, own, buckets)
+	if err != nil {
+		return err
 	}
-	ss := elastic.NewSearchSource().Query(elastic.NewBoolQuery().Filter(own, query)).Version(true).SeqNoAndPrimaryTerm(true).
-		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(sink.FieldDeleted, sink.FieldPV, sink.FieldAggregateType))
-	scroll := cfg.Search.Scroll(cfg.Index).SearchSource(ss).Size(2000).KeepAlive("2m")
-	defer scroll.Clear(context.WithoutCancel(ctx))
-	for {
-		res, err := scroll.Do(ctx)
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return fmt.Errorf("read drifted buckets from index %s: %w", cfg.Index, err)
-		}
-		for _, hit := range res.Hits.Hits {
-			var doc struct {
-				Deleted       bool   `json:"_deleted"`
-				PV            string `json:"_pv"`
-				AggregateType string `json:"_aggregate_type"`
-			}
-			if len(hit.Source) > 0 {
-				_ = json.Unmarshal(hit.Source, &doc)
-			}
-			st := indexState{state: state{deleted: doc.Deleted, pv: doc.PV}, index: hit.Index, aggregateType: doc.AggregateType}
-			if hit.Version != nil {
-				st.version = *hit.Version
-			}
-			if hit.SeqNo != nil && hit.PrimaryTerm != nil {
-				st.seqNo, st.primaryTerm = *hit.SeqNo, *hit.PrimaryTerm
-			}
-			idx[hit.Id] = st
-			rep.DocsRead++
-		}
-	}
+	rep.DocsRead += read
 
 	for id, s := range src {
 		i, ok := idx[id]
@@ -435,6 +401,52 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		slices.SortFunc(l, func(a, b Drift) int { return cmp.Compare(a.ID, b.ID) })
 	}
 	return nil
+}
+
+// scrollBuckets reads the documents of the buckets (own ones, tombstones
+// included) as the index holds them.
+func scrollBuckets(ctx context.Context, cfg Config, own elastic.Query, buckets []int) (map[string]indexState, int64, error) {
+	idx := map[string]indexState{}
+	var read int64
+	q := elastic.NewTermsQuery(sink.FieldBucket, toAny(buckets)...)
+	var query elastic.Query = q
+	if slices.Contains(buckets, 0) {
+		// Bucket 0 also stands for documents without a bucket field.
+		query = elastic.NewBoolQuery().Should(q, elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(sink.FieldBucket)))
+	}
+	ss := elastic.NewSearchSource().Query(elastic.NewBoolQuery().Filter(own, query)).Version(true).SeqNoAndPrimaryTerm(true).
+		FetchSourceContext(elastic.NewFetchSourceContext(true).Include(sink.FieldDeleted, sink.FieldPV, sink.FieldAggregateType))
+	scroll := cfg.Search.Scroll(cfg.Index).SearchSource(ss).Size(2000).KeepAlive("2m")
+	defer scroll.Clear(context.WithoutCancel(ctx))
+	for {
+		res, err := scroll.Do(ctx)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, read, fmt.Errorf("read drifted buckets from index %s: %w", cfg.Index, err)
+		}
+		for _, hit := range res.Hits.Hits {
+			var doc struct {
+				Deleted       bool   `json:"_deleted"`
+				PV            string `json:"_pv"`
+				AggregateType string `json:"_aggregate_type"`
+			}
+			if len(hit.Source) > 0 {
+				_ = json.Unmarshal(hit.Source, &doc)
+			}
+			st := indexState{state: state{deleted: doc.Deleted, pv: doc.PV}, index: hit.Index, aggregateType: doc.AggregateType}
+			if hit.Version != nil {
+				st.version = *hit.Version
+			}
+			if hit.SeqNo != nil && hit.PrimaryTerm != nil {
+				st.seqNo, st.primaryTerm = *hit.SeqNo, *hit.PrimaryTerm
+			}
+			idx[hit.Id] = st
+			read++
+		}
+	}
+	return idx, read, nil
 }
 
 func (i indexState) drift(d Drift) Drift {

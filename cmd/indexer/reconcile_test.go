@@ -70,3 +70,15 @@ SELECT 't', g::text, jsonb_build_object('title', 'doc ' || g), 1, 'v1', false FR
 	require.NoError(t, err)
 	require.EqualValues(t, n, count, "nothing deleted")
 }
+
+// --source-table reads the job's stored spec: without --job it is refused
+// before anything is opened, naming why.
+func TestReconcileSourceTableNeedsAJob(t *testing.T) {
+	t.Setenv("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+	t.Setenv("ELASTICSEARCH_URL", "http://127.0.0.1:1")
+	t.Setenv("JOB", "")
+	var stdout, stderr bytes.Buffer
+	code := cli.Dispatch(context.Background(), "indexer", "test", []cli.Command{reconcileCommand(&stdout)}, []string{"reconcile", "--source-table"}, &stdout, &stderr)
+	require.Equal(t, cli.ExitUsage, code, stderr.String())
+	require.Contains(t, stderr.String(), "--source-table needs --job")
+}
