@@ -31,6 +31,9 @@ func TestBadSettingsExitWithUsage(t *testing.T) {
 		{name: "auto cutover without database", args: []string{"run", "--auto-cutover", "records"}, env: map[string]string{"DATABASE_URL": ""}, want: "AUTO_CUTOVER=records needs DATABASE_URL"},
 		{name: "auto cutover of typed ids", args: []string{"run"}, env: map[string]string{"AUTO_CUTOVER": "records", "DATABASE_URL": "postgres://127.0.0.1:1/x", "ID_FORMAT": "type:id"}, want: "ID_FORMAT=type:id"},
 		{name: "reconcile of typed ids", args: []string{"reconcile"}, env: map[string]string{"ID_FORMAT": "type:id"}, want: "ID_FORMAT=type:id"},
+		{name: "scheduled purge without database", args: []string{"run", "--tombstone-purge-interval", "1h"}, env: map[string]string{"DATABASE_URL": ""}, want: "TOMBSTONE_PURGE_INTERVAL=1h0m0s needs DATABASE_URL"},
+		{name: "purge without database", args: []string{"tombstones", "purge"}, env: map[string]string{"DATABASE_URL": ""}, want: "indexer tombstones purge needs DATABASE_URL"},
+		{name: "negative purge margin", args: []string{"tombstones", "purge", "--tombstone-purge-margin", "-1s"}, want: "TOMBSTONE_PURGE_MARGIN=-1s"},
 		{name: "reindex without --into", args: []string{"reindex"}, want: "--into is required"},
 		{name: "unknown command", args: []string{"frobnicate"}, want: "unknown command"},
 	}
