@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"testing"
 	"time"
@@ -17,39 +18,61 @@ import (
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
-// indexer tombstones purge prints the horizon and the source bounding it,
-// counts with --dry-run, and then deletes exactly the tombstones before
-// the horizon.
-func TestTombstonesPurgeCommand(t *testing.T) {
+type purgeFixture struct {
+	brokers             []string
+	esURL, alias, topic string
+	index               string
+	client              *elastic.Client
+}
+
+// newPurgeFixture makes an index with a tombstone written two hours ago
+// ("old") and one written now ("new"), and a topic whose oldest record is
+// from now.
+func newPurgeFixture(t *testing.T) *purgeFixture {
 	ctx := context.Background()
-	brokers := stack.KafkaBrokers(t)
-	esURL := stack.ElasticsearchURL(t)
-	client, err := sink.NewClient(esURL)
+	f := &purgeFixture{brokers: stack.KafkaBrokers(t), esURL: stack.ElasticsearchURL(t)}
+	var err error
+	f.client, err = sink.NewClient(f.esURL)
 	require.NoError(t, err)
-	alias, topic := stack.UniqueName("purge"), stack.UniqueName("purge")
-	t.Cleanup(func() { _, _ = client.DeleteIndex(alias + "_*").Do(context.Background()) })
-	index, err := sink.EnsureIndex(ctx, client, alias, alias+"-write", sink.DefaultMapping)
+	f.alias, f.topic = stack.UniqueName("purge"), stack.UniqueName("purge")
+	t.Cleanup(func() { _, _ = f.client.DeleteIndex(f.alias + "_*").Do(context.Background()) })
+	f.index, err = sink.EnsureIndex(ctx, f.client, f.alias, f.alias+"-write", sink.DefaultMapping)
 	require.NoError(t, err)
 
-	kc := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 30 * time.Second}
-	_, err = kc.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{Topic: topic, NumPartitions: 1, ReplicationFactor: -1}}})
+	kc := &kafka.Client{Addr: kafka.TCP(f.brokers...), Timeout: 30 * time.Second}
+	_, err = kc.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{Topic: f.topic, NumPartitions: 1, ReplicationFactor: -1}}})
 	require.NoError(t, err)
-	w := &kafka.Writer{Addr: kafka.TCP(brokers...), Topic: topic, RequiredAcks: kafka.RequireAll, AllowAutoTopicCreation: false}
+	w := &kafka.Writer{Addr: kafka.TCP(f.brokers...), Topic: f.topic, RequiredAcks: kafka.RequireAll}
 	t.Cleanup(func() { _ = w.Close() })
 	require.Eventually(t, func() bool { // the partition's leader is elected a moment after creation
 		return w.WriteMessages(ctx, kafka.Message{Key: []byte("z"), Value: []byte(`{}`)}) == nil
 	}, 30*time.Second, 100*time.Millisecond)
 
-	// A tombstone written two hours ago and one written now; the topic's
-	// oldest record is from now, the margin one minute.
 	for id, at := range map[string]time.Time{"old": time.Now().Add(-2 * time.Hour), "new": time.Now()} {
-		_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
-			Method: http.MethodPut, Path: "/" + alias + "-write/_doc/" + id,
+		_, err := f.client.PerformRequest(ctx, elastic.PerformRequestOptions{
+			Method: http.MethodPut, Path: "/" + f.alias + "-write/_doc/" + id,
 			Params: map[string][]string{"version": {"2"}, "version_type": {"external"}, "refresh": {"true"}},
 			Body:   fmt.Sprintf(`{"_deleted":true,"_deleted_at":%d}`, at.UnixMilli()),
 		})
 		require.NoError(t, err)
 	}
+	return f
+}
+
+func (f *purgeFixture) exists(t *testing.T, id string) bool {
+	ok, err := f.client.Exists().Index(f.alias + "-write").Id(id).Do(context.Background())
+	require.NoError(t, err)
+	return ok
+}
+
+// indexer tombstones purge prints the horizon and the source bounding it,
+// counts with --dry-run, and then deletes exactly the tombstones before
+// the horizon (margin one minute).
+func TestTombstonesPurgeCommand(t *testing.T) {
+	ctx := context.Background()
+	f := newPurgeFixture(t)
+	brokers, esURL, alias, topic, index := f.brokers, f.esURL, f.alias, f.topic, f.index
+	exists := func(id string) bool { return f.exists(t, id) }
 	run := func(args ...string) string {
 		var stdout, stderr bytes.Buffer
 		args = append([]string{"tombstones", "purge", "--kafka-brokers", brokers[0], "--topic", topic, "--elasticsearch-url", esURL,
@@ -64,11 +87,6 @@ func TestTombstonesPurgeCommand(t *testing.T) {
 		require.Equal(t, 0, code, stderr.String())
 		return stdout.String()
 	}
-	exists := func(id string) bool {
-		ok, err := client.Exists().Index(alias + "-write").Id(id).Do(ctx)
-		require.NoError(t, err)
-		return ok
-	}
 	out := run("--dry-run")
 	t.Log(out)
 	require.Contains(t, out, "bounded by topic "+topic+", margin 1m0s")
@@ -80,4 +98,23 @@ func TestTombstonesPurgeCommand(t *testing.T) {
 	require.Contains(t, out, index+": purged 1 tombstone(s), kept 1 newer than the horizon")
 	require.False(t, exists("old"), "the tombstone before the horizon is gone")
 	require.True(t, exists("new"), "the tombstone after the horizon stays")
+}
+
+// indexer run with TOMBSTONE_PURGE_INTERVAL purges on its own.
+func TestRunPurgesTombstonesOnSchedule(t *testing.T) {
+	f := newPurgeFixture(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan int, 1)
+	var stderr bytes.Buffer
+	go func() {
+		done <- cli.Dispatch(ctx, "indexer", "test", commands(), []string{"run",
+			"--kafka-brokers", f.brokers[0], "--topic", f.topic, "--group", stack.UniqueName("group"),
+			"--elasticsearch-url", f.esURL, "--alias", f.alias, "--metrics-addr", "",
+			"--database-url", stack.Database(t), "--tombstone-purge-interval", "200ms", "--tombstone-purge-margin", "1m",
+		}, io.Discard, &stderr)
+	}()
+	require.Eventually(t, func() bool { return !f.exists(t, "old") }, time.Minute, 100*time.Millisecond, "old tombstone purged")
+	require.True(t, f.exists(t, "new"), "the tombstone after the horizon stays")
+	cancel()
+	require.Equal(t, 0, <-done, stderr.String())
 }
