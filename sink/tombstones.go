@@ -123,7 +123,10 @@ type PurgeResult struct {
 
 // PurgeTombstones computes the horizon of cfg's topic and deletes, from
 // every generation of every alias records may go to (Config.Alias and the
-// ROUTES aliases), the tombstones deleted before it.
+// ROUTES aliases: the indices the aliases point at and those whose _meta
+// names them), the tombstones deleted before it. Only cfg's topic bounds
+// the horizon: when other topics feed the same index, their tombstones
+// are purged by this topic's horizon too.
 //
 // It deletes by query, matching only documents that are still tombstones
 // (FieldDeleted true) with FieldDeletedAt before the horizon. Delete by
@@ -154,6 +157,9 @@ func PurgeTombstones(ctx context.Context, cfg Config, opts PurgeOptions) (PurgeR
 			return res, err
 		}
 		for _, g := range gens {
+			if g.Meta.Alias == "" && !g.Live && !g.Writes {
+				continue // only named like a generation: not known to be the indexer's
+			}
 			pi, err := purgeIndex(ctx, client, g.Index, res.Horizon.At, opts.DryRun)
 			if err != nil {
 				return res, err

@@ -68,7 +68,8 @@ const purgeHelp = "Deletes the delete tombstones ({\"_deleted\":true} documents)
 	"that bounded it, and per index how many tombstones were (--dry-run: would be) purged and kept.\n" +
 	"Not covered: an event older than a delete re-published into the topic after that delete (a\n" +
 	"publisher dead-letter retry or a dead-letter replay of an old event): its record is newer than\n" +
-	"the tombstone."
+	"the tombstone. Only TOPIC bounds the horizon: when several topics (indexers) write into one\n" +
+	"index, purge with the topic whose oldest record is the oldest, or not at all."
 
 func purgeCommand(stdout io.Writer) cli.Command {
 	return cli.Command{

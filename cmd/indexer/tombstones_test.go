@@ -87,6 +87,14 @@ func TestTombstonesPurgeCommand(t *testing.T) {
 		require.Equal(t, 0, code, stderr.String())
 		return stdout.String()
 	}
+	// An index only named like a generation (not made by the indexer)
+	// with a document that looks like an old tombstone: not touched.
+	foreign := alias + "_archive"
+	_, err := f.client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodPut, Path: "/" + foreign + "/_doc/old", Params: map[string][]string{"refresh": {"true"}},
+		Body: fmt.Sprintf(`{"_deleted":true,"_deleted_at":%d}`, time.Now().Add(-2*time.Hour).UnixMilli()),
+	})
+	require.NoError(t, err)
 	out := run("--dry-run")
 	t.Log(out)
 	require.Contains(t, out, "bounded by topic "+topic+", margin 1m0s")
@@ -98,6 +106,10 @@ func TestTombstonesPurgeCommand(t *testing.T) {
 	require.Contains(t, out, index+": purged 1 tombstone(s), kept 1 newer than the horizon")
 	require.False(t, exists("old"), "the tombstone before the horizon is gone")
 	require.True(t, exists("new"), "the tombstone after the horizon stays")
+	require.NotContains(t, out, foreign)
+	ok, err := f.client.Exists().Index(foreign).Id("old").Do(ctx)
+	require.NoError(t, err)
+	require.True(t, ok, "a foreign index is not purged")
 }
 
 // indexer run with TOMBSTONE_PURGE_INTERVAL purges on its own.
