@@ -140,9 +140,12 @@
 // must_not term _deleted=true, so user searches through it never see
 // tombstones without writing the filter themselves; GET by id through the
 // alias does return the tombstone (filters apply to searches only). The
-// cost is one small document per deleted id; a purge of old tombstones is
-// deliberately not automatic, because it would reopen the window it
-// closes for replays older than the purge horizon. Since the indexer never
+// cost is one small document per deleted id, until [PurgeTombstones]
+// removes it: a tombstone also carries _deleted_at, when it was written,
+// and goes once it is older than the horizon, the oldest record that
+// could still replay an older version (the topic from its earliest
+// retained offset, unpublished and dead-lettered outbox rows, dead letters
+// not yet replayed), minus a margin. Since the indexer never
 // deletes, the engine's own delete tombstones only come from deletes made
 // by hand or by reconcile's repair; the built-in mapping sets
 // index.gc_deletes to 5s so that a repair re-enqueued after such a delete

@@ -30,6 +30,10 @@ const (
 	// value without a version replayed after a later record of its key was
 	// indexed must see that it is overtaken (see versionsFromIndex).
 	FieldPosition = "_pos"
+	// FieldDeletedAt holds, on a tombstone, when the indexer wrote it
+	// (milliseconds since the epoch, the indexer's clock when it parsed the
+	// delete): [PurgeTombstones] removes tombstones older than the horizon.
+	FieldDeletedAt = "_deleted_at"
 )
 
 // Buckets is the number of id ranges reconciliation compares.
@@ -71,6 +75,11 @@ func IDV(id string, version int64, deleted bool, pv string) int64 {
 // body is written, which saves copying every document once more.
 func appendDocument(dst []byte, d *doc) []byte {
 	dst = appendReconcileFields(dst, d.body, d.bucket, d.idv, d.pv)
+	if d.op == opDelete {
+		dst = append(dst[:len(dst)-1], `,"`+FieldDeletedAt+`":`...)
+		dst = strconv.AppendInt(dst, d.deletedAt, 10)
+		dst = append(dst, '}')
+	}
 	if len(d.aggType) > 0 {
 		dst = append(dst[:len(dst)-1], `,"`+FieldAggregateType+`":`...)
 		dst = appendJSONBytes(dst, d.aggType)

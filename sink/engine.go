@@ -318,13 +318,15 @@ func writeAliasMissing(alias, writeAlias string, read []string) error {
 }
 
 // CreateIndex creates index from a create-index body (settings, mappings)
-// plus aliases. An index that already exists is not an error; its aliases
+// plus aliases, with FieldDeletedAt mapped as a date when the body does
+// not map it (a strict mapping would refuse every tombstone otherwise). An index that already exists is not an error; its aliases
 // are then added in one _aliases call.
 func CreateIndex(ctx context.Context, client *elastic.Client, index string, mapping []byte, aliases map[string]any) error {
 	var body map[string]any
 	if err := json.Unmarshal(mapping, &body); err != nil {
 		return fmt.Errorf("index mapping is not a JSON object: %w", err)
 	}
+	withDeletedAt(body)
 	if len(aliases) > 0 {
 		body["aliases"] = aliases
 	}
@@ -382,4 +384,32 @@ func ping(ctx context.Context, client *elastic.Client) error {
 	defer cancel()
 	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodGet, Path: "/"})
 	return err
+}
+
+func deletedAtMapping() map[string]any {
+	return map[string]any{"type": "date", "format": "epoch_millis"}
+}
+
+// withDeletedAt adds FieldDeletedAt to the mappings of a create-index body
+// that does not map it.
+func withDeletedAt(body map[string]any) {
+	mappings, ok := body["mappings"].(map[string]any)
+	if !ok {
+		if body["mappings"] != nil {
+			return // a shape this code does not know (e.g. typed mappings): left as it is
+		}
+		mappings = map[string]any{}
+		body["mappings"] = mappings
+	}
+	props, ok := mappings["properties"].(map[string]any)
+	if !ok {
+		if mappings["properties"] != nil {
+			return
+		}
+		props = map[string]any{}
+		mappings["properties"] = props
+	}
+	if _, mapped := props[FieldDeletedAt]; !mapped {
+		props[FieldDeletedAt] = deletedAtMapping()
+	}
 }

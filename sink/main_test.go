@@ -30,6 +30,8 @@ type rec struct {
 	typ     string // upsert (default) or delete
 	doc     string // JSON, upserts only
 	headers map[string]string
+	// partition is Message.Partition, for a writer whose balancer honours it.
+	partition int
 }
 
 func upsert(id string, v int64, doc string) rec { return rec{id: id, version: v, doc: doc} }
@@ -40,7 +42,7 @@ func (r rec) message() kafka.Message {
 	if typ == "" {
 		typ = "upsert"
 	}
-	m := kafka.Message{Key: []byte(r.id), Headers: []kafka.Header{
+	m := kafka.Message{Key: []byte(r.id), Partition: r.partition, Headers: []kafka.Header{
 		{Key: outbox.HeaderSpecVersion, Value: []byte(outbox.SpecVersion)},
 		{Key: outbox.HeaderID, Value: []byte(fmt.Sprintf("%s-%d", r.id, r.version))},
 		{Key: outbox.HeaderType, Value: []byte(outbox.TypePrefix + typ)},
@@ -227,6 +229,12 @@ func stripReconcileFields(t testing.TB, id string, version int64, src json.RawMe
 		require.NoError(t, json.Unmarshal(raw, &pv))
 	}
 	require.Equal(t, strconv.FormatInt(IDV(id, version, deleted, pv), 10), string(m[FieldIDV]), "%s of %s", FieldIDV, id)
+	if deleted {
+		var at int64
+		require.NoError(t, json.Unmarshal(m[FieldDeletedAt], &at), "%s of %s", FieldDeletedAt, id)
+		require.Positive(t, at, "%s of %s", FieldDeletedAt, id)
+	}
+	delete(m, FieldDeletedAt)
 	delete(m, FieldBucket)
 	delete(m, FieldIDV)
 	delete(m, FieldPV)

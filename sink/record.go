@@ -39,7 +39,7 @@ const MaxIDBytes = 512
 // tombstone; _bucket, _idv, _pv or, with NullValues "delete", _pos would be
 // written twice) and the engine's metadata fields, which fail the item.
 var ReservedFields = []string{
-	FieldDeleted, FieldBucket, FieldIDV, FieldPV, FieldAggregateType, FieldPosition,
+	FieldDeleted, FieldDeletedAt, FieldBucket, FieldIDV, FieldPV, FieldAggregateType, FieldPosition,
 	"_id", "_index", "_routing", "_source", "_version", "_seq_no", "_primary_term", "_type",
 	"_field_names", "_ignored", "_doc_count", "_data_stream_timestamp", "_nested_path", "_tier",
 }
@@ -112,6 +112,9 @@ type doc struct {
 	withPosition bool
 	op           op
 	body         []byte // document or tombstone, without the reconcile fields
+	// deletedAt is FieldDeletedAt of a tombstone: when the delete was
+	// parsed, in milliseconds since the epoch.
+	deletedAt int64
 	// bucket and idv are the reconcile fields, computed by the fetch loop,
 	// which runs ahead of the lanes, rather than while a lane builds its bulk.
 	bucket int
@@ -217,6 +220,7 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 		// tombstone at. It takes the version the index holds for the id
 		// when the batch is resolved (see versionsFromIndex).
 		d.op, d.body, d.versionFromIndex = opDelete, tombstoneDoc, true
+		d.deletedAt = time.Now().UnixMilli()
 		d.bucket = Bucket(d.id)
 		return d
 	}
@@ -261,6 +265,7 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 	case isDelete:
 		d.op = opDelete
 		d.body = tombstoneDoc
+		d.deletedAt = time.Now().UnixMilli()
 	default:
 		return poison(CodeUnknownType, "header %s=%q: want %s or %s (SKIP_EVENT_TYPES skips others)", outbox.HeaderType, typ, typeUpsert, typeDelete)
 	}

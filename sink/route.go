@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/url"
 	"slices"
@@ -127,7 +128,8 @@ func ParseRoutes(s string) (map[string]string, error) {
 }
 
 // ensureIndexes makes sure every alias records may go to exists (see
-// [EnsureIndex]) and returns the index behind Config.WriteAlias. With
+// [EnsureIndex]) and returns the index behind Config.WriteAlias. It maps
+// FieldDeletedAt, which tombstones carry (see [CreateIndex]). With
 // NullValues "delete" it also maps FieldPosition, which the documents then
 // carry: an index with a strict mapping would refuse every one of them.
 func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
@@ -136,6 +138,15 @@ func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
 		index, err := EnsureIndex(ctx, ix.client, alias, ix.rules.writeAliasOf(alias), ix.cfg.Mapping)
 		if err != nil {
 			return "", err
+		}
+		// Indices created before tombstones carried FieldDeletedAt: a
+		// strict mapping would refuse every tombstone. An index that maps
+		// the field otherwise already is left as it is.
+		if _, err := ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{
+			Method: http.MethodPut, Path: "/" + url.PathEscape(index) + "/_mapping",
+			Body: map[string]any{"properties": map[string]any{FieldDeletedAt: deletedAtMapping()}},
+		}); err != nil {
+			ix.log.Warn("cannot map "+FieldDeletedAt+" (tombstone purge times)", slog.String("index", index), slog.String("error", err.Error()))
 		}
 		if ix.cfg.NullValues == NullValuesDelete {
 			if _, err := ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -68,7 +69,12 @@ func TestParse(t *testing.T) {
 			require.Equal(t, tt.wantBody, string(d.body))
 			id := cmp.Or(tt.wantID, "a")
 			require.Equal(t, id, d.id)
-			require.Equal(t, string(appendReconcileFields(nil, []byte(tt.wantBody), Bucket(id), IDV(id, tt.wantVer, tt.wantOp == opDelete, ""), "")), string(appendDocument(nil, d)))
+			want := string(appendReconcileFields(nil, []byte(tt.wantBody), Bucket(id), IDV(id, tt.wantVer, tt.wantOp == opDelete, ""), ""))
+			if tt.wantOp == opDelete { // a tombstone says when it was written
+				require.Positive(t, d.deletedAt)
+				want = want[:len(want)-1] + `,"` + FieldDeletedAt + `":` + strconv.FormatInt(d.deletedAt, 10) + "}"
+			}
+			require.Equal(t, want, string(appendDocument(nil, d)))
 			require.Equal(t, tt.wantVer, d.version)
 		})
 	}

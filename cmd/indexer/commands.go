@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/esconn"
 	"github.com/outboxrelay/outboxrelay/internal/kafkaconn"
@@ -37,6 +39,8 @@ type settings struct {
 	// indexer run's automatic cutover (reconcile.AutoCutover)
 	autoCutover         string
 	autoCutoverInterval time.Duration
+	// indexer run's scheduled tombstone purge
+	purge purgeSettings
 }
 
 func (s *settings) registerKafka(fs *cli.FlagSet) {
@@ -89,7 +93,9 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	s.metrics.RegisterMetrics(fs, "127.0.0.1:9103")
 	fs.String(&s.autoCutover, "auto-cutover", "AUTO_CUTOVER", "", `comma-separated scan jobs whose rebuilt index generation goes live as soon as indexer cutover --job would accept it (needs DATABASE_URL; "" = never, cut over by hand)`)
 	fs.Duration(&s.autoCutoverInterval, "auto-cutover-interval", "AUTO_CUTOVER_INTERVAL", 30*time.Second, "how often the AUTO_CUTOVER jobs' generations are checked")
-	fs.SecretOrFile(&s.common.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (only with AUTO_CUTOVER)")
+	fs.Duration(&s.purge.interval, "tombstone-purge-interval", "TOMBSTONE_PURGE_INTERVAL", 0, "run indexer tombstones purge this often (0 = never; needs DATABASE_URL unless TOMBSTONE_PURGE_NO_OUTBOX)")
+	s.purge.register(fs)
+	fs.SecretOrFile(&s.common.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (only with AUTO_CUTOVER or TOMBSTONE_PURGE_INTERVAL)")
 	s.common.BindRequireTLS(fs)
 }
 
@@ -190,6 +196,9 @@ func runCommand() cli.Command {
 			if err := s.validateAutoCutover(); err != nil {
 				return err
 			}
+			if err := s.purge.validate(s.common.DatabaseURL, true); err != nil {
+				return err
+			}
 			logger, err := s.load(ctx, true)
 			if err != nil {
 				return err
@@ -214,12 +223,23 @@ func runCommand() cli.Command {
 			if err := metrics.Serve(soft, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
 			}
-			if jobs := splitList(s.autoCutover); len(jobs) > 0 {
-				pool, err := s.common.OpenDB(ctx, 3)
-				if err != nil {
+			var pool *pgxpool.Pool
+			if s.autoCutover != "" || (s.purge.interval > 0 && !s.purge.noOutbox) {
+				if pool, err = s.common.OpenDB(ctx, 3); err != nil {
 					return err
 				}
 				defer pool.Close()
+			}
+			if s.purge.interval > 0 {
+				pCtx, pStop := context.WithCancel(soft)
+				done := make(chan struct{})
+				go func() {
+					defer close(done)
+					purgeEvery(pCtx, s.cfg, s.purge, pool, logger)
+				}()
+				defer func() { pStop(); <-done }()
+			}
+			if jobs := splitList(s.autoCutover); len(jobs) > 0 {
 				acCtx, acStop := context.WithCancel(soft)
 				done := make(chan struct{})
 				go func() {

@@ -22,5 +22,6 @@ func commands() []cli.Command {
 		cutoverCommand(cli.Stdout),
 		rollbackCommand(cli.Stdout),
 		dropCommand(cli.Stdout),
+		purgeCommand(cli.Stdout),
 	}
 }
