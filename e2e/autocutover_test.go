@@ -71,7 +71,8 @@ func TestIndexerAutoCutover(t *testing.T) {
 	requireAliasOn(t, p, v2)
 	require.Equal(t, 1, strings.Count(ix.Stderr(), "the read alias moved to the rebuilt generation"), procs())
 	require.Equal(t, "v2", sampleDoc(t, p)[sink.FieldPV])
-	p.waitSettled(ctx, 2*time.Minute, procs) // reconcile of the write alias: v2 now
+	p.expect = expectV2
+	p.waitSettled(ctx, 2*time.Minute, procs) // the v2 documents, through both aliases
 	var live int64
 	require.NoError(t, p.pool.QueryRow(ctx, `SELECT count(*) FROM normalized_records WHERE source = $1 AND NOT deleted AND processor_version = 'v2'`, sourceName).Scan(&live))
 	require.Equal(t, live, p.searchCount(ctx, nil), "documents visible through the read alias")

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,6 +27,10 @@ const (
 	chaosPublisherLease = 2 * time.Second
 	chaosIndexerSession = 6 * time.Second // the broker's minimum
 	chaosBadEvery       = 499
+	// chaosSeedEnv replays the chaos's choices (which process, kill or
+	// stop, the pauses between them) from the seed a run printed; the
+	// timing of the processes and the mutator's random() rows still vary.
+	chaosSeedEnv = "E2E_CHAOS_SEED"
 )
 
 // TestPipelineChaos runs two of each binary while the source keeps
@@ -34,7 +39,8 @@ const (
 // batchers start the next run when one finishes. The chaos stops by itself
 // (E2E_CHAOS_DURATION, default 150s); then a last batcher run covers the
 // last source change and, once the pipeline has drained, the index must
-// equal the source exactly.
+// equal the source exactly. The choices come from a seed it prints
+// (E2E_CHAOS_SEED replays them).
 func TestPipelineChaos(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -44,6 +50,18 @@ func TestPipelineChaos(t *testing.T) {
 		require.NoError(t, err, "E2E_CHAOS_DURATION")
 		chaosFor = d
 	}
+	seed := uint64(time.Now().UnixNano())
+	if v := os.Getenv(chaosSeedEnv); v != "" {
+		var err error
+		seed, err = strconv.ParseUint(v, 10, 64)
+		require.NoError(t, err, chaosSeedEnv)
+	}
+	t.Logf("seed %d (replay with %s=%d)", seed, chaosSeedEnv, seed)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("FAILED with seed %d: replay with %s=%d", seed, chaosSeedEnv, seed)
+		}
+	})
 	p := newPipeline(t, pipelineOptions{
 		TopicPartitions: 6,
 		// tenant_id has 4 values: 4 partitions for the two batchers to share.
@@ -53,7 +71,7 @@ func TestPipelineChaos(t *testing.T) {
 	})
 	require.NoError(t, demo.Seed(ctx, p.pool, demo.SeedOptions{Rows: 20_000, BadEvery: chaosBadEvery}))
 
-	c := &chaos{t: t, p: p, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 42))}
+	c := &chaos{t: t, p: p, rng: rand.New(rand.NewPCG(seed, 42))}
 	// Daemons stay supervised until the end of the test; batchers and the
 	// chaos itself stop when the chaos ends.
 	daemonCtx, stopDaemons := context.WithCancel(ctx)

@@ -82,6 +82,7 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	es, err := sink.NewClient(sc.Env)
 	require.NoError(t, err)
 	p.es = es
+	p.searchURLs = sink.SplitURLs(sc.Env)
 	const partitions = 3
 	kcl := createReplicatedTopic(ctx, t, brokers, p.topic, partitions)
 

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
@@ -105,26 +104,32 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 		}
 	}()
 
-	// The writer changes rows all through the rebuild.
+	// The writer changes rows all through the rebuild; its error, if any,
+	// fails the test once it is stopped.
 	var updated, deleted atomic.Int64
-	writeCtx, stopWriter := context.WithCancel(ctx)
-	bg.Add(1)
+	writeCtx, cancelWriter := context.WithCancel(ctx)
+	writerDone := make(chan error, 1)
+	stopWriter := func() error {
+		cancelWriter()
+		return <-writerDone
+	}
 	go func() {
-		defer bg.Done()
 		for salt := 1; writeCtx.Err() == nil; salt++ {
 			c, err := demo.Mutate(writeCtx, p.pool, 500, 5000, salt)
 			if writeCtx.Err() != nil {
-				return
+				break
 			}
 			if err != nil {
-				lastBad.Store("writer: " + err.Error())
+				writerDone <- fmt.Errorf("writer, round %d: %w", salt, err)
 				return
 			}
 			updated.Add(c.Updated)
 			deleted.Add(c.Deleted)
 			pause(writeCtx, 150*time.Millisecond)
 		}
+		writerDone <- nil
 	}()
+	defer cancelWriter()
 
 	// v2: the title upper-cased.
 	specV2 := p.spec
@@ -176,7 +181,7 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 	// Not ready while rows changed behind the scanner wait for the
 	// catch-up. One more round of changes after the run makes sure some
 	// did, whatever the writer's timing.
-	stopWriter()
+	require.NoError(t, stopWriter())
 	require.Positive(t, updated.Load(), "rows updated during the rebuild")
 	require.Positive(t, deleted.Load(), "rows soft-deleted during the rebuild")
 	c, err := demo.Mutate(ctx, p.pool, 500, 5000, -1)
@@ -208,27 +213,12 @@ SELECT count(*) FILTER (WHERE n.source_id IS NULL OR n.source_version <> s.versi
 FROM source_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.source_id = s.id::text`, sourceName).Scan(&behind, &wrong))
 	require.Zero(t, behind, "normalized rows behind their source row or not at v2")
 	require.Zero(t, wrong, "normalized titles that are not the v2 normalization")
-	norm := p.readNormalized(ctx)
-	idx := p.readIndex(ctx) // through the write alias: now v2
-	require.Equal(t, len(norm), len(idx))
-	var live int64
-	var gone []string
-	for id, n := range norm {
-		d, ok := idx[id]
-		require.Truef(t, ok, "id %s missing from %s", id, v2)
-		require.Equalf(t, n.Version, d.Version, "id %s: version", id)
-		require.Equalf(t, "v2", d.Source[sink.FieldPV], "id %s: processor version", id)
-		if n.Deleted {
-			require.Equalf(t, true, d.Source[sink.FieldDeleted], "id %s: not a tombstone", id)
-			gone = append(gone, id)
-			continue
-		}
-		live++
-		require.Equalf(t, n.Doc, userDoc(d.Source), "id %s: document", id)
-	}
-	require.Equal(t, live, p.searchCount(ctx, nil), "documents visible through the read alias")
-	require.NotEmpty(t, gone)
-	require.Zero(t, p.searchCount(ctx, elastic.NewIdsQuery().Ids(gone...)), "soft-deleted rows found through the read alias")
+	// The index, by the independent oracle: every document through the
+	// read alias (v2 now) is the v2 document of its row's latest version,
+	// every soft-deleted row a tombstone, invisible.
+	p.expect = expectV2
+	idx := p.requireIndexMatchesSource(ctx, p.expect, time.Now().Add(time.Minute), procs)
+	require.Positive(t, idx.Tombstones, "soft-deleted rows")
 
 	rec := testproc.Run(t, 2*time.Minute, p.indexerBin, p.env(), "reconcile", "--job", p.spec.Job)
 	require.Equal(t, 0, rec.ExitCode(), "reconcile:\n%s\n%s", rec.Stdout(), rec.Stderr())
@@ -258,6 +248,7 @@ FROM source_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.sour
 	requireAliasOn(t, p, v2)
 	title = sampleDoc(t, p)["title"].(string)
 	require.Equal(t, strings.ToUpper(title), title, "a v2 title is upper-cased")
+	p.requireIndexMatchesSource(ctx, expectV2, time.Now().Add(time.Minute), procs)
 
 	stopProbe()
 	bg.Wait()

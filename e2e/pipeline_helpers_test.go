@@ -46,6 +46,10 @@ type pipeline struct {
 	alias    string
 	specFile string
 	spec     batch.Spec
+	// searchURLs: the engine the oracle reads over a client of its own.
+	searchURLs []string
+	// expect: what the oracle expects in the index (waitSettled).
+	expect expectation
 
 	batcherBin, publisherBin, indexerBin string
 }
@@ -72,6 +76,8 @@ func newPipeline(tb testing.TB, o pipelineOptions) *pipeline {
 		batcherBin:   testproc.Build(tb, "batcher"),
 		publisherBin: testproc.Build(tb, "publisher"),
 		indexerBin:   testproc.Build(tb, "indexer"),
+		searchURLs:   []string{stack.ElasticsearchURL(tb)},
+		expect:       expectV1,
 	}
 	p.group = p.topic + "-indexer"
 	p.pool = stack.Pool(tb, p.dbURL)
@@ -189,13 +195,28 @@ type settled struct {
 	Drained  time.Duration // outbox empty
 	Caught   time.Duration // consumer lag zero as well
 	Matching time.Duration // reconcile clean as well
+	Index    *indexCheck   // the oracle's passed check (nil from settle)
 }
 
-// waitSettled waits until the outbox is empty, the consumer group has no
-// lag and reconcile reports the index equal to normalized_records. Events
-// in flight show up as drift, so a clean report only counts once the first
-// two hold. It polls; every condition has a deadline.
+// waitSettled waits until the pipeline has come to rest (settle), then
+// gives the verdict by the independent oracle: the whole index against the
+// documents computed from the source by the test's own SQL (p.expect),
+// checked again until the deadline if it differs.
 func (p *pipeline) waitSettled(ctx context.Context, timeout time.Duration, procs func() string) settled {
+	p.tb.Helper()
+	start := time.Now()
+	s := p.settle(ctx, timeout, procs)
+	s.Index = p.requireIndexMatchesSource(ctx, p.expect, start.Add(timeout), procs)
+	return s
+}
+
+// settle waits until the outbox is empty, the consumer group has no lag
+// and reconcile reports the index equal to normalized_records. Events in
+// flight show up as drift, so a clean report only counts once the first
+// two hold. It polls; every condition has a deadline. It is the wait, not
+// the verdict: reconcile is the product's own view (ids, versions and
+// deleted flags, not content); waitSettled adds the oracle.
+func (p *pipeline) settle(ctx context.Context, timeout time.Duration, procs func() string) settled {
 	p.tb.Helper()
 	start := time.Now()
 	deadline := start.Add(timeout)
@@ -502,14 +523,6 @@ func report(tb testing.TB, format string, args ...any) {
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
-
-func mgetItems(index string, ids []string) []*elastic.MultiGetItem {
-	items := make([]*elastic.MultiGetItem, len(ids))
-	for i, id := range ids {
-		items[i] = elastic.NewMultiGetItem().Index(index).Id(id)
-	}
-	return items
-}
 
 // topicOrder is what readTopicOrder found.
 type topicOrder struct {

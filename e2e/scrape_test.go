@@ -238,6 +238,7 @@ func TestScrapedMetricsMatchTheRulesAndDashboard(t *testing.T) {
 	require.Len(t, prom.query(t, `max by (partition) (last_over_time(indexer_consumer_lag{job="indexer"}[1m]))`), 6)
 	s := p.waitSettled(ctx, 3*time.Minute, procs)
 	require.EqualValues(t, rows-bad, s.Report.IndexDocs)
+	require.EqualValues(t, rows-bad, s.Index.Live, "documents through the read alias equal to the source")
 	// Both services can do their job now, and say so.
 	for _, svc := range []string{"publisher", "indexer"} {
 		code, body := httpGet(t, "http://"+addr[svc]+"/readyz")

@@ -86,6 +86,7 @@ func TestPipelineOverSecuredKafka(t *testing.T) {
 			s := p.waitSettled(ctx, 4*time.Minute, procs)
 			require.EqualValues(t, rows, s.Report.SourceRows)
 			require.EqualValues(t, rows, s.Report.IndexDocs)
+			require.EqualValues(t, rows, s.Index.Live, "documents through the read alias equal to the source")
 			// The dead-letter topic is created at its first record, and the
 			// status reads its end offsets over the plaintext listener, which
 			// may learn of the new topic a moment later.

@@ -58,6 +58,7 @@ func TestPipelineThroughSecuredSearch(t *testing.T) {
 			p.runBatcher(3 * time.Minute)
 			st := p.waitSettled(ctx, 4*time.Minute, procs)
 			require.EqualValues(t, rows, st.Report.IndexDocs)
+			require.EqualValues(t, rows, st.Index.Live, "documents through the read alias equal to the source")
 		})
 	}
 
