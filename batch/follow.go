@@ -139,7 +139,7 @@ BEGIN
 END $$;
 CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + q(spec.Source.Schema, spec.Source.Table) + `
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify();
-`
+` + captureTriggerSQL(spec)
 }
 
 // Run follows the job until soft is cancelled (the run in flight stops at a
@@ -326,6 +326,13 @@ func (f *Follower) waitForChange(soft, hard context.Context, mark *string) error
 		var newer bool
 		if err := f.pool.QueryRow(hard, f.newerQ, mark).Scan(&newer); err != nil {
 			return fmt.Errorf("follow job %s: look for changes: %w", f.spec.Job, err)
+		}
+		if !newer && f.spec.Vanished == VanishedDelete {
+			// A delete leaves no change value: its capture is the change.
+			err := f.pool.QueryRow(hard, pendingDeletesSQL, f.spec.Source.Schema, f.spec.Source.Table, f.spec.Job).Scan(&newer)
+			if err != nil {
+				return fmt.Errorf("follow job %s: look for deletes: %w", f.spec.Job, err)
+			}
 		}
 		if newer {
 			return nil

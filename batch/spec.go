@@ -421,8 +421,6 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: errors.partition_backoff %s: want >= 0", s.Job, time.Duration(s.Errors.PartitionBackoff))
 	case s.Vanished != VanishedDelete && s.Vanished != VanishedKeep:
 		return fmt.Errorf("spec %s: vanished %q: want delete or keep", s.Job, s.Vanished)
-	case s.Vanished == VanishedDelete && s.Mode != ModeFull:
-		return fmt.Errorf("spec %s: vanished delete needs mode full (an incremental run does not see every row); set vanished: keep", s.Job)
 	}
 	switch s.Errors.Policy {
 	case PolicyStrict, PolicyQuarantine, PolicyRetry:

@@ -1,0 +1,257 @@
+package batch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Deletes in incremental runs (Spec.Vanished = delete on an incremental
+// job). A hard DELETE or a TRUNCATE leaves no change value behind, and a
+// row that leaves the scope is no longer read by the chunks, so none of
+// them reaches the index through the scan. Three things make them:
+//
+//   - The capture: the triggers [FollowTriggerSQL] installs write, in the
+//     writer's own transaction, one batch_deletes row per deleted source row
+//     (a statement-level AFTER DELETE trigger reading the statement's
+//     transition table: one INSERT … SELECT per DELETE statement) and one
+//     per TRUNCATE.
+//   - The drain: the transaction that creates a run (prepareRun) reads the
+//     captures of the table past the job's mark (batch_delete_marks) up to
+//     the newest one, and turns the live normalized rows among them into
+//     tombstones and delete events exactly as the sweep does (last version
+//     + 1, vanished), whether or not the id is in the source again: a
+//     re-inserted row has a change value past the previous run's boundary,
+//     so this run or the next reads it and it wins over the vanished
+//     tombstone whatever its version (upsertTail, migration 011). A
+//     TRUNCATE tombstones every live row of the source name; the rows
+//     written since come back the same way.
+//   - The exits: the same transaction reads the source rows whose change
+//     value lies past the job's exit mark, up to the table's newest value,
+//     and that are out of scope now (filter, explicit partition list), and
+//     tombstones their live normalized rows: an UPDATE that moves a row
+//     out of scope gives it a new change value.
+//
+// The marks are fixed after the writers open when the run's boundaries
+// were read have ended (so every capture of a transaction whose changes
+// the run reads is below the mark), and then the writers open at that
+// point are waited for too (so no capture or change value below the marks
+// commits later): the same rule as the boundaries'. Tombstones, events and
+// the new marks commit with the run's creation, under the job lock, in
+// one transaction: a crash anywhere loses no delete and writes none twice.
+
+// Failpoints of the drain, inside the transaction that creates the run.
+const (
+	failpointDeletesAfterTombstones = "batch.deletes_after_tombstones" // tombstones and events written, marks not moved
+	failpointDeletesAfterMark       = "batch.deletes_after_mark"       // + marks moved, not committed
+	failpointDeletesAfterCommit     = "batch.deletes_after_commit"     // the run and its drain committed
+)
+
+// CaptureTrigger is the name of the statement-level AFTER DELETE trigger
+// [FollowTriggerSQL] installs on the source table.
+const CaptureTrigger = "outboxrelay_capture_delete"
+
+// captureTriggerSQL is the part of [FollowTriggerSQL] that captures deletes
+// and truncates into batch_deletes. The function keeps the installer's
+// search_path, so a writer finds batch_deletes whatever its own is; the
+// writer needs INSERT on batch_deletes and USAGE on its sequence.
+func captureTriggerSQL(s Spec) string {
+	table := q(s.Source.Schema, s.Source.Table)
+	return `CREATE OR REPLACE FUNCTION outboxrelay_capture_delete() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        INSERT INTO batch_deletes (source_schema, source_table, truncated) VALUES (TG_TABLE_SCHEMA, TG_TABLE_NAME, true);
+    ELSE
+        EXECUTE format('INSERT INTO batch_deletes (source_schema, source_table, source_id) SELECT $1, $2, o.%I::text FROM outboxrelay_deleted o', TG_ARGV[0])
+            USING TG_TABLE_SCHEMA, TG_TABLE_NAME;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE TRIGGER ` + CaptureTrigger + ` AFTER DELETE ON ` + table + `
+    REFERENCING OLD TABLE AS outboxrelay_deleted
+    FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_capture_delete(` + quoteLiteral(s.Source.ID) + `);
+CREATE OR REPLACE TRIGGER outboxrelay_capture_truncate AFTER TRUNCATE ON ` + table + `
+    FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_capture_delete();
+`
+}
+
+// quoteLiteral quotes s as an SQL string literal.
+func quoteLiteral(s string) string {
+	out := []byte{'\''}
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\'' {
+			out = append(out, '\'')
+		}
+		out = append(out, s[i])
+	}
+	return string(append(out, '\''))
+}
+
+const (
+	// captureInstalledSQL: whether table $1 has the capture trigger.
+	captureInstalledSQL = `SELECT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = '` + CaptureTrigger + `' AND tgenabled <> 'D')`
+	// newestCaptureSQL: the newest committed capture of table ($1, $2).
+	newestCaptureSQL = `SELECT max(id) FROM batch_deletes WHERE source_schema = $1 AND source_table = $2`
+	// deleteMarksSQL: job $1's marks, when they are for table ($2, $3).
+	deleteMarksSQL = `SELECT capture_id, exit_mark FROM batch_delete_marks WHERE job = $1 AND source_schema = $2 AND source_table = $3`
+	// saveDeleteMarksSQL moves job $1's marks.
+	saveDeleteMarksSQL = `
+INSERT INTO batch_delete_marks (job, source_schema, source_table, capture_id, exit_mark, tombstones)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (job) DO UPDATE SET source_schema = EXCLUDED.source_schema, source_table = EXCLUDED.source_table,
+    capture_id = EXCLUDED.capture_id, exit_mark = EXCLUDED.exit_mark,
+    tombstones = CASE WHEN batch_delete_marks.source_schema = EXCLUDED.source_schema AND batch_delete_marks.source_table = EXCLUDED.source_table
+                      THEN batch_delete_marks.tombstones ELSE 0 END + EXCLUDED.tombstones,
+    updated_at = now()`
+	// dropDeleteMarksSQL: a job that no longer drains (vanished: keep)
+	// holds back no capture.
+	dropDeleteMarksSQL = `DELETE FROM batch_delete_marks WHERE job = $1`
+	// purgeCapturesSQL deletes the captures of table ($1, $2) that every
+	// draining job of the table has passed.
+	purgeCapturesSQL = `DELETE FROM batch_deletes WHERE source_schema = $1 AND source_table = $2
+  AND id <= (SELECT min(capture_id) FROM batch_delete_marks WHERE source_schema = $1 AND source_table = $2)`
+	// pendingDeletesSQL: whether table ($1, $2) has a capture past job $3's
+	// mark (what the follower waits for beside a new change value).
+	pendingDeletesSQL = `SELECT EXISTS (SELECT FROM batch_deletes d WHERE d.source_schema = $1 AND d.source_table = $2
+  AND d.id > COALESCE((SELECT m.capture_id FROM batch_delete_marks m WHERE m.job = $3 AND m.source_schema = $1 AND m.source_table = $2), 0))`
+)
+
+// drainSQL tombstones the live normalized rows of the captures in
+// (capfrom, capto] (every live row when one of them is a TRUNCATE) and of
+// the source rows out of scope whose change value is in (exitfrom, exitto]
+// (withFrom false: up to exitto), with one delete event each. It returns
+// the tombstones written.
+func (c *compiled) drainSQL(withFrom bool) stmt {
+	b := newBuilder()
+	filter := *c
+	filter.spec.Source.Partition = ""
+	scope := filter.scopeWhere(b)
+	if p := c.spec.Source.Partition; p != "" && len(c.spec.Source.Partitions) > 0 {
+		scope += " AND s." + q(p) + " = ANY(" + b.p("pkeys", "text[]") + "::" + c.types[p] + "[])"
+	}
+	col, typ := "s."+q(c.spec.Source.Cursor[0]), c.types[c.spec.Source.Cursor[0]]
+	exits := col + " <= " + b.p("exitto", "text") + "::" + typ
+	if withFrom {
+		exits = col + " > " + b.p("exitfrom", "text") + "::" + typ + " AND " + exits
+	}
+	schema, table := b.c(c.spec.Source.Schema, "text"), b.c(c.spec.Source.Table, "text")
+	sql := `
+WITH cap AS MATERIALIZED (
+  SELECT d.source_id, d.truncated FROM batch_deletes d
+  WHERE d.source_schema = ` + schema + ` AND d.source_table = ` + table + `
+    AND d.id > ` + b.p("capfrom", "bigint") + ` AND d.id <= ` + b.p("capto", "bigint") + `
+), ids AS MATERIALIZED (
+  SELECT source_id FROM cap WHERE source_id IS NOT NULL
+  UNION
+  SELECT s.` + q(c.spec.Source.ID) + `::text FROM ` + c.table + ` s WHERE ` + exits + ` AND (` + scope + `) IS NOT TRUE
+  UNION
+  SELECT n.source_id FROM normalized_records n
+  WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.deleted AND EXISTS (SELECT FROM cap WHERE cap.truncated)
+), up AS (
+  UPDATE normalized_records n
+  SET document = NULL, deleted = true, source_version = n.source_version + 1,
+      processor_version = ` + b.p("pv", "text") + `, vanished = true, updated_at = now()
+  FROM ids
+  WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = ids.source_id AND NOT n.deleted
+  RETURNING n.source_id, n.source_version, n.document, n.deleted
+),
+` + c.outboxCTE(b, false) + `
+SELECT count(*) FROM up`
+	return b.stmt(sql)
+}
+
+// drainDeletes is the drain of a new incremental run with vanished: delete
+// (see the comment at the top of this file), in tx, the transaction that
+// creates the run, after the open writers of the boundaries were waited
+// for. firstLoad: normalized_records holds no row of the source name, so a
+// job without marks only sets them. It returns the tombstones written.
+func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (int64, error) {
+	s := c.spec
+	schema, table := s.Source.Schema, s.Source.Table
+	var installed bool
+	if err := tx.QueryRow(ctx, captureInstalledSQL, c.table).Scan(&installed); err != nil {
+		return 0, fmt.Errorf("job %s: look for the delete capture on %s: %w", s.Job, c.table, err)
+	}
+	if !installed {
+		return 0, fmt.Errorf("%w: job %s: vanished: delete on an incremental job needs the delete capture on %s (trigger %s): "+
+			"install it with `batcher follow-trigger --install` (batch.FollowTriggerSQL), or set vanished: keep", ErrSpec, s.Job, c.table, CaptureTrigger)
+	}
+	var capTo *int64
+	if err := tx.QueryRow(ctx, newestCaptureSQL, schema, table).Scan(&capTo); err != nil {
+		return 0, fmt.Errorf("job %s: read the newest delete capture: %w", s.Job, err)
+	}
+	var exitTo *string
+	if err := tx.QueryRow(ctx, `SELECT max(`+q(s.Source.Cursor[0])+`)::text FROM `+c.table).Scan(&exitTo); err != nil {
+		return 0, fmt.Errorf("job %s: read the newest %s: %w", s.Job, s.Source.Cursor[0], err)
+	}
+	// A capture or a change value below the marks may belong to a writer
+	// still open: wait for those too (later writers take higher values).
+	if err := waitForOpenWriters(ctx, tx, s.Job, c.table); err != nil {
+		return 0, err
+	}
+	var capFrom int64
+	var exitFrom *string
+	found := true
+	err := tx.QueryRow(ctx, deleteMarksSQL, s.Job, schema, table).Scan(&capFrom, &exitFrom)
+	if errors.Is(err, pgx.ErrNoRows) {
+		found, err = false, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("job %s: read the delete marks: %w", s.Job, err)
+	}
+	newCap := capFrom
+	if capTo != nil && *capTo > capFrom {
+		newCap = *capTo
+	}
+	newExit := exitFrom
+	if exitTo != nil {
+		newExit = exitTo
+	}
+	var n int64
+	if found || !firstLoad {
+		st := c.drainSQL(exitFrom != nil)
+		a := &args{Source: s.SourceName, PV: s.ProcessorVersion, PKeys: s.Source.Partitions, CapFrom: capFrom, CapTo: newCap, ExitFrom: exitFrom, ExitTo: newExit}
+		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n); err != nil {
+			return 0, fmt.Errorf("job %s: tombstone the deleted rows: %w", s.Job, err)
+		}
+	}
+	hit(failpointDeletesAfterTombstones)
+	if _, err := tx.Exec(ctx, saveDeleteMarksSQL, s.Job, schema, table, newCap, newExit, n); err != nil {
+		return 0, fmt.Errorf("job %s: move the delete marks: %w", s.Job, err)
+	}
+	hit(failpointDeletesAfterMark)
+	if _, err := tx.Exec(ctx, purgeCapturesSQL, schema, table); err != nil {
+		return 0, fmt.Errorf("job %s: delete the drained captures: %w", s.Job, err)
+	}
+	return n, nil
+}
+
+// DeleteMarks is where an incremental job's drain of deletes stands, as
+// `batcher status` can show it.
+type DeleteMarks struct {
+	// CaptureID is the last batch_deletes.id drained; ExitMark the last
+	// change value whose out-of-scope rows were tombstoned (nil: none).
+	CaptureID  int64
+	ExitMark   *string
+	Tombstones int64 // written by the drains so far
+	// Pending counts the captures of the table past CaptureID.
+	Pending int64
+}
+
+// ReadDeleteMarks reads job's drain marks; ok is false when the job has
+// none (not an incremental job with vanished: delete, or no run yet).
+func ReadDeleteMarks(ctx context.Context, db DB, job string) (m DeleteMarks, ok bool, err error) {
+	err = db.QueryRow(ctx, `
+SELECT m.capture_id, m.exit_mark, m.tombstones,
+       (SELECT count(*) FROM batch_deletes d WHERE d.source_schema = m.source_schema AND d.source_table = m.source_table AND d.id > m.capture_id)
+FROM batch_delete_marks m WHERE m.job = $1`, job).Scan(&m.CaptureID, &m.ExitMark, &m.Tombstones, &m.Pending)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return m, false, nil
+	}
+	if err != nil {
+		return m, false, fmt.Errorf("read the delete marks of job %s: %w", job, err)
+	}
+	return m, true, nil
+}
