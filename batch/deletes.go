@@ -2,6 +2,8 @@ package batch
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 
@@ -54,39 +56,32 @@ const (
 const CaptureTrigger = "outboxrelay_capture_delete"
 
 // captureTriggerSQL is the part of [FollowTriggerSQL] that captures deletes
-// and truncates into batch_deletes. The function keeps the installer's
+// and truncates into batch_deletes. The function is the table's own (its
+// name carries a hash of the table), so its INSERT is static SQL whose plan
+// each session caches: a generic function with EXECUTE format(…) made 20000
+// single-row deletes take about 2.5 times as long. It keeps the installer's
 // search_path, so a writer finds batch_deletes whatever its own is; the
 // writer needs INSERT on batch_deletes and USAGE on its sequence.
 func captureTriggerSQL(s Spec) string {
 	table := q(s.Source.Schema, s.Source.Table)
-	return `CREATE OR REPLACE FUNCTION outboxrelay_capture_delete() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+	h := sha256.Sum256([]byte(s.Source.Schema + "\x00" + s.Source.Table))
+	fn := q("outboxrelay_capture_" + hex.EncodeToString(h[:8]))
+	return `CREATE OR REPLACE FUNCTION ` + fn + `() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
         INSERT INTO batch_deletes (source_schema, source_table, truncated) VALUES (TG_TABLE_SCHEMA, TG_TABLE_NAME, true);
     ELSE
-        EXECUTE format('INSERT INTO batch_deletes (source_schema, source_table, source_id) SELECT $1, $2, o.%I::text FROM outboxrelay_deleted o', TG_ARGV[0])
-            USING TG_TABLE_SCHEMA, TG_TABLE_NAME;
+        INSERT INTO batch_deletes (source_schema, source_table, source_id)
+        SELECT TG_TABLE_SCHEMA, TG_TABLE_NAME, o.` + q(s.Source.ID) + `::text FROM outboxrelay_deleted o;
     END IF;
     RETURN NULL;
 END $$;
 CREATE OR REPLACE TRIGGER ` + CaptureTrigger + ` AFTER DELETE ON ` + table + `
     REFERENCING OLD TABLE AS outboxrelay_deleted
-    FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_capture_delete(` + quoteLiteral(s.Source.ID) + `);
+    FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `();
 CREATE OR REPLACE TRIGGER outboxrelay_capture_truncate AFTER TRUNCATE ON ` + table + `
-    FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_capture_delete();
+    FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `();
 `
-}
-
-// quoteLiteral quotes s as an SQL string literal.
-func quoteLiteral(s string) string {
-	out := []byte{'\''}
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\'' {
-			out = append(out, '\'')
-		}
-		out = append(out, s[i])
-	}
-	return string(append(out, '\''))
 }
 
 const (

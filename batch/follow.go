@@ -128,6 +128,12 @@ func NewFollower(pool *pgxpool.Pool, spec Spec, cfg Config, fc FollowConfig) (*F
 // a NOTIFY on [FollowChannel] whose payload names the table. PostgreSQL
 // sends it at commit (not at all on rollback) and folds a transaction's
 // repeats into one, so it costs a writer one notification per transaction.
+// It also installs the delete capture (triggers outboxrelay_capture_delete
+// and outboxrelay_capture_truncate): a statement-level AFTER DELETE trigger
+// that copies the deleted ids from the statement's transition table into
+// batch_deletes with one INSERT … SELECT, and an AFTER TRUNCATE one that
+// records the truncate, in the writer's transaction; incremental jobs with
+// vanished: delete drain them (see [Spec].Vanished).
 // Needs PostgreSQL 14 or newer (CREATE OR REPLACE TRIGGER); running it again
 // is harmless.
 func FollowTriggerSQL(spec Spec) string {

@@ -9,15 +9,19 @@
 -- (after the writers open then have ended, so no capture below the mark
 -- commits later) and turns the live normalized rows among them into
 -- tombstones and delete events, in the transaction that creates the run.
+-- One index, on id only (each capture is an insert in a writer's
+-- transaction, and a rising bigint is the cheapest key to add to): ids are
+-- unique by their sequence, and every read and delete goes by an id range
+-- (the table is a filter on it).
 CREATE TABLE batch_deletes (
-    id            bigserial   PRIMARY KEY,
+    id            bigserial   NOT NULL,
     source_schema text        NOT NULL,
     source_table  text        NOT NULL,
     source_id     text,
     truncated     boolean     NOT NULL DEFAULT false,
     captured_at   timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX batch_deletes_table_id ON batch_deletes (source_schema, source_table, id);
+CREATE INDEX batch_deletes_id ON batch_deletes (id);
 
 -- Where each job's drain stands, written in the transaction that writes its
 -- tombstones: every capture of the table up to capture_id, and every row
