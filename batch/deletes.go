@@ -11,7 +11,8 @@ import (
 )
 
 // Deletes in incremental runs (Spec.Vanished = delete on an incremental
-// job). A hard DELETE or a TRUNCATE leaves no change value behind, and a
+// job; a full job with vanished: delete drains the captures too when its
+// table has the trigger, the exits being its sweep's). A hard DELETE or a TRUNCATE leaves no change value behind, and a
 // row that leaves the scope is no longer read by the chunks, so none of
 // them reaches the index through the scan. Three things make them:
 //
@@ -116,20 +117,27 @@ ON CONFLICT (job) DO UPDATE SET source_schema = EXCLUDED.source_schema, source_t
 // drainSQL tombstones the live normalized rows of the captures in
 // (capfrom, capto] (every live row when one of them is a TRUNCATE) and of
 // the source rows out of scope whose change value is in (exitfrom, exitto]
-// (withFrom false: up to exitto), with one delete event each. It returns
-// the tombstones written.
-func (c *compiled) drainSQL(withFrom bool) stmt {
+// (withFrom false: up to exitto; withExits false, for a full run, which has
+// no change column and sweeps: none), with one delete event each. It
+// returns the tombstones written.
+func (c *compiled) drainSQL(withFrom, withExits bool) stmt {
 	b := newBuilder()
-	filter := *c
-	filter.spec.Source.Partition = ""
-	scope := filter.scopeWhere(b)
-	if p := c.spec.Source.Partition; p != "" && len(c.spec.Source.Partitions) > 0 {
-		scope += " AND s." + q(p) + " = ANY(" + b.p("pkeys", "text[]") + "::" + c.types[p] + "[])"
-	}
-	col, typ := "s."+q(c.spec.Source.Cursor[0]), c.types[c.spec.Source.Cursor[0]]
-	exits := col + " <= " + b.p("exitto", "text") + "::" + typ
-	if withFrom {
-		exits = col + " > " + b.p("exitfrom", "text") + "::" + typ + " AND " + exits
+	exits := ""
+	if withExits {
+		filter := *c
+		filter.spec.Source.Partition = ""
+		scope := filter.scopeWhere(b)
+		if p := c.spec.Source.Partition; p != "" && len(c.spec.Source.Partitions) > 0 {
+			scope += " AND s." + q(p) + " = ANY(" + b.p("pkeys", "text[]") + "::" + c.types[p] + "[])"
+		}
+		col, typ := "s."+q(c.spec.Source.Cursor[0]), c.types[c.spec.Source.Cursor[0]]
+		exits = col + " <= " + b.p("exitto", "text") + "::" + typ
+		if withFrom {
+			exits = col + " > " + b.p("exitfrom", "text") + "::" + typ + " AND " + exits
+		}
+		exits = `
+  UNION
+  SELECT s.` + q(c.spec.Source.ID) + `::text FROM ` + c.table + ` s WHERE ` + exits + ` AND (` + scope + `) IS NOT TRUE`
 	}
 	schema, table := b.c(c.spec.Source.Schema, "text"), b.c(c.spec.Source.Table, "text")
 	sql := `
@@ -138,9 +146,7 @@ WITH cap AS MATERIALIZED (
   WHERE d.source_schema = ` + schema + ` AND d.source_table = ` + table + `
     AND d.id > ` + b.p("capfrom", "bigint") + ` AND d.id <= ` + b.p("capto", "bigint") + `
 ), ids AS MATERIALIZED (
-  SELECT source_id FROM cap WHERE source_id IS NOT NULL
-  UNION
-  SELECT s.` + q(c.spec.Source.ID) + `::text FROM ` + c.table + ` s WHERE ` + exits + ` AND (` + scope + `) IS NOT TRUE
+  SELECT source_id FROM cap WHERE source_id IS NOT NULL` + exits + `
   UNION
   SELECT n.source_id FROM normalized_records n
   WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.deleted AND EXISTS (SELECT FROM cap WHERE cap.truncated)
@@ -157,17 +163,27 @@ SELECT count(*) FROM up`
 	return b.stmt(sql)
 }
 
-// drainDeletes is the drain of a new incremental run with vanished: delete
-// (see the comment at the top of this file), in tx, the transaction that
-// creates the run, after the open writers of the boundaries were waited
-// for. firstLoad: normalized_records holds no row of the source name, so a
-// job without marks only sets them. It returns the tombstones written.
+// drainDeletes is the drain of a new run with vanished: delete (see the
+// comment at the top of this file), in tx, the transaction that creates the
+// run, after the open writers of the boundaries were waited for. An
+// incremental job needs the capture; a full job drains the captures only
+// when the table has it (its sweep finds the rest, but a row deleted and
+// inserted again with a lower version between two runs needs the
+// tombstone first to come back). firstLoad: normalized_records holds no
+// row of the source name, so a job without marks only sets them. It
+// returns the tombstones written.
 func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (int64, error) {
 	s := c.spec
 	schema, table := s.Source.Schema, s.Source.Table
 	var installed bool
 	if err := tx.QueryRow(ctx, captureInstalledSQL, c.table).Scan(&installed); err != nil {
 		return 0, fmt.Errorf("job %s: look for the delete capture on %s: %w", s.Job, c.table, err)
+	}
+	if !installed && s.Mode == ModeFull {
+		if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
+			return 0, fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
+		}
+		return 0, nil
 	}
 	if !installed {
 		return 0, fmt.Errorf("%w: job %s: vanished: delete on an incremental job needs the delete capture on %s (trigger %s): "+
@@ -178,8 +194,11 @@ func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (
 		return 0, fmt.Errorf("job %s: read the newest delete capture: %w", s.Job, err)
 	}
 	var exitTo *string
-	if err := tx.QueryRow(ctx, `SELECT max(`+q(s.Source.Cursor[0])+`)::text FROM `+c.table).Scan(&exitTo); err != nil {
-		return 0, fmt.Errorf("job %s: read the newest %s: %w", s.Job, s.Source.Cursor[0], err)
+	exits := s.Mode == ModeIncremental
+	if exits {
+		if err := tx.QueryRow(ctx, `SELECT max(`+q(s.Source.Cursor[0])+`)::text FROM `+c.table).Scan(&exitTo); err != nil {
+			return 0, fmt.Errorf("job %s: read the newest %s: %w", s.Job, s.Source.Cursor[0], err)
+		}
 	}
 	// A capture or a change value below the marks may belong to a writer
 	// still open: wait for those too (later writers take higher values).
@@ -206,7 +225,7 @@ func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (
 	}
 	var n int64
 	if found || !firstLoad {
-		st := c.drainSQL(exitFrom != nil)
+		st := c.drainSQL(exitFrom != nil, exits)
 		a := &args{Source: s.SourceName, PV: s.ProcessorVersion, PKeys: s.Source.Partitions, CapFrom: capFrom, CapTo: newCap, ExitFrom: exitFrom, ExitTo: newExit}
 		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n); err != nil {
 			return 0, fmt.Errorf("job %s: tombstone the deleted rows: %w", s.Job, err)

@@ -241,19 +241,17 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
 		}
 	}
-	// An incremental job with vanished: delete turns the deletes captured
-	// since its last run into tombstones now, before its chunks read the
-	// rows written since (deletes.go).
+	// A job with vanished: delete turns the deletes captured since its
+	// last run into tombstones now, before its chunks read the rows written
+	// since (deletes.go).
 	drained := false
-	if s.Mode == ModeIncremental {
-		if s.Vanished == VanishedDelete {
-			if _, err := drainDeletes(ctx, tx, c, firstLoad); err != nil {
-				return "", err
-			}
-			drained = true
-		} else if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
-			return "", fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
+	if s.Vanished == VanishedDelete {
+		if _, err := drainDeletes(ctx, tx, c, firstLoad); err != nil {
+			return "", err
 		}
+		drained = true
+	} else if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
+		return "", fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
 	}
 	if s.Vanished == VanishedDelete && s.Mode == ModeFull {
 		// A first load sweeps nothing: its sweep would only read every row
