@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -242,30 +243,49 @@ func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (
 	return n, nil
 }
 
-// DeleteMarks is where an incremental job's drain of deletes stands, as
-// `batcher status` can show it.
+// DeleteMarks is where a job's drain of deletes stands, as `batcher
+// status` shows it.
 type DeleteMarks struct {
+	Job   string
+	Table string // schema.table
 	// CaptureID is the last batch_deletes.id drained; ExitMark the last
 	// change value whose out-of-scope rows were tombstoned (nil: none).
 	CaptureID  int64
 	ExitMark   *string
 	Tombstones int64 // written by the drains so far
 	// Pending counts the captures of the table past CaptureID.
-	Pending int64
+	Pending   int64
+	UpdatedAt time.Time
+}
+
+const deleteMarksStatusSQL = `
+SELECT m.job, m.source_schema || '.' || m.source_table, m.capture_id, m.exit_mark, m.tombstones,
+       (SELECT count(*) FROM batch_deletes d WHERE d.source_schema = m.source_schema AND d.source_table = m.source_table AND d.id > m.capture_id),
+       m.updated_at
+FROM batch_delete_marks m WHERE $1 = '' OR m.job = $1 ORDER BY m.job`
+
+// ListDeleteMarks lists the drain marks of job ("" = every job).
+func ListDeleteMarks(ctx context.Context, db DB, job string) ([]DeleteMarks, error) {
+	rows, err := db.Query(ctx, deleteMarksStatusSQL, job)
+	if err != nil {
+		return nil, fmt.Errorf("read the delete marks: %w", err)
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (DeleteMarks, error) {
+		var m DeleteMarks
+		err := r.Scan(&m.Job, &m.Table, &m.CaptureID, &m.ExitMark, &m.Tombstones, &m.Pending, &m.UpdatedAt)
+		return m, err
+	})
 }
 
 // ReadDeleteMarks reads job's drain marks; ok is false when the job has
-// none (not an incremental job with vanished: delete, or no run yet).
+// none (no vanished: delete job with the capture, or no run yet).
 func ReadDeleteMarks(ctx context.Context, db DB, job string) (m DeleteMarks, ok bool, err error) {
-	err = db.QueryRow(ctx, `
-SELECT m.capture_id, m.exit_mark, m.tombstones,
-       (SELECT count(*) FROM batch_deletes d WHERE d.source_schema = m.source_schema AND d.source_table = m.source_table AND d.id > m.capture_id)
-FROM batch_delete_marks m WHERE m.job = $1`, job).Scan(&m.CaptureID, &m.ExitMark, &m.Tombstones, &m.Pending)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return m, false, nil
+	if job == "" {
+		return m, false, fmt.Errorf("read the delete marks: no job")
 	}
-	if err != nil {
-		return m, false, fmt.Errorf("read the delete marks of job %s: %w", job, err)
+	ms, err := ListDeleteMarks(ctx, db, job)
+	if err != nil || len(ms) == 0 {
+		return m, false, err
 	}
-	return m, true, nil
+	return ms[0], true, nil
 }

@@ -317,6 +317,11 @@ func TestDeletesDrainCrashAndResume(t *testing.T) {
 			b, err = batch.CountBehind(ctx, pool, s)
 			require.NoError(t, err)
 			require.Zero(t, b.Total())
+
+			p = testproc.Run(t, time.Minute, bin, env(url), "status", "--job", s.Job)
+			require.Equal(t, 0, p.ExitCode(), p.Stderr())
+			require.Regexp(t, `JOB +TABLE +DELETES DRAINED TO +PENDING +TOMBSTONES`, p.Stdout())
+			require.Regexp(t, fmt.Sprintf(`del-crash +public\.source_records +%d +0 +150 `, m.CaptureID), p.Stdout())
 		})
 	}
 }
