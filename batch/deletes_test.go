@@ -362,3 +362,37 @@ func TestFullRunReinsertWithAResetVersionBetweenRuns(t *testing.T) {
 	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version = 7`))
 	require.Equal(t, int64(299), liveRows(t, pool))
 }
+
+// A writer with no grant on batch_deletes deletes as before (the capture
+// runs as the role that installed it), and its delete reaches the outbox.
+func TestCaptureNeedsNoGrantForWriters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, pool := newDB(t)
+	seed(t, pool, 1, 30, 1, 3)
+	s := deletingJob(t, pool, "del-grant")
+	_, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+
+	role := fmt.Sprintf("outboxrelay_writer_%d", time.Now().UnixNano())
+	_, err = pool.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN; GRANT SELECT, DELETE ON source_records TO `+role)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, err := pool.Exec(context.Background(), `REVOKE ALL ON source_records FROM `+role+`; DROP ROLE `+role)
+		require.NoError(t, err)
+	})
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `SET LOCAL ROLE `+role)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SET LOCAL search_path = pg_catalog`) // the writer's own path does not matter
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `DELETE FROM public.source_records WHERE id = 14`)
+	require.NoError(t, err, "a writer without a grant on batch_deletes")
+	require.NoError(t, tx.Commit(ctx))
+
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Equal(t, []string{"14@2"}, deleteEvents(t, url))
+}
