@@ -173,49 +173,50 @@ SELECT count(*) FROM up`
 // inserted again with a lower version between two runs needs the
 // tombstone first to come back). firstLoad: normalized_records holds no
 // row of the source name, so a job without marks only sets them. It
-// returns the tombstones written.
-func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (int64, error) {
+// returns the tombstones written and whether it drained (false: a full job
+// whose table has no capture).
+func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (n int64, drained bool, err error) {
 	s := c.spec
 	schema, table := s.Source.Schema, s.Source.Table
 	var installed bool
 	if err := tx.QueryRow(ctx, captureInstalledSQL, c.table).Scan(&installed); err != nil {
-		return 0, fmt.Errorf("job %s: look for the delete capture on %s: %w", s.Job, c.table, err)
+		return 0, false, fmt.Errorf("job %s: look for the delete capture on %s: %w", s.Job, c.table, err)
 	}
 	if !installed && s.Mode == ModeFull {
 		if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
-			return 0, fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
+			return 0, false, fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
 		}
-		return 0, nil
+		return 0, false, nil
 	}
 	if !installed {
-		return 0, fmt.Errorf("%w: job %s: vanished: delete on an incremental job needs the delete capture on %s (trigger %s): "+
+		return 0, false, fmt.Errorf("%w: job %s: vanished: delete on an incremental job needs the delete capture on %s (trigger %s): "+
 			"install it with `batcher follow-trigger --install` (batch.FollowTriggerSQL), or set vanished: keep", ErrSpec, s.Job, c.table, CaptureTrigger)
 	}
 	var capTo *int64
 	if err := tx.QueryRow(ctx, newestCaptureSQL, schema, table).Scan(&capTo); err != nil {
-		return 0, fmt.Errorf("job %s: read the newest delete capture: %w", s.Job, err)
+		return 0, false, fmt.Errorf("job %s: read the newest delete capture: %w", s.Job, err)
 	}
 	var exitTo *string
 	exits := s.Mode == ModeIncremental
 	if exits {
 		if err := tx.QueryRow(ctx, `SELECT max(`+q(s.Source.Cursor[0])+`)::text FROM `+c.table).Scan(&exitTo); err != nil {
-			return 0, fmt.Errorf("job %s: read the newest %s: %w", s.Job, s.Source.Cursor[0], err)
+			return 0, false, fmt.Errorf("job %s: read the newest %s: %w", s.Job, s.Source.Cursor[0], err)
 		}
 	}
 	// A capture or a change value below the marks may belong to a writer
 	// still open: wait for those too (later writers take higher values).
 	if err := waitForOpenWriters(ctx, tx, s.Job, c.table); err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	var capFrom int64
 	var exitFrom *string
 	found := true
-	err := tx.QueryRow(ctx, deleteMarksSQL, s.Job, schema, table).Scan(&capFrom, &exitFrom)
+	err = tx.QueryRow(ctx, deleteMarksSQL, s.Job, schema, table).Scan(&capFrom, &exitFrom)
 	if errors.Is(err, pgx.ErrNoRows) {
 		found, err = false, nil
 	}
 	if err != nil {
-		return 0, fmt.Errorf("job %s: read the delete marks: %w", s.Job, err)
+		return 0, false, fmt.Errorf("job %s: read the delete marks: %w", s.Job, err)
 	}
 	newCap := capFrom
 	if capTo != nil && *capTo > capFrom {
@@ -225,23 +226,22 @@ func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (
 	if exitTo != nil {
 		newExit = exitTo
 	}
-	var n int64
 	if found || !firstLoad {
 		st := c.drainSQL(exitFrom != nil, exits)
 		a := &args{Source: s.SourceName, PV: s.ProcessorVersion, PKeys: s.Source.Partitions, CapFrom: capFrom, CapTo: newCap, ExitFrom: exitFrom, ExitTo: newExit}
 		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n); err != nil {
-			return 0, fmt.Errorf("job %s: tombstone the deleted rows: %w", s.Job, err)
+			return 0, false, fmt.Errorf("job %s: tombstone the deleted rows: %w", s.Job, err)
 		}
 	}
 	hit(failpointDeletesAfterTombstones)
 	if _, err := tx.Exec(ctx, saveDeleteMarksSQL, s.Job, schema, table, newCap, newExit, n); err != nil {
-		return 0, fmt.Errorf("job %s: move the delete marks: %w", s.Job, err)
+		return 0, false, fmt.Errorf("job %s: move the delete marks: %w", s.Job, err)
 	}
 	hit(failpointDeletesAfterMark)
 	if _, err := tx.Exec(ctx, purgeCapturesSQL, schema, table); err != nil {
-		return 0, fmt.Errorf("job %s: delete the drained captures: %w", s.Job, err)
+		return 0, false, fmt.Errorf("job %s: delete the drained captures: %w", s.Job, err)
 	}
-	return n, nil
+	return n, true, nil
 }
 
 // DeleteMarks is where a job's drain of deletes stands, as `batcher

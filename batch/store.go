@@ -246,10 +246,9 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	// since (deletes.go).
 	drained := false
 	if s.Vanished == VanishedDelete {
-		if _, err := drainDeletes(ctx, tx, c, firstLoad); err != nil {
+		if _, drained, err = drainDeletes(ctx, tx, c, firstLoad); err != nil {
 			return "", err
 		}
-		drained = true
 	} else if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
 		return "", fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
 	}
