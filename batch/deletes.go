@@ -110,6 +110,13 @@ ON CONFLICT (job) DO UPDATE SET source_schema = EXCLUDED.source_schema, source_t
 	// draining job of the table has passed.
 	purgeCapturesSQL = `DELETE FROM batch_deletes WHERE source_schema = $1 AND source_table = $2
   AND id <= (SELECT min(capture_id) FROM batch_delete_marks WHERE source_schema = $1 AND source_table = $2)`
+	// purgeUnreadCapturesSQL deletes the captures of table ($1, $2) older
+	// than an hour when no job drains the table (only vanished: keep jobs
+	// read it), so they do not pile up; the hour leaves a job that starts
+	// draining the table meanwhile its captures.
+	purgeUnreadCapturesSQL = `DELETE FROM batch_deletes WHERE source_schema = $1 AND source_table = $2
+  AND captured_at < now() - interval '1 hour'
+  AND NOT EXISTS (SELECT FROM batch_delete_marks WHERE source_schema = $1 AND source_table = $2)`
 	// pendingDeletesSQL: whether table ($1, $2) has a capture past job $3's
 	// mark (what the follower waits for beside a new change value).
 	pendingDeletesSQL = `SELECT EXISTS (SELECT FROM batch_deletes d WHERE d.source_schema = $1 AND d.source_table = $2

@@ -396,3 +396,26 @@ func TestCaptureNeedsNoGrantForWriters(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{"14@2"}, deleteEvents(t, url))
 }
+
+// On a table that only vanished: keep jobs read, captures do not pile up:
+// a run deletes those older than an hour and leaves the newer ones.
+func TestKeepJobPurgesUnreadCaptures(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 1, 30, 1, 1)
+	s := incremental("keep-purge")
+	_, err := pool.Exec(ctx, batch.FollowTriggerSQL(s))
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id IN (7, 14)`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE batch_deletes SET captured_at = now() - interval '2 hours'`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id = 21`)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), queryInt(t, pool, `SELECT count(*) FROM batch_deletes`))
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_deletes WHERE source_id = '21'`))
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_deletes`))
+}

@@ -249,8 +249,13 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 		if _, drained, err = drainDeletes(ctx, tx, c, firstLoad); err != nil {
 			return "", err
 		}
-	} else if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
-		return "", fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
+	} else {
+		if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
+			return "", fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
+		}
+		if _, err := tx.Exec(ctx, purgeUnreadCapturesSQL, s.Source.Schema, s.Source.Table); err != nil {
+			return "", fmt.Errorf("job %s: delete the unread delete captures: %w", s.Job, err)
+		}
 	}
 	if s.Vanished == VanishedDelete && s.Mode == ModeFull {
 		// A first load sweeps nothing: its sweep would only read every row
