@@ -57,6 +57,10 @@ type args struct {
 	PKeys        []string // the sweep's partition keys
 	After        *string  // the sweep's cursor (a source_id)
 	Cur, New, Bd []string // a manual checkpoint move: stored cursor, requested one, boundary
+	// The drain of deletes: the captures (capfrom, capto] and the change
+	// values (exitfrom, exitto] it covers.
+	CapFrom, CapTo   int64
+	ExitFrom, ExitTo *string
 }
 
 // argFields names the fields of [args] a statement refers to. A statement
@@ -77,6 +81,8 @@ var argFields = map[string]func(*args) any{
 	"codes": func(a *args) any { return a.Codes }, "msgs": func(a *args) any { return a.Msgs },
 	"pkeys": func(a *args) any { return a.PKeys }, "after": func(a *args) any { return a.After },
 	"cur": func(a *args) any { return a.Cur }, "new": func(a *args) any { return a.New }, "bnd": func(a *args) any { return a.Bd },
+	"capfrom": func(a *args) any { return a.CapFrom }, "capto": func(a *args) any { return a.CapTo },
+	"exitfrom": func(a *args) any { return a.ExitFrom }, "exitto": func(a *args) any { return a.ExitTo },
 }
 
 // bind returns the statement's arguments from a.

@@ -103,6 +103,17 @@
 // NOTIFY from the trigger [FollowTriggerSQL] installs, or for its poll
 // interval. Each run keeps every guarantee above.
 //
+// An incremental job with Spec.Vanished = delete carries hard deletes,
+// truncates and rows that left the scope: the trigger FollowTriggerSQL
+// installs captures deleted ids into batch_deletes in the writer's
+// transaction, and the transaction that creates each run tombstones the
+// live normalized rows of the captures and of the rows out of scope past
+// the job's marks (batch_delete_marks, moved in the same transaction),
+// before the run's chunks read the rows written since; the follower also
+// wakes on a capture. Failpoints: batch.deletes_after_tombstones,
+// batch.deletes_after_mark (both before COMMIT) and
+// batch.deletes_after_commit.
+//
 // Manifest jobs (seed 003: finish a batch over a frozen, approved list)
 // are a different kind of job and live in package manifest.
 //

@@ -128,6 +128,12 @@ func NewFollower(pool *pgxpool.Pool, spec Spec, cfg Config, fc FollowConfig) (*F
 // a NOTIFY on [FollowChannel] whose payload names the table. PostgreSQL
 // sends it at commit (not at all on rollback) and folds a transaction's
 // repeats into one, so it costs a writer one notification per transaction.
+// It also installs the delete capture (triggers outboxrelay_capture_delete
+// and outboxrelay_capture_truncate): a statement-level AFTER DELETE trigger
+// that copies the deleted ids from the statement's transition table into
+// batch_deletes with one INSERT … SELECT, and an AFTER TRUNCATE one that
+// records the truncate, in the writer's transaction; incremental jobs with
+// vanished: delete drain them (see [Spec].Vanished).
 // Needs PostgreSQL 14 or newer (CREATE OR REPLACE TRIGGER); running it again
 // is harmless.
 func FollowTriggerSQL(spec Spec) string {
@@ -139,7 +145,7 @@ BEGIN
 END $$;
 CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + q(spec.Source.Schema, spec.Source.Table) + `
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify();
-`
+` + captureTriggerSQL(spec)
 }
 
 // Run follows the job until soft is cancelled (the run in flight stops at a
@@ -343,6 +349,13 @@ func (f *Follower) waitForChange(soft, hard context.Context, mark *string) error
 		var newer bool
 		if err := f.pool.QueryRow(hard, f.newerQ, mark).Scan(&newer); err != nil {
 			return fmt.Errorf("follow job %s: look for changes: %w", f.spec.Job, err)
+		}
+		if !newer && f.spec.Vanished == VanishedDelete {
+			// A delete leaves no change value: its capture is the change.
+			err := f.pool.QueryRow(hard, pendingDeletesSQL, f.spec.Source.Schema, f.spec.Source.Table, f.spec.Job).Scan(&newer)
+			if err != nil {
+				return fmt.Errorf("follow job %s: look for deletes: %w", f.spec.Job, err)
+			}
 		}
 		if newer {
 			return nil

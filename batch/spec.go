@@ -70,8 +70,12 @@ type Spec struct {
 	// source row no longer exists or no longer matches the filter (or,
 	// with an explicit source.partitions list, lies outside it): "delete"
 	// (default for full runs) turns each into a tombstone and a delete
-	// event, "keep" leaves them. Incremental runs do not see every row:
-	// only "keep". See [VanishedDelete] for the tombstone's version.
+	// event, "keep" leaves them. An incremental job (default "keep") does
+	// not see every row: with "delete" each of its runs first tombstones
+	// the rows deleted (captured by the trigger [FollowTriggerSQL]
+	// installs; a run is refused without it), truncated, or moved out of
+	// scope since the last run, in the transaction that creates the run
+	// (see deletes.go). See [VanishedDelete] for the tombstone's version.
 	Vanished string `json:"vanished,omitempty" yaml:"vanished,omitempty"`
 }
 
@@ -100,7 +104,8 @@ const (
 	// A run that starts while normalized_records holds no row of the
 	// SourceName (a first load) skips its sweep: every row it writes is one
 	// its chunks saw, and a row the source loses after its chunk read it
-	// is swept by the next full run (incremental runs never sweep).
+	// is swept by the next full run (incremental runs never sweep; with
+	// "delete" their next run tombstones it from the captured deletes).
 	VanishedDelete = "delete"
 	// VanishedKeep leaves vanished rows as they are.
 	VanishedKeep = "keep"
@@ -421,8 +426,6 @@ func (s Spec) validate() error {
 		return fmt.Errorf("spec %s: errors.partition_backoff %s: want >= 0", s.Job, time.Duration(s.Errors.PartitionBackoff))
 	case s.Vanished != VanishedDelete && s.Vanished != VanishedKeep:
 		return fmt.Errorf("spec %s: vanished %q: want delete or keep", s.Job, s.Vanished)
-	case s.Vanished == VanishedDelete && s.Mode != ModeFull:
-		return fmt.Errorf("spec %s: vanished delete needs mode full (an incremental run does not see every row); set vanished: keep", s.Job)
 	}
 	switch s.Errors.Policy {
 	case PolicyStrict, PolicyQuarantine, PolicyRetry:

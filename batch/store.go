@@ -241,7 +241,23 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			return "", fmt.Errorf("create run %s/%s/%s: %w", s.Job, runID, key, err)
 		}
 	}
+	// A job with vanished: delete turns the deletes captured since its
+	// last run into tombstones now, before its chunks read the rows written
+	// since (deletes.go).
+	drained := false
 	if s.Vanished == VanishedDelete {
+		if _, drained, err = drainDeletes(ctx, tx, c, firstLoad); err != nil {
+			return "", err
+		}
+	} else {
+		if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
+			return "", fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
+		}
+		if _, err := tx.Exec(ctx, purgeUnreadCapturesSQL, s.Source.Schema, s.Source.Table); err != nil {
+			return "", fmt.Errorf("job %s: delete the unread delete captures: %w", s.Job, err)
+		}
+	}
+	if s.Vanished == VanishedDelete && s.Mode == ModeFull {
 		// A first load sweeps nothing: its sweep would only read every row
 		// it just wrote back, and probe the source for each (17 of 41 s of a
 		// 1M-row first run).
@@ -253,7 +269,13 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			return "", fmt.Errorf("create the sweep of run %s/%s: %w", s.Job, runID, err)
 		}
 	}
-	return runID, tx.Commit(ctx)
+	if err := tx.Commit(ctx); err != nil {
+		return "", err
+	}
+	if drained {
+		hit(failpointDeletesAfterCommit)
+	}
+	return runID, nil
 }
 
 // checkDocumentUnchanged refuses a changed document section under the

@@ -80,7 +80,7 @@ func followRun(soft, hard context.Context, pool *pgxpool.Pool, spec batch.Spec, 
 // followCommands are the follow mode's helpers.
 func followCommands(stdout io.Writer) []cli.Command {
 	return []cli.Command{
-		{Name: "follow-trigger", Summary: "print (or --install) the NOTIFY trigger that wakes `run --follow` on table changes", Run: func(ctx context.Context, args []string) error { return followTriggerCmd(ctx, args, stdout) }},
+		{Name: "follow-trigger", Summary: "print (or --install) the NOTIFY trigger that wakes `run --follow` on table changes, and the delete capture", Run: func(ctx context.Context, args []string) error { return followTriggerCmd(ctx, args, stdout) }},
 	}
 }
 
@@ -88,7 +88,7 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 	var c cli.Common
 	var specFile, job string
 	var install bool
-	fs := cli.NewFlagSet("batcher follow-trigger", "Prints the statement-level trigger that sends a NOTIFY on channel "+batch.FollowChannel+" (payload: the\ntable) after every INSERT, UPDATE, DELETE or TRUNCATE of the job's source table; with --install\nit runs it (needs the right to create triggers on the table). PostgreSQL 14 or newer.")
+	fs := cli.NewFlagSet("batcher follow-trigger", "Prints the statement-level trigger that sends a NOTIFY on channel "+batch.FollowChannel+" (payload: the\ntable) after every INSERT, UPDATE, DELETE or TRUNCATE of the job's source table, and the delete\ncapture (deleted ids and truncates into batch_deletes, in the writer's transaction; read by jobs\nwith vanished: delete); with --install it runs them (needs the right to create triggers on the\ntable; the capture runs as the installing role, so writers need no grant). PostgreSQL 14 or newer.")
 	c.RegisterDatabase(fs)
 	fs.String(&specFile, "spec", "BATCH_SPEC", "", "job spec file (.yaml, .yml or .json)")
 	fs.String(&job, "job", "BATCH_JOB", "", "a job that ran before (instead of --spec; needs the database)")
@@ -124,6 +124,6 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 	if _, err := pool.Exec(ctx, sql); err != nil {
 		return fmt.Errorf("install the follow trigger on %s: %w", spec.Source.Table, err)
 	}
-	fmt.Fprintf(stdout, "follow trigger installed on %s (NOTIFY %s)\n", spec.Source.Table, batch.FollowChannel)
+	fmt.Fprintf(stdout, "follow trigger installed on %s (NOTIFY %s), with the delete capture (%s)\n", spec.Source.Table, batch.FollowChannel, batch.CaptureTrigger)
 	return nil
 }

@@ -287,15 +287,31 @@ func printStatus(ctx context.Context, stdout io.Writer, pool *pgxpool.Pool, st [
 	}
 	// A full run's sweep of rows that vanished from its scope.
 	sweeps, err := batch.Sweeps(ctx, pool, job, runs)
-	if err != nil || len(sweeps) == 0 {
+	if err != nil {
+		return err
+	}
+	if len(sweeps) > 0 {
+		fmt.Fprintln(stdout)
+		tw = tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "JOB\tRUN\tSWEEP\tCURSOR\tCHECKED\tDELETED\tATTEMPTS\tOWNER\tERROR")
+		for _, w := range sweeps {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", w.Job, w.RunID, w.State, deref(w.Cursor), w.Swept, w.Deleted, w.Attempt,
+				deref(w.LeaseOwner), strings.ReplaceAll(deref(w.Error), "\t", " "))
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+	}
+	// Captured deletes (vanished: delete with the capture trigger).
+	marks, err := batch.ListDeleteMarks(ctx, pool, job)
+	if err != nil || len(marks) == 0 {
 		return err
 	}
 	fmt.Fprintln(stdout)
 	tw = tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "JOB\tRUN\tSWEEP\tCURSOR\tCHECKED\tDELETED\tATTEMPTS\tOWNER\tERROR")
-	for _, w := range sweeps {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", w.Job, w.RunID, w.State, deref(w.Cursor), w.Swept, w.Deleted, w.Attempt,
-			deref(w.LeaseOwner), strings.ReplaceAll(deref(w.Error), "\t", " "))
+	fmt.Fprintln(tw, "JOB\tTABLE\tDELETES DRAINED TO\tPENDING\tTOMBSTONES\tCHANGE MARK\tAT")
+	for _, m := range marks {
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\n", m.Job, m.Table, m.CaptureID, m.Pending, m.Tombstones, deref(m.ExitMark), m.UpdatedAt.UTC().Format(time.RFC3339))
 	}
 	return tw.Flush()
 }
