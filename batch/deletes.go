@@ -182,7 +182,7 @@ SELECT count(*) FROM up`
 // row of the source name, so a job without marks only sets them. It
 // returns the tombstones written and whether it drained (false: a full job
 // whose table has no capture).
-func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (n int64, drained bool, err error) {
+func drainDeletes(ctx context.Context, tx pgx.Tx, ow openWriters, c *compiled, firstLoad bool) (n int64, drained bool, err error) {
 	s := c.spec
 	schema, table := s.Source.Schema, s.Source.Table
 	var installed bool
@@ -212,7 +212,7 @@ func drainDeletes(ctx context.Context, tx pgx.Tx, c *compiled, firstLoad bool) (
 	}
 	// A capture or a change value below the marks may belong to a writer
 	// still open: wait for those too (later writers take higher values).
-	if err := waitForOpenWriters(ctx, tx, s.Job, c.table); err != nil {
+	if err := waitForOpenWriters(ctx, tx, ow, s.Job, c.table); err != nil {
 		return 0, false, err
 	}
 	var capFrom int64

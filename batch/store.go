@@ -246,7 +246,7 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	// since (deletes.go).
 	drained := false
 	if s.Vanished == VanishedDelete {
-		if _, drained, err = drainDeletes(ctx, tx, c, firstLoad); err != nil {
+		if _, drained, err = drainDeletes(ctx, tx, ow, c, firstLoad); err != nil {
 			return "", err
 		}
 	} else {
