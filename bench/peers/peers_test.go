@@ -274,7 +274,11 @@ func (e *env) pgsync(b testing.TB, round int) []leg {
 	redisHost, redisPort, _ := strings.Cut(e.redis, ":")
 	pgEnv := []string{"PG_HOST=" + host, "PG_PORT=" + port, "PG_USER=postgres", "PG_PASSWORD=", "PG_DATABASE=" + dbName,
 		"ELASTICSEARCH_URL=" + e.search, "OPENSEARCH=true", "ELASTICSEARCH=false",
-		"REDIS_HOST=" + redisHost, "REDIS_PORT=" + redisPort, "CHECKPOINT_PATH=" + dir, "CONSOLE_LOGGING_HANDLER_MIN_LEVEL=WARNING"}
+		"REDIS_HOST=" + redisHost, "REDIS_PORT=" + redisPort, "CHECKPOINT_PATH=" + dir, "CONSOLE_LOGGING_HANDLER_MIN_LEVEL=WARNING",
+		// PGSync's search client gives up on a bulk after 10 s by default and
+		// exits; on two cores shared with make test's other packages a bulk
+		// into a new index took longer (ReadTimeoutError), twice.
+		"ELASTICSEARCH_TIMEOUT=120"}
 	bin := func(n string) string { return filepath.Join(e.s.PGSyncBin, n) }
 
 	boot := testproc.Run(b, 10*time.Minute, bin("bootstrap"), pgEnv, "--config", schemaFile)
