@@ -27,7 +27,8 @@ test: test-alerts test-fuzz ## run every test against the real stack (starts it 
 	@$(WITH_STACK) $(STACK) versions && \
 	eval "$$(bench/peers/setup.sh)" && \
 	$(GO) test $(TEST_FLAGS) -v -run 'Smoke|PostgresApart' ./internal/stack/ && \
-	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v -e '/internal/stack$$' -e '/outboxrelay/e2e$$') && \
+	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v -e '/internal/stack$$' -e '/outboxrelay/outbox$$' -e '/outboxrelay/e2e$$') && \
+	$(GO) test $(TEST_FLAGS) ./outbox/ && \
 	$(GO) test $(TEST_FLAGS) ./e2e/
 
 .PHONY: test-alerts
