@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -50,18 +49,7 @@ func TestPipelineChaos(t *testing.T) {
 		require.NoError(t, err, "E2E_CHAOS_DURATION")
 		chaosFor = d
 	}
-	seed := uint64(time.Now().UnixNano())
-	if v := os.Getenv(chaosSeedEnv); v != "" {
-		var err error
-		seed, err = strconv.ParseUint(v, 10, 64)
-		require.NoError(t, err, chaosSeedEnv)
-	}
-	t.Logf("seed %d (replay with %s=%d)", seed, chaosSeedEnv, seed)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("FAILED with seed %d: replay with %s=%d", seed, chaosSeedEnv, seed)
-		}
-	})
+	seed := testproc.Seed(t, chaosSeedEnv)
 	p := newPipeline(t, pipelineOptions{
 		TopicPartitions: 6,
 		// tenant_id has 4 values: 4 partitions for the two batchers to share.

@@ -3,8 +3,6 @@ package outbox_test
 import (
 	"context"
 	"math/rand/v2"
-	"os"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -77,18 +75,7 @@ const chaosSeedEnv = "OUTBOXRELAY_CHAOS_SEED"
 func TestPublishChaos(t *testing.T) {
 	t.Parallel()
 	const keys, chunk, chunks = 500, 1_000, 40
-	seed := uint64(time.Now().UnixNano())
-	if v := os.Getenv(chaosSeedEnv); v != "" {
-		var err error
-		seed, err = strconv.ParseUint(v, 10, 64)
-		require.NoError(t, err, chaosSeedEnv)
-	}
-	t.Logf("seed %d (replay with %s=%d)", seed, chaosSeedEnv, seed)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("FAILED with seed %d: replay with %s=%d", seed, chaosSeedEnv, seed)
-		}
-	})
+	seed := testproc.Seed(t, chaosSeedEnv)
 	rng := rand.New(rand.NewPCG(seed, 0))
 	bin := testproc.Build(t, "publisher")
 	brokers := stack.KafkaBrokers(t)

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -188,4 +189,25 @@ func (w *lockedWriter) Write(b []byte) (int, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.buf.Write(b)
+}
+
+// Seed returns the seed of a randomized test: the value of the environment
+// variable env when set (a replay), else a new one. It logs the seed at the
+// start and again if the test fails, with the line that replays it.
+func Seed(tb testing.TB, env string) uint64 {
+	tb.Helper()
+	seed := uint64(time.Now().UnixNano())
+	if v := os.Getenv(env); v != "" {
+		var err error
+		if seed, err = strconv.ParseUint(v, 10, 64); err != nil {
+			tb.Fatalf("%s=%q: %v", env, v, err)
+		}
+	}
+	tb.Logf("seed %d (replay with %s=%d)", seed, env, seed)
+	tb.Cleanup(func() {
+		if tb.Failed() {
+			tb.Logf("FAILED with seed %d: replay with %s=%d", seed, env, seed)
+		}
+	})
+	return seed
 }
