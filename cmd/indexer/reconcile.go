@@ -180,21 +180,10 @@ func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResul
 	fmt.Fprintf(tw, "took\t%s\n", rep.Took.Round(1e6))
 	tw.Flush()
 	list := func(kind string, ds []reconcile.Drift) {
-		if len(ds) == 0 {
-			return
-		}
-		fmt.Fprintf(w, "\n%s:\n", kind)
-		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "  ID\tSOURCE VERSION\tSOURCE DELETED\tSOURCE PV\tINDEX VERSION\tINDEX DELETED\tINDEX PV")
-		for i, d := range ds {
-			if i == show {
-				fmt.Fprintf(tw, "  … %d more\n", len(ds)-show)
-				break
-			}
-			fmt.Fprintf(tw, "  %s\t%s\t%v\t%s\t%s\t%v\t%s\n", d.ID, orDash(d.SourceVersion), d.SourceDeleted, cmp.Or(d.SourcePV, "-"),
+		listDrifts(w, kind, "ID\tSOURCE VERSION\tSOURCE DELETED\tSOURCE PV\tINDEX VERSION\tINDEX DELETED\tINDEX PV", ds, show, func(d reconcile.Drift) string {
+			return fmt.Sprintf("%s\t%s\t%v\t%s\t%s\t%v\t%s", d.ID, orDash(d.SourceVersion), d.SourceDeleted, cmp.Or(d.SourcePV, "-"),
 				orDash(d.IndexVersion), d.IndexDeleted, cmp.Or(d.IndexPV, "-"))
-		}
-		tw.Flush()
+		})
 	}
 	list("missing (in normalized_records, not in the index)", rep.Missing)
 	list("stale (another version, deleted-ness or processor version in the index)", rep.Stale)
@@ -208,6 +197,26 @@ func printReport(w io.Writer, rep reconcile.Report, fixed *reconcile.RepairResul
 	} else if rep.Clean() {
 		fmt.Fprintln(w, "\nno drift")
 	}
+}
+
+// listDrifts prints one kind of drift as a table under header (columns
+// separated by tabs), a row per drift as row formats it, the first show of
+// them.
+func listDrifts(w io.Writer, kind, header string, ds []reconcile.Drift, show int, row func(reconcile.Drift) string) {
+	if len(ds) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\n%s:\n", kind)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "  "+header)
+	for i, d := range ds {
+		if i == show {
+			fmt.Fprintf(tw, "  … %d more\n", len(ds)-show)
+			break
+		}
+		fmt.Fprintln(tw, "  "+row(d))
+	}
+	tw.Flush()
 }
 
 func orDash(v int64) string {
@@ -292,20 +301,9 @@ func printSourceReport(w io.Writer, rep reconcile.SourceReport, fixed *reconcile
 	fmt.Fprintf(tw, "took\t%s\n", rep.Took.Round(1e6))
 	tw.Flush()
 	list := func(kind string, ds []reconcile.Drift) {
-		if len(ds) == 0 {
-			return
-		}
-		fmt.Fprintf(w, "\n%s:\n", kind)
-		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "  ID\tROW VERSION\tROW DELETED\tINDEX VERSION\tINDEX DELETED")
-		for i, d := range ds {
-			if i == show {
-				fmt.Fprintf(tw, "  … %d more\n", len(ds)-show)
-				break
-			}
-			fmt.Fprintf(tw, "  %s\t%s\t%v\t%s\t%v\n", d.ID, orDash(d.SourceVersion), d.SourceDeleted, orDash(d.IndexVersion), d.IndexDeleted)
-		}
-		tw.Flush()
+		listDrifts(w, kind, "ID\tROW VERSION\tROW DELETED\tINDEX VERSION\tINDEX DELETED", ds, show, func(d reconcile.Drift) string {
+			return fmt.Sprintf("%s\t%s\t%v\t%s\t%v", d.ID, orDash(d.SourceVersion), d.SourceDeleted, orDash(d.IndexVersion), d.IndexDeleted)
+		})
 	}
 	list("gone (live in the index, source row deleted or out of scope)", rep.Gone)
 	list("missing (live row in scope, no live document)", rep.Missing)
