@@ -24,12 +24,17 @@
 // or tombstone transaction, commit → the record on the topic), and the
 // CPU the stack used meanwhile.
 //
+// The update legs run twice: on a `vanished: keep` job (as before deletes
+// were carried: the figures to compare with earlier ones) and on the
+// `vanished: delete` job the delete legs run, whose every run also drains
+// the captured deletes (sub-benchmarks vanished=keep and vanished=delete).
+// FOLLOW_BENCH_ROUNDS (default 1) repeats the whole set, interleaved
+// (the repeated sub-benchmarks' names get #01, #02, …).
+//
 // FOLLOW_BENCH_SECONDS (default 10) is the writing window per rate;
 // FOLLOW_BENCH_RATES (default "50,500") the rates; FOLLOW_BENCH_OPS
 // (default "update,delete") the kinds of change; FOLLOW_BENCH_VANISHED
-// (default keep, as before deletes were carried) the update legs' job's
-// `vanished` (delete: the job the delete legs run, which also drains the
-// captured deletes on each run); FOLLOW_BENCH_ENV extra settings for all
+// (default "keep,delete") the update legs' jobs; FOLLOW_BENCH_ENV extra settings for all
 // three processes ("K=V K=V", e.g. FLUSH_INTERVAL=50ms) to compare;
 // FOLLOW_BENCH_REFRESH the index's refresh_interval (default: the
 // built-in mapping's, 1s).
@@ -89,17 +94,39 @@ func BenchmarkFollowLatency(b *testing.B) {
 			ops = append(ops, op)
 		}
 	}
-	vanished := cmp.Or(os.Getenv("FOLLOW_BENCH_VANISHED"), batch.VanishedKeep)
-	if vanished != batch.VanishedKeep && vanished != batch.VanishedDelete {
-		b.Fatalf("FOLLOW_BENCH_VANISHED=%q: want keep or delete", vanished)
+	var updateJobs []string
+	for _, f := range strings.Split(cmp.Or(os.Getenv("FOLLOW_BENCH_VANISHED"), "keep,delete"), ",") {
+		v := strings.TrimSpace(f)
+		if v != batch.VanishedKeep && v != batch.VanishedDelete {
+			b.Fatalf("FOLLOW_BENCH_VANISHED=%q: want keep, delete or both", os.Getenv("FOLLOW_BENCH_VANISHED"))
+		}
+		updateJobs = append(updateJobs, v)
 	}
+	rounds, err := strconv.Atoi(cmp.Or(os.Getenv("FOLLOW_BENCH_ROUNDS"), "1"))
+	if err != nil || rounds < 1 {
+		b.Fatalf("FOLLOW_BENCH_ROUNDS=%q: want a positive count", os.Getenv("FOLLOW_BENCH_ROUNDS"))
+	}
+	for range rounds {
+		followLegs(b, ops, updateJobs, rates, time.Duration(secs)*time.Second)
+	}
+}
+
+func followLegs(b *testing.B, ops, updateJobs []string, rates []int, window time.Duration) {
 	for _, op := range ops {
-		for _, rate := range rates {
-			b.Run(fmt.Sprintf("op=%s/rate=%d", op, rate), func(b *testing.B) {
-				for range b.N {
-					runOnce(b, op, vanished, rate, time.Duration(secs)*time.Second)
-				}
-			})
+		jobs := updateJobs
+		if op == opDelete {
+			// Hard deletes reach the index only through a job that drains
+			// the delete capture.
+			jobs = []string{batch.VanishedDelete}
+		}
+		for _, vanished := range jobs {
+			for _, rate := range rates {
+				b.Run(fmt.Sprintf("op=%s/vanished=%s/rate=%d", op, vanished, rate), func(b *testing.B) {
+					for range b.N {
+						runOnce(b, op, vanished, rate, window)
+					}
+				})
+			}
 		}
 	}
 }
@@ -118,11 +145,6 @@ func runOnce(b *testing.B, op, vanished string, rate int, window time.Duration) 
 	pool, brokers, es, topic, alias, bins := pl.Pool, pl.Brokers, pl.Search, pl.Topic, pl.Alias, pl.Bins
 	spec, err := batch.LoadSpec(filepath.Join(stack.RepoRoot(), "demo", "job.yaml"))
 	check(b, err)
-	if op == opDelete {
-		// Hard deletes reach the index only through a job that drains the
-		// delete capture.
-		vanished = batch.VanishedDelete
-	}
 	spec.Job, spec.Mode, spec.Vanished, spec.Topic = "records-follow", batch.ModeIncremental, vanished, topic
 	spec.Source.Cursor = []string{"change_seq"}
 	spec.Document.Fields = append(spec.Document.Fields, batch.Field{Name: "seq", From: "payload.seq", Type: "number"})
