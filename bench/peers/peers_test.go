@@ -174,6 +174,14 @@ func (s settings) Partial() bool {
 	return false
 }
 
+// RewritesReadme reports whether the run's table goes into the README's
+// bench-peers block: a full run into bench/results only, the block stands
+// for `make bench-peers`.
+func (s settings) RewritesReadme() bool {
+	rel, err := filepath.Rel(stack.RepoRoot(), s.Out)
+	return err == nil && rel == filepath.Join("bench", "results") && !s.Partial()
+}
+
 // env is what every leg shares: the private logical-decoding cluster, the
 // shared Kafka and search engine, a private redis and the binaries.
 type env struct {
@@ -196,9 +204,8 @@ func BenchmarkPeers(b *testing.B) {
 		table, err := os.ReadFile(filepath.Join(s.Out, "peers.md"))
 		check(b, err)
 		fmt.Printf("bench-peers:\n%s\n", table)
-		// Only a full run stands for `make bench-peers` in the README.
-		if rel, err := filepath.Rel(stack.RepoRoot(), s.Out); err == nil && rel == filepath.Join("bench", "results") && !s.Partial() {
-			check(b, updateReadme(filepath.Join(stack.RepoRoot(), "README.md"), rel, string(table)))
+		if s.RewritesReadme() {
+			check(b, updateReadme(filepath.Join(stack.RepoRoot(), "README.md"), filepath.Join("bench", "results"), string(table)))
 		}
 	}
 }

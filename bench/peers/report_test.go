@@ -236,7 +236,7 @@ func (r *results) markdown() string {
 	for _, rate := range r.Settings.DeleteRates {
 		p, p99p, okP := lat(pgsyncName, kindDeletes, rate)
 		o, p99o, okO := lat(ourName, kindDeletes, rate)
-		if !okP && !okO {
+		if !okP && !okO && !r.Settings.Runs(legDeletes) {
 			continue
 		}
 		ratio := "—"
