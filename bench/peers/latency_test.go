@@ -163,7 +163,9 @@ func (ol *openLoop) result(rate, n int, commits, seen []time.Time) leg {
 	}
 	l.Achieved = float64(n) / max(last.Sub(ol.start).Seconds(), ol.interval.Seconds())
 	slices.Sort(l.latencies)
-	l.P50ms, l.P99ms, l.MaxMs = quantile(l.latencies, 0.50), quantile(l.latencies, 0.99), quantile(l.latencies, 1)
+	if len(l.latencies) > 0 { // else 0: JSON has no NaN, and the tables say "none"
+		l.P50ms, l.P99ms, l.MaxMs = quantile(l.latencies, 0.50), quantile(l.latencies, 0.99), quantile(l.latencies, 1)
+	}
 	return l
 }
 
