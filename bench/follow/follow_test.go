@@ -111,16 +111,18 @@ func BenchmarkFollowLatency(b *testing.B) {
 	}
 }
 
+// followLegs runs one leg of each op, job and rate, the rate outermost so
+// that the legs compared at one rate run next to each other.
 func followLegs(b *testing.B, ops, updateJobs []string, rates []int, window time.Duration) {
-	for _, op := range ops {
-		jobs := updateJobs
-		if op == opDelete {
-			// Hard deletes reach the index only through a job that drains
-			// the delete capture.
-			jobs = []string{batch.VanishedDelete}
-		}
-		for _, vanished := range jobs {
-			for _, rate := range rates {
+	for _, rate := range rates {
+		for _, op := range ops {
+			jobs := updateJobs
+			if op == opDelete {
+				// Hard deletes reach the index only through a job that
+				// drains the delete capture.
+				jobs = []string{batch.VanishedDelete}
+			}
+			for _, vanished := range jobs {
 				b.Run(fmt.Sprintf("op=%s/vanished=%s/rate=%d", op, vanished, rate), func(b *testing.B) {
 					for range b.N {
 						runOnce(b, op, vanished, rate, window)
