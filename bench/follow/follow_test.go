@@ -3,6 +3,7 @@
 // three real binaries on the local stack, at a steady 50 and 500 changes/s,
 // for two kinds of change (a sub-benchmark each, op=update and op=delete):
 //
+//	make bench-follow    # or, on a running stack:
 //	flock /tmp/bench.lock go test -run '^$' -bench Follow -benchtime 1x -timeout 30m -v ./bench/follow/
 //
 // op=update: each update gives one row (never the same row twice) a new
