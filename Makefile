@@ -85,10 +85,16 @@ bench-indexer: ## indexer throughput vs a raw bulk baseline
 bench-e2e: build ## 1,000,000 rows from the source table to searchable documents
 	@$(WITH_STACK) $(GO) test $(BENCH_FLAGS) ./bench/e2e/
 
+.PHONY: bench-follow
+bench-follow: build ## commit → searchable (updates) and commit → gone from searches (hard deletes) through batcher run --follow at 50 and 500/s (FOLLOW_BENCH_SECONDS=10)
+	@$(WITH_STACK) flock -o /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/follow/
+
 .PHONY: bench-peers
-bench-peers: build ## PGSync and Debezium beside outboxrelay on the same rows, one run; table and plots into bench/results/ (BENCH_PEERS_ROWS=1000000)
+bench-peers: build ## PGSync and Debezium beside outboxrelay on the same rows, one run; table and plots into bench/results/ (BENCH_PEERS_ROWS=1000000; BENCH_PEERS_LEGS=changes,deletes: some legs, into bench/results/peers-partial/)
 	@$(WITH_STACK) eval "$$(bench/peers/setup.sh)" && \
-	if $(GO) test -list '^Benchmark' ./bench/peers/debezium/ | grep -q '^Benchmark'; then \
+	if ! case ",$${BENCH_PEERS_LEGS:-debezium}," in *,debezium,*) true;; *) false;; esac; then \
+	  echo "bench-peers: BENCH_PEERS_LEGS=$$BENCH_PEERS_LEGS leaves Debezium out"; \
+	elif $(GO) test -list '^Benchmark' ./bench/peers/debezium/ | grep -q '^Benchmark'; then \
 	  export DEBEZIUM_BENCH_OUT="$(CURDIR)/bench/results/debezium.json" BENCH_PEERS_DEBEZIUM_JSON="$(CURDIR)/bench/results/debezium.json" && \
 	  flock -o /tmp/bench.lock $(GO) test $(BENCH_FLAGS) ./bench/peers/debezium/; \
 	else echo "bench-peers: bench/peers/debezium has no benchmark; Debezium not measured"; fi && \

@@ -41,6 +41,10 @@ type writer struct {
 	markField string // the document field holding the mark
 	update    string // $1 = id, $2 = mark; RETURNING the row's new version
 	next      int64  // rows used so far, so each leg changes other rows
+	// deleted counts the rows the deletes legs deleted: they run one after
+	// the other, after every other leg, and each row can be deleted once,
+	// so together they must not wrap around the table (row).
+	deleted int64
 }
 
 // enqueueFunc writes the application's event inside the writer's transaction.
@@ -80,7 +84,21 @@ func (w *writer) run(b testing.TB, rate int, d time.Duration, base int64, enq en
 	return l
 }
 
-func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
+// openLoop runs do(i) for i in [0, n) at rate/s on up to 32 connections of
+// their own: change i is due at start + i/rate whatever happened before
+// (open loop). The k-th change is of row id(k) (the first one after the
+// rows of earlier legs); commits[i] is when do(i) returned, and done(i),
+// when not nil, is then called. written is closed when every change
+// returned; errs gets the first error.
+type openLoop struct {
+	start    time.Time
+	interval time.Duration
+	written  chan struct{}
+	errs     chan error
+	pool     *pgxpool.Pool
+}
+
+func (w *writer) openLoop(b testing.TB, rate, n int, commits []time.Time, do func(ctx context.Context, pool *pgxpool.Pool, i int, id int64) error, done func(i int)) *openLoop {
 	ctx := context.Background()
 	workers := min(32, max(2, rate/150))
 	cfg, err := pgxpool.ParseConfig(w.pool.Config().ConnString())
@@ -88,17 +106,14 @@ func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64
 	cfg.MaxConns = int32(workers)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	check(b, err)
-	defer pool.Close()
 
-	commits, seen := make([]time.Time, n), make([]time.Time, n)
 	first := w.next
 	w.next += int64(n)
-	interval := time.Second / time.Duration(rate)
+	ol := &openLoop{interval: time.Second / time.Duration(rate), written: make(chan struct{}), errs: make(chan error, workers), pool: pool}
 	var k atomic.Int64
 	k.Store(-1)
-	errs := make(chan error, workers)
 	var wg sync.WaitGroup
-	start := time.Now()
+	ol.start = time.Now()
 	for range workers {
 		wg.Add(1)
 		go func() {
@@ -112,23 +127,59 @@ func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64
 				}
 				// Open loop: each change has its slot; a late writer does not
 				// push the schedule back.
-				timer.Reset(time.Until(start.Add(time.Duration(i) * interval)))
+				timer.Reset(time.Until(ol.start.Add(time.Duration(i) * ol.interval)))
 				<-timer.C
 				g := row(first+i, int64(w.maxGroup))
 				id := g*3 + g%2
-				if err := w.change(ctx, pool, id, base+i, enq); err != nil {
-					errs <- fmt.Errorf("change row %d: %w", id, err)
+				if err := do(ctx, pool, int(i), id); err != nil {
+					ol.errs <- fmt.Errorf("change row %d: %w", id, err)
 					return
 				}
 				commits[i] = time.Now()
+				if done != nil {
+					done(int(i))
+				}
 			}
 		}()
 	}
+	go func() { wg.Wait(); close(ol.written) }()
+	return ol
+}
+
+// result is the leg of n changes whose commits returned at commits and
+// whose search results showed them at seen (zero: never).
+func (ol *openLoop) result(rate, n int, commits, seen []time.Time) leg {
+	l := leg{Rate: rate, Events: n}
+	var last time.Time
+	for i := range n {
+		last = maxTime(last, commits[i])
+		if seen[i].IsZero() {
+			l.Lost++
+			continue
+		}
+		// A change can show in searches a little before Commit returns
+		// to this writer: that is 0 ms, not a negative latency.
+		l.latencies = append(l.latencies, max(0, float64(seen[i].Sub(commits[i]).Microseconds())/1000))
+	}
+	l.Achieved = float64(n) / max(last.Sub(ol.start).Seconds(), ol.interval.Seconds())
+	slices.Sort(l.latencies)
+	if len(l.latencies) > 0 { // else 0: JSON has no NaN, and the tables say "none"
+		l.P50ms, l.P99ms, l.MaxMs = quantile(l.latencies, 0.50), quantile(l.latencies, 0.99), quantile(l.latencies, 1)
+	}
+	return l
+}
+
+func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
+	ctx := context.Background()
+	commits, seen := make([]time.Time, n), make([]time.Time, n)
+	ol := w.openLoop(b, rate, n, commits, func(ctx context.Context, pool *pgxpool.Pool, i int, id int64) error {
+		return w.change(ctx, pool, id, base+int64(i), enq)
+	}, nil)
+	defer ol.pool.Close()
+	errs, written := ol.errs, ol.written
 
 	// Watch for the marks [base, base+n) while they are written.
 	var writeEnd time.Time
-	written := make(chan struct{})
-	go func() { wg.Wait(); close(written) }()
 	lowest, nseen := 0, 0
 	tick := time.NewTicker(pollEvery)
 	defer tick.Stop()
@@ -172,22 +223,130 @@ func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64
 	if writeEnd.IsZero() {
 		<-written // the writer must be done before its commit times are read
 	}
-	l := leg{Rate: rate, Events: n}
-	var last time.Time
-	for i := range n {
-		last = maxTime(last, commits[i])
-		if seen[i].IsZero() {
-			l.Lost++
+	return ol.result(rate, n, commits, seen)
+}
+
+// deletes hard-deletes rate rows/s for d, one DELETE per transaction (rows
+// no earlier leg deleted), and waits until a search no longer returns them
+// (at most a minute after the last commit): commit→gone from searches. A
+// search asks every pollEvery which of the committed deletes not yet gone
+// are still visible (an ids query over them).
+func (w *writer) deletes(b testing.TB, rate int, d time.Duration, procs ...*testproc.Proc) leg {
+	ctx := context.Background()
+	n := max(1, int(float64(rate)*d.Seconds()))
+	w.deleted += int64(n)
+	if valid := int64(w.maxGroup - w.maxGroup/badEvery); w.deleted > valid {
+		b.Fatalf("the deletes legs need %d rows, more than the %d valid rows: raise BENCH_PEERS_ROWS or shorten BENCH_PEERS_LEG", w.deleted, valid)
+	}
+	commits, seen := make([]time.Time, n), make([]time.Time, n)
+	ids := make([]string, n)
+	// Each delete's index once its commit returned: only then does its
+	// absence from searches measure its latency (before, the document is
+	// there anyway).
+	committed := make(chan int, n)
+	ol := w.openLoop(b, rate, n, commits, func(ctx context.Context, pool *pgxpool.Pool, i int, id int64) error {
+		ids[i] = strconv.FormatInt(id, 10)
+		tag, err := pool.Exec(ctx, `DELETE FROM source_records WHERE id = $1`, id)
+		if err == nil && tag.RowsAffected() != 1 {
+			err = fmt.Errorf("DELETE deleted %d rows, want 1", tag.RowsAffected())
+		}
+		return err
+	}, func(i int) { committed <- i })
+	defer ol.pool.Close()
+	errs, written := ol.errs, ol.written
+
+	pending := map[string]int{} // _id → index of its delete
+	gone := 0
+	var writeEnd, deadline time.Time
+	tick := time.NewTicker(pollEvery)
+	defer tick.Stop()
+	for gone < n {
+		select {
+		case err := <-errs:
+			b.Fatal(err)
+		case <-written:
+			written = nil
+			writeEnd = time.Now()
+			deadline = writeEnd.Add(time.Minute)
+		case <-tick.C:
+		}
+		if !deadline.IsZero() && time.Now().After(deadline) {
+			break
+		}
+		for _, p := range procs {
+			select {
+			case <-p.Done():
+				b.Fatalf("%s exited %d\n%s", filepath.Base(p.Cmd.Path), p.ExitCode(), lastLines(p.Stderr(), 30))
+			default:
+			}
+		}
+		for more := true; more; {
+			select {
+			case i := <-committed:
+				pending[ids[i]] = i
+			default:
+				more = false
+			}
+		}
+		if len(pending) == 0 {
 			continue
 		}
-		// An event can become searchable a little before Commit returns
-		// to this writer: that is 0 ms, not a negative latency.
-		l.latencies = append(l.latencies, max(0, float64(seen[i].Sub(commits[i]).Microseconds())/1000))
+		asked := make([]string, 0, min(len(pending), 10_000))
+		for id := range pending {
+			if len(asked) == 10_000 { // the engine's largest page
+				break
+			}
+			asked = append(asked, id)
+		}
+		visible, err := w.searchIDs(ctx, asked)
+		if err != nil {
+			continue
+		}
+		now := time.Now()
+		for _, id := range asked {
+			if !visible[id] {
+				seen[pending[id]] = now
+				delete(pending, id)
+				gone++
+			}
+		}
 	}
-	l.Achieved = float64(n) / max(last.Sub(start).Seconds(), interval.Seconds())
-	slices.Sort(l.latencies)
-	l.P50ms, l.P99ms, l.MaxMs = quantile(l.latencies, 0.50), quantile(l.latencies, 0.99), quantile(l.latencies, 1)
+	if writeEnd.IsZero() {
+		<-written // the writer must be done before its commit times are read
+	}
+	l := ol.result(rate, n, commits, seen)
+	b.Logf("%s: %d hard deletes at %d/s (achieved %.0f/s), commit→gone from searches p50 %.0f ms, p99 %.0f ms, max %.0f ms, %d still searchable",
+		w.index, l.Events, rate, l.Achieved, l.P50ms, l.P99ms, l.MaxMs, l.Lost)
 	return l
+}
+
+// searchIDs returns which of ids a search finds now. An answer that timed
+// out or lost a shard is an error: a missing hit must mean the document is
+// not searchable.
+func (w *writer) searchIDs(ctx context.Context, ids []string) (map[string]bool, error) {
+	body := map[string]any{"size": len(ids), "_source": false, "query": map[string]any{"ids": map[string]any{"values": ids}}}
+	var res struct {
+		TimedOut bool `json:"timed_out"`
+		Shards   struct {
+			Failed int `json:"failed"`
+		} `json:"_shards"`
+		Hits struct {
+			Hits []struct {
+				ID string `json:"_id"`
+			} `json:"hits"`
+		} `json:"hits"`
+	}
+	if err := searchPost(ctx, w.search, "/"+url.PathEscape(w.index)+"/_search", body, &res); err != nil {
+		return nil, err
+	}
+	if res.TimedOut || res.Shards.Failed > 0 {
+		return nil, fmt.Errorf("search of %d ids: timed out %v, %d shards failed", len(ids), res.TimedOut, res.Shards.Failed)
+	}
+	visible := make(map[string]bool, len(res.Hits.Hits))
+	for _, h := range res.Hits.Hits {
+		visible[h.ID] = true
+	}
+	return visible, nil
 }
 
 // badEvery is the seed's demo.SeedOptions.BadEvery: every badEvery-th row

@@ -3,6 +3,7 @@
 //
 //	make bench-peers                     # BENCH_PEERS_ROWS=1000000 by default
 //	BENCH_PEERS_ROWS=100000 make bench-peers
+//	BENCH_PEERS_LEGS=changes,deletes BENCH_PEERS_ROWS=100000 make bench-peers
 //
 // Legs, in interleaved rounds (BENCH_PEERS_ROUNDS, default 1; the order of
 // the two tools alternates per round), each into a fresh index:
@@ -11,12 +12,27 @@
 //     redis-server): initial sync of the seeded rows (bootstrap, then
 //     `pgsync` until every row is searchable), then `pgsync --daemon` with
 //     single-row UPDATEs at each BENCH_PEERS_CHANGE_RATES (default 50,500/s):
-//     commit→searchable latency.
+//     commit→searchable latency; then single-row hard DELETEs (which its
+//     triggers carry: the daemon deletes the document) at each
+//     BENCH_PEERS_DELETE_RATES (default 50,500/s): commit→gone from searches.
 //   - outboxrelay: the real binaries (batcher, publisher, indexer) with the
 //     product defaults: initial sync of the same rows; then application
 //     events: outbox.Enqueue inside the writer's transaction (the same
 //     single-row UPDATE plus its event) at BENCH_PEERS_EVENT_RATES (default
-//     50,500,5000/s): commit→searchable latency.
+//     50,500,5000/s): commit→searchable latency; then table changes:
+//     `batcher run --follow` of an incremental job with `vanished: delete`
+//     and `batcher follow-trigger --install` (the NOTIFY trigger and the
+//     delete capture), with the same UPDATEs and DELETEs as PGSync's
+//     (commit→searchable, commit→gone from searches through the read
+//     alias, which filters the tombstones out).
+//
+// BENCH_PEERS_LEGS (default "changes,events,deletes,debezium": all) picks
+// the latency legs; the initial syncs always run (each tool needs its
+// documents first) and are reported too. "debezium" is read by `make
+// bench-peers`, which runs bench/peers/debezium only when it is listed. A
+// run of some legs only is a partial run: its results go to
+// bench/results/peers-partial/ unless BENCH_PEERS_OUT says otherwise, its
+// table says which legs it has, and it never rewrites the README's block.
 //
 // Both tools read the same private PostgreSQL cluster (wal_level=logical,
 // which PGSync needs; one database per leg, seeded by the same SQL as
@@ -24,8 +40,9 @@
 // user sees: _count / _search without a forced refresh.
 //
 // Results go to bench/results/ (BENCH_PEERS_OUT): peers.md (the table),
-// peers.json, peers-throughput.png and peers-latency.png (CDFs); with the
-// default directory the README's "Latest make bench-peers" shows the table.
+// peers.json, peers-throughput.png and peers-latency.png (CDFs); a full run
+// into the default directory also rewrites the README's "Latest make
+// bench-peers" block with the table.
 package bench_peers
 
 import (
@@ -61,6 +78,8 @@ type settings struct {
 	Rounds      int           // BENCH_PEERS_ROUNDS, default 1
 	ChangeRates []int         // BENCH_PEERS_CHANGE_RATES: table changes/s, default 50,500
 	EventRates  []int         // BENCH_PEERS_EVENT_RATES: outbox events/s, default 50,500,5000
+	DeleteRates []int         // BENCH_PEERS_DELETE_RATES: table hard deletes/s, default 50,500
+	Legs        []string      // BENCH_PEERS_LEGS: the latency legs run, default changes,events,deletes,debezium
 	LegDuration time.Duration // BENCH_PEERS_LEG: how long each rate is written, default 20s
 	Out         string        // BENCH_PEERS_OUT: results directory, default bench/results
 	PGSyncBin   string        // PGSYNC_BIN: the venv's bin directory (bench/peers/setup.sh)
@@ -68,7 +87,8 @@ type settings struct {
 }
 
 func load(tb testing.TB) settings {
-	s := settings{Rows: 1_000_000, Rounds: 1, ChangeRates: []int{50, 500}, EventRates: []int{50, 500, 5000},
+	s := settings{Rows: 1_000_000, Rounds: 1, ChangeRates: []int{50, 500}, EventRates: []int{50, 500, 5000}, DeleteRates: []int{50, 500},
+		Legs:        slices.Clone(allLegs),
 		LegDuration: 20 * time.Second, Out: filepath.Join(stack.RepoRoot(), "bench", "results"),
 		PGSyncBin: os.Getenv("PGSYNC_BIN"), RedisServer: os.Getenv("REDIS_SERVER")}
 	num := func(name string, v *int) {
@@ -96,6 +116,22 @@ func load(tb testing.TB) settings {
 	num("BENCH_PEERS_ROUNDS", &s.Rounds)
 	rates("BENCH_PEERS_CHANGE_RATES", &s.ChangeRates)
 	rates("BENCH_PEERS_EVENT_RATES", &s.EventRates)
+	rates("BENCH_PEERS_DELETE_RATES", &s.DeleteRates)
+	if raw := os.Getenv("BENCH_PEERS_LEGS"); raw != "" {
+		s.Legs = nil
+		for _, f := range strings.Split(raw, ",") {
+			f = strings.TrimSpace(f)
+			if !slices.Contains(allLegs, f) {
+				tb.Fatalf("BENCH_PEERS_LEGS=%q: want some of %s", raw, strings.Join(allLegs, ","))
+			}
+			if !slices.Contains(s.Legs, f) {
+				s.Legs = append(s.Legs, f)
+			}
+		}
+		if s.Partial() {
+			s.Out = filepath.Join(stack.RepoRoot(), "bench", "results", "peers-partial")
+		}
+	}
 	if raw := os.Getenv("BENCH_PEERS_LEG"); raw != "" {
 		d, err := time.ParseDuration(raw)
 		if err != nil || d <= 0 {
@@ -110,6 +146,40 @@ func load(tb testing.TB) settings {
 		tb.Fatal("PGSYNC_BIN and REDIS_SERVER are not set: run `make bench-peers`, or eval \"$(bench/peers/setup.sh)\" first")
 	}
 	return s
+}
+
+// The latency legs BENCH_PEERS_LEGS can name: table UPDATEs, outbox
+// events, table hard DELETEs, and bench/peers/debezium (run by the
+// Makefile, not here).
+const (
+	legChanges  = "changes"
+	legEvents   = "events"
+	legDeletes  = "deletes"
+	legDebezium = "debezium"
+)
+
+var allLegs = []string{legChanges, legEvents, legDeletes, legDebezium}
+
+// Runs reports whether leg is one of the legs of this run.
+func (s settings) Runs(leg string) bool { return slices.Contains(s.Legs, leg) }
+
+// Partial reports whether the run leaves a leg out: its table is not the
+// README's.
+func (s settings) Partial() bool {
+	for _, l := range allLegs {
+		if !s.Runs(l) {
+			return true
+		}
+	}
+	return false
+}
+
+// RewritesReadme reports whether the run's table goes into the README's
+// bench-peers block: a full run into bench/results only, the block stands
+// for `make bench-peers`.
+func (s settings) RewritesReadme() bool {
+	rel, err := filepath.Rel(stack.RepoRoot(), s.Out)
+	return err == nil && rel == filepath.Join("bench", "results") && !s.Partial()
 }
 
 // env is what every leg shares: the private logical-decoding cluster, the
@@ -134,8 +204,8 @@ func BenchmarkPeers(b *testing.B) {
 		table, err := os.ReadFile(filepath.Join(s.Out, "peers.md"))
 		check(b, err)
 		fmt.Printf("bench-peers:\n%s\n", table)
-		if rel, err := filepath.Rel(stack.RepoRoot(), s.Out); err == nil && rel == filepath.Join("bench", "results") {
-			check(b, updateReadme(filepath.Join(stack.RepoRoot(), "README.md"), rel, string(table)))
+		if s.RewritesReadme() {
+			check(b, updateReadme(filepath.Join(stack.RepoRoot(), "README.md"), filepath.Join("bench", "results"), string(table)))
 		}
 	}
 }
@@ -144,7 +214,8 @@ func BenchmarkPeers(b *testing.B) {
 // breaks the harness fails `go test` rather than the next `make bench-peers`.
 func TestPeersSmallRound(t *testing.T) {
 	s := load(t)
-	s.Rows, s.Rounds, s.ChangeRates, s.EventRates, s.LegDuration, s.Out = 3000, 1, []int{20}, []int{20}, 2*time.Second, t.TempDir()
+	s.Rows, s.Rounds, s.ChangeRates, s.EventRates, s.DeleteRates, s.LegDuration, s.Out = 3000, 1, []int{20}, []int{20}, []int{20}, 2*time.Second, t.TempDir()
+	s.Legs = slices.Clone(allLegs)
 	res := run(t, s)
 	require.NoError(t, res.write(s.Out))
 	kinds := map[string]int{}
@@ -158,8 +229,8 @@ func TestPeersSmallRound(t *testing.T) {
 		require.Zero(t, l.Lost, "%+v", l)
 		require.Len(t, l.latencies, l.Events)
 	}
-	require.Equal(t, map[string]int{pgsyncName + " / " + kindInitial: 1, pgsyncName + " / " + kindChanges: 1,
-		ourName + " / " + kindInitial: 1, ourName + " / " + kindEvents: 1, ourName + " / " + kindChanges: 1}, kinds)
+	require.Equal(t, map[string]int{pgsyncName + " / " + kindInitial: 1, pgsyncName + " / " + kindChanges: 1, pgsyncName + " / " + kindDeletes: 1,
+		ourName + " / " + kindInitial: 1, ourName + " / " + kindEvents: 1, ourName + " / " + kindChanges: 1, ourName + " / " + kindDeletes: 1}, kinds)
 	for _, f := range []string{"peers.md", "peers.json", "peers-throughput.png", "peers-latency.png"} {
 		st, err := os.Stat(filepath.Join(s.Out, f))
 		require.NoError(t, err)
@@ -314,10 +385,19 @@ func (e *env) pgsync(b testing.TB, round int) []leg {
 	w := &writer{pool: pool, maxGroup: e.maxGroup, search: e.search, index: index, markField: "payload.mark",
 		update: `UPDATE source_records SET payload = payload || jsonb_build_object('mark', $2::bigint) WHERE id = $1 RETURNING version`}
 	w.warmUp(b, d)
-	for i, rate := range e.s.ChangeRates {
-		l := w.run(b, rate, e.s.LegDuration, int64(round*100+i+1)*100_000_000, nil, d)
-		l.Tool, l.Kind, l.Round = pgsyncName, kindChanges, round
-		legs = append(legs, l)
+	if e.s.Runs(legChanges) {
+		for i, rate := range e.s.ChangeRates {
+			l := w.run(b, rate, e.s.LegDuration, int64(round*100+i+1)*100_000_000, nil, d)
+			l.Tool, l.Kind, l.Round = pgsyncName, kindChanges, round
+			legs = append(legs, l)
+		}
+	}
+	if e.s.Runs(legDeletes) {
+		for _, rate := range e.s.DeleteRates {
+			l := w.deletes(b, rate, e.s.LegDuration, d)
+			l.Tool, l.Kind, l.Round = pgsyncName, kindDeletes, round
+			legs = append(legs, l)
+		}
 	}
 	return legs
 }
@@ -393,6 +473,9 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 	w := &writer{pool: pool, maxGroup: e.maxGroup, search: e.search, index: alias, markField: "mark",
 		update: `UPDATE source_records SET payload = payload || jsonb_build_object('mark', $2::bigint) WHERE id = $1 RETURNING version`}
 	for i, rate := range e.s.EventRates {
+		if !e.s.Runs(legEvents) {
+			break
+		}
 		l := w.run(b, rate, e.s.LegDuration, int64(round*100+50+i)*100_000_000, enqueue(topic), pub, idx)
 		l.Tool, l.Kind, l.Round = ourName, kindEvents, round
 		legs = append(legs, l)
@@ -401,12 +484,18 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 		}
 	}
 
+	if !e.s.Runs(legChanges) && !e.s.Runs(legDeletes) {
+		return legs
+	}
 	// Table changes: `batcher run --follow` of an incremental job over the
 	// same table, woken by the NOTIFY trigger. It starts after the events
 	// legs, whose UPDATEs it would otherwise index too, and its first run
 	// covers every row (not counted: PGSync's daemon start is not either).
+	// The job carries hard deletes too (vanished: delete, drained from the
+	// capture follow-trigger installs), as PGSync's daemon does, so the
+	// UPDATE legs measure the follower a user who wants deletes runs.
 	fspec := spec
-	fspec.Job, fspec.Mode, fspec.Vanished = "records-follow", batch.ModeIncremental, batch.VanishedKeep
+	fspec.Job, fspec.Mode, fspec.Vanished = "records-follow", batch.ModeIncremental, batch.VanishedDelete
 	fspec.Source.Cursor = []string{"change_seq"}
 	fspec.Document.Fields = append(slices.Clone(spec.Document.Fields), batch.Field{Name: "mark", From: "payload.mark", Type: "number"})
 	raw, err = json.Marshal(fspec)
@@ -422,10 +511,19 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 	defer func() { _ = fp.Signal(syscall.SIGTERM); _ = fp.Wait(time.Minute) }()
 	w.warmUp(b, fp, pub, idx)
 	b.Logf("outboxrelay round %d: follower's first run and one change searchable in %s", round, time.Since(catchUp).Round(time.Millisecond))
-	for i, rate := range e.s.ChangeRates {
-		l := w.run(b, rate, e.s.LegDuration, int64(round*100+80+i)*100_000_000, nil, fp, pub, idx)
-		l.Tool, l.Kind, l.Round = ourName, kindChanges, round
-		legs = append(legs, l)
+	if e.s.Runs(legChanges) {
+		for i, rate := range e.s.ChangeRates {
+			l := w.run(b, rate, e.s.LegDuration, int64(round*100+80+i)*100_000_000, nil, fp, pub, idx)
+			l.Tool, l.Kind, l.Round = ourName, kindChanges, round
+			legs = append(legs, l)
+		}
+	}
+	if e.s.Runs(legDeletes) {
+		for _, rate := range e.s.DeleteRates {
+			l := w.deletes(b, rate, e.s.LegDuration, fp, pub, idx)
+			l.Tool, l.Kind, l.Round = ourName, kindDeletes, round
+			legs = append(legs, l)
+		}
 	}
 	return legs
 }

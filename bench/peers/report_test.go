@@ -24,6 +24,7 @@ const (
 	kindInitial = "initial sync"
 	kindChanges = "table changes"
 	kindEvents  = "application events"
+	kindDeletes = "table deletes"
 )
 
 // leg is one measurement of one tool.
@@ -37,7 +38,7 @@ type leg struct {
 	Rate       int     `json:"rate,omitempty"`        // changes or events per second asked for
 	Achieved   float64 `json:"achieved,omitempty"`    // and committed
 	Events     int     `json:"events,omitempty"`
-	Lost       int     `json:"not_searchable,omitempty"` // not searchable a minute after the last commit
+	Lost       int     `json:"not_searchable,omitempty"` // not searchable (table deletes: still searchable) a minute after the last commit
 	P50ms      float64 `json:"p50_ms,omitempty"`
 	P99ms      float64 `json:"p99_ms,omitempty"`
 	MaxMs      float64 `json:"max_ms,omitempty"`
@@ -178,6 +179,10 @@ func (r *results) markdown() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "`make bench-peers` — %s, %s; %d rows (bench-e2e seed), %d round(s), OpenSearch %s; medians over rounds\n\n",
 		r.Date.Format("2006-01-02 15:04 UTC"), r.Machine, r.Rows, r.Rounds, searchVersion())
+	if r.Settings.Partial() {
+		fmt.Fprintf(&b, "**Partial run: only the latency legs %s (BENCH_PEERS_LEGS), beside the initial syncs every run needs; not the README's table.**\n\n",
+			strings.Join(r.Settings.Legs, ", "))
+	}
 	b.WriteString("| measurement | peer (PGSync 7.3.0; Debezium 3.6.1.Final) | outboxrelay | outboxrelay / peer |\n|---|---|---|---|\n")
 	sec := func(l leg) float64 { return l.Seconds }
 	ps, okP := r.median(pgsyncName, kindInitial, 0, sec)
@@ -207,8 +212,16 @@ func (r *results) markdown() string {
 		p99, _ := r.median(tool, kind, rate, func(l leg) float64 { return l.P99ms })
 		lost, _ := r.median(tool, kind, rate, func(l leg) float64 { return float64(l.Lost) })
 		ach, _ := r.median(tool, kind, rate, func(l leg) float64 { return l.Achieved })
+		if none, _ := r.median(tool, kind, rate, func(l leg) float64 { return b2f(l.Lost == l.Events) }); none == 1 {
+			if kind == kindDeletes {
+				return fmt.Sprintf("none gone from searches within 60 s (%.0f/s committed)", ach), 0, false
+			}
+			return fmt.Sprintf("none searchable within 60 s (%.0f/s committed)", ach), 0, false
+		}
 		s := fmt.Sprintf("p50 %s / p99 %s (%.0f/s committed)", ms(p50), ms(p99), ach)
-		if lost > 0 {
+		if lost > 0 && kind == kindDeletes {
+			s += fmt.Sprintf(", %.0f still searchable after 60 s", lost)
+		} else if lost > 0 {
 			s += fmt.Sprintf(", %.0f not searchable after 60 s", lost)
 		}
 		return s, p99, true
@@ -216,16 +229,35 @@ func (r *results) markdown() string {
 	for _, rate := range r.Settings.ChangeRates {
 		p, p99p, okP := lat(pgsyncName, kindChanges, rate)
 		o, p99o, okO := lat(ourName, kindChanges, rate)
+		if !okP && !okO && !r.Settings.Runs(legChanges) {
+			continue
+		}
 		ratio := "—"
 		if okP && okO {
 			ratio = fmt.Sprintf("**%.2f×** p99", p99o/p99p)
 		}
-		fmt.Fprintf(&b, "| single-row UPDATEs at %d/s, commit → searchable (PGSync `--daemon`; outboxrelay `batcher run --follow`) | %s | %s | %s |\n",
-			rate, cell(okP, p), cell(okO, o), ratio)
+		fmt.Fprintf(&b, "| single-row UPDATEs at %d/s, commit → searchable (PGSync `--daemon`; outboxrelay `batcher run --follow`, `vanished: delete`) | %s | %s | %s |\n",
+			rate, cell(p != "", p), cell(o != "", o), ratio)
+	}
+	for _, rate := range r.Settings.DeleteRates {
+		p, p99p, okP := lat(pgsyncName, kindDeletes, rate)
+		o, p99o, okO := lat(ourName, kindDeletes, rate)
+		if !okP && !okO && !r.Settings.Runs(legDeletes) {
+			continue
+		}
+		ratio := "—"
+		if okP && okO {
+			ratio = fmt.Sprintf("**%.2f×** p99", p99o/p99p)
+		}
+		fmt.Fprintf(&b, "| single-row hard DELETEs at %d/s, commit → gone from searches (PGSync `--daemon`; outboxrelay `batcher run --follow`, `vanished: delete`) | %s | %s | %s |\n",
+			rate, cell(p != "", p), cell(o != "", o), ratio)
 	}
 	for _, rate := range r.Settings.EventRates {
-		o, _, ok := lat(ourName, kindEvents, rate)
-		fmt.Fprintf(&b, "| outbox.Enqueue events at %d/s (UPDATE + event in one transaction), commit → searchable | no outbox (PGSync follows tables) | %s | |\n", rate, cell(ok, o))
+		o, _, _ := lat(ourName, kindEvents, rate)
+		if o == "" && !r.Settings.Runs(legEvents) {
+			continue
+		}
+		fmt.Fprintf(&b, "| outbox.Enqueue events at %d/s (UPDATE + event in one transaction), commit → searchable | no outbox (PGSync follows tables) | %s | |\n", rate, cell(o != "", o))
 	}
 	r.debeziumRows(&b)
 	b.WriteString("| Camel OpenSearch sink connector (indexer's peer) | not measured: not attempted in this version (see bench/peers/README.md) | | |\n")
@@ -236,12 +268,26 @@ func (r *results) markdown() string {
 		if l.Kind == kindInitial {
 			res = fmt.Sprintf("%d docs in %.1f s, process CPU %.1f s", l.Docs, l.Seconds, l.ProcessCPU)
 		} else {
-			res = fmt.Sprintf("%d at %d/s (%.0f/s committed): p50 %s, p99 %s, max %s, %d not searchable", l.Events, l.Rate, l.Achieved, ms(l.P50ms), ms(l.P99ms), ms(l.MaxMs), l.Lost)
+			lost := "not searchable"
+			if l.Kind == kindDeletes {
+				lost = "still searchable"
+			}
+			res = fmt.Sprintf("%d at %d/s (%.0f/s committed): p50 %s, p99 %s, max %s, %d %s", l.Events, l.Rate, l.Achieved, ms(l.P50ms), ms(l.P99ms), ms(l.MaxMs), l.Lost, lost)
+			if l.Lost == l.Events {
+				res = fmt.Sprintf("%d at %d/s (%.0f/s committed): all %d %s after 60 s", l.Events, l.Rate, l.Achieved, l.Lost, lost)
+			}
 		}
 		fmt.Fprintf(&b, "| %d | %s | %s | %s |\n", l.Round, l.Tool, l.Kind, res)
 	}
 	b.WriteString("\n![throughput](peers-throughput.png) ![latency](peers-latency.png)\n")
 	return b.String()
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func ms(v float64) string {
@@ -288,7 +334,7 @@ func (r *results) throughputPlot(file string) error {
 
 func (r *results) latencyPlot(file string) error {
 	p := plot.New()
-	p.Title.Text = "commit → searchable (CDF, every round)"
+	p.Title.Text = "commit → searchable; deletes: commit → gone from searches (CDF, every round)"
 	p.X.Label.Text = "latency (ms, log scale)"
 	p.Y.Label.Text = "fraction of changes"
 	p.X.Scale = plot.LogScale{}
