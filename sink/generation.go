@@ -47,6 +47,9 @@ type GenerationMeta struct {
 	Previous     string `json:"previous,omitempty"`
 	PreviousUUID string `json:"previous_uuid,omitempty"`
 	CutoverAt    string `json:"cutover_at,omitempty"`
+	// Sources records, per aggregate type (job), the last move of its
+	// documents to this generation (see [PlanMove]).
+	Sources map[string]SourceMoveMeta `json:"sources,omitempty"`
 	// BulkLoad is set while the generation is in bulk-load mode (see
 	// finishBulkLoad): the settings to restore.
 	BulkLoad *BulkLoad `json:"bulk_load,omitempty"`
