@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/olivere/elastic/v7"
 
 	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -62,6 +63,13 @@ type Readiness struct {
 	// RowsOtherPV counts the source's normalized rows of another
 	// processor version.
 	RowsOtherPV int64
+	// Kept counts the rows of another processor version that a job with
+	// vanished: keep holds although they left its scope (deleted from the
+	// table, or out of its filter): no run reads them again, so they stay
+	// at the version that last read them, and their documents are carried
+	// into the generation as they are (the move copies them; RowsOtherPV
+	// does not count them).
+	Kept int64
 	// SourceRows and IndexDocs are the two sides reconcile compared;
 	// Drift counts the ids that differ.
 	SourceRows, IndexDocs int64
@@ -194,6 +202,14 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 		}
 	}
 	if r.RowsOtherPV > 0 {
+		kept, err := keptRows(ctx, db, j)
+		if err != nil {
+			return r, err
+		}
+		r.Kept = int64(len(kept))
+		r.RowsOtherPV -= r.Kept
+	}
+	if r.RowsOtherPV > 0 {
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
 			"(a run at %s has not reached them, or quarantined them: batcher quarantine list --job %s)", r.RowsOtherPV, j.SourceName, j.ProcessorVersion, j.ProcessorVersion, job))
 	}
@@ -245,7 +261,19 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 	var res CutoverResult
 	cfg = cfg.ForAggregateType(j.AggregateType)
 	deadline := time.Now().Add(opts.Wait)
+	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	if err != nil {
+		return res, err
+	}
+	if index == "" {
+		if index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+			return res, err
+		}
+	}
 	for {
+		if err := carryKept(ctx, cfg, opts.DB, client, j, index); err != nil {
+			return res, err
+		}
 		r, err := checkGenerationAt(ctx, cfg, opts.DB, j, index)
 		res.Readiness = r
 		if err != nil {
@@ -280,10 +308,6 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 			return res, ctx.Err()
 		case <-time.After(opts.Poll):
 		}
-	}
-	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
-	if err != nil {
-		return res, err
 	}
 	res.Alias = cfg.Alias
 	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, moveOptions{allowUnversioned: opts.AllowUnversioned, healthTimeout: opts.HealthTimeout, locked: opts.locked})
@@ -373,6 +397,68 @@ func Rollback(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutove
 		}
 	}
 	return moveChecked(ctx, cfg, opts, j, prev, "rollback")
+}
+
+// keptRows returns the ids of the rows of j's source at another processor
+// version than j.ProcessorVersion that its scope no longer holds, when the
+// job keeps vanished rows (vanished: keep, the default of incremental
+// jobs); nil otherwise.
+func keptRows(ctx context.Context, db *pgxpool.Pool, j Job) ([]string, error) {
+	if j.Source.Table == "" {
+		return nil, nil
+	}
+	spec, err := batch.LoadJobSpec(ctx, db, j.Name)
+	if err != nil {
+		return nil, err
+	}
+	vanished := spec.Vanished
+	if vanished == "" {
+		vanished = batch.VanishedDelete
+		if spec.Mode == batch.ModeIncremental {
+			vanished = batch.VanishedKeep
+		}
+	}
+	if vanished != batch.VanishedKeep {
+		return nil, nil
+	}
+	sr, err := batch.CompileScopeRows(ctx, db, spec)
+	if err != nil {
+		return nil, err
+	}
+	n := len(sr.Args)
+	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT n.source_id FROM normalized_records n
+WHERE n.source = $%d AND n.processor_version IS DISTINCT FROM $%d
+  AND NOT EXISTS (SELECT FROM (%s) s WHERE s.id = n.source_id)`, n+1, n+2, sr.SQL), append(slices.Clone(sr.Args), j.SourceName, j.ProcessorVersion)...)
+	if err != nil {
+		return nil, fmt.Errorf("list the kept rows of job %s: %w", j.Name, err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("list the kept rows of job %s: %w", j.Name, err)
+	}
+	return ids, nil
+}
+
+// carryKept copies the documents of j's kept rows (see [keptRows]) from the
+// generation they are live in into index, at their external version, so
+// searches go on finding them after the move.
+func carryKept(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *elastic.Client, j Job, index string) error {
+	ids, err := keptRows(ctx, db, j)
+	if err != nil || len(ids) == 0 {
+		return err
+	}
+	state, err := sink.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
+	if err != nil {
+		return err
+	}
+	from := state.LiveOf(j.AggregateType)
+	if from == "" || from == index {
+		return nil
+	}
+	if ok, err := sink.GenerationExists(ctx, client, index); err != nil || !ok {
+		return err
+	}
+	return copyDocs(ctx, client, from, index, ids)
 }
 
 // rebuildRunsSQL finds job $1's rebuild at processor version $2 (its first
