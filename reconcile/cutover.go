@@ -50,6 +50,9 @@ type CutoverOptions struct {
 	Logger *slog.Logger
 	// locked: the caller (AutoCutover) holds the alias's cutover lock.
 	locked bool
+	// beforeMove, if set, runs between the count of documents without a
+	// processor version and the alias move (tests: a write in the window).
+	beforeMove func()
 }
 
 // Readiness is where a generation stands against what its job produced.
@@ -310,7 +313,7 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 		}
 	}
 	res.Alias = cfg.Alias
-	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, moveOptions{allowUnversioned: opts.AllowUnversioned, healthTimeout: opts.HealthTimeout, locked: opts.locked})
+	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, moveOptions{allowUnversioned: opts.AllowUnversioned, healthTimeout: opts.HealthTimeout, locked: opts.locked, beforeMove: opts.beforeMove})
 	res.Live, res.Unversioned, res.Copied = mr.plan.From, mr.hidden, mr.copied
 	res.From, res.Already, res.Whole = mr.fromList, mr.already, mr.plan.Whole
 	return res, err

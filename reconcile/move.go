@@ -68,7 +68,8 @@ type moveOptions struct {
 	allowUnversioned bool
 	healthTimeout    time.Duration
 	// locked: the caller holds the alias's advisory lock already.
-	locked bool
+	locked     bool
+	beforeMove func()
 }
 
 // moveResult is what moveJob did.
@@ -148,6 +149,9 @@ func moveJob(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *ela
 					sink.ErrUnsafeMove, j.Name, target, plan.Leaving, dup, sink.FieldAggregateType, target, j.Name)
 			}
 		}
+	}
+	if opts.beforeMove != nil {
+		opts.beforeMove()
 	}
 	if err := sink.ApplyMove(ctx, client, plan); err != nil {
 		return res, err
