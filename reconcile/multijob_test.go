@@ -29,7 +29,11 @@ type twoJobs struct {
 
 const articles, notes = 30, 20
 
-func newTwoJobs(t *testing.T, engineURL string) *twoJobs {
+func newTwoJobs(t *testing.T, engineURL string) *twoJobs { return newTwoJobsWith(t, engineURL, false) }
+
+// newTwoJobsWith is newTwoJobs; with untypedV1 the articles' v1 documents
+// were indexed before _aggregate_type was recorded (they have none).
+func newTwoJobsWith(t *testing.T, engineURL string, untypedV1 bool) *twoJobs {
 	t.Helper()
 	ctx := context.Background()
 	f := &twoJobs{pool: stack.Pool(t, stack.Database(t))}
@@ -55,7 +59,13 @@ SELECT 'articles', 'a' || g, '{}'::jsonb, 1, 'v2', false FROM generate_series(1,
 UNION ALL SELECT 'notes', 'n' || g, '{}'::jsonb, 1, 'v1', false FROM generate_series(1, %d) g`, articles, notes))
 	old, next := f.client.Bulk().Index(f.v1), f.client.Bulk().Index(f.v2)
 	for g := 1; g <= articles; g++ {
-		old.Add(indexDocOf("articles", fmt.Sprintf("a%d", g), 1, false, "v1"))
+		if untypedV1 {
+			id := fmt.Sprintf("a%d", g)
+			old.Add(elastic.NewBulkIndexRequest().Id(id).Version(1).VersionType("external").
+				Doc(map[string]any{"title": "old " + id, sink.FieldBucket: sink.Bucket(id), sink.FieldIDV: sink.IDV(id, 1, false, "")}))
+		} else {
+			old.Add(indexDocOf("articles", fmt.Sprintf("a%d", g), 1, false, "v1"))
+		}
 		next.Add(indexDocOf("articles", fmt.Sprintf("a%d", g), 1, false, "v2"))
 	}
 	for g := 1; g <= notes; g++ {
@@ -209,4 +219,34 @@ func testRollbackRefusesAStaleGenerationUnlessForced(t *testing.T, engineURL str
 	require.NoError(t, f.pool.QueryRow(ctx, `SELECT action, reason FROM checkpoint_audit WHERE job = 'articles'`).Scan(&action, &reason))
 	require.Equal(t, "rollback-forced", action)
 	require.Contains(t, reason, "not at processor version v1")
+}
+
+// Documents indexed before _aggregate_type was recorded cannot be told
+// apart: a cutover of one job of several would leave the articles' old
+// documents showing in v1 beside their v2 ones. It is refused, naming
+// them, and nothing moves.
+func TestCutoverOfOneJobRefusesDocumentsWithoutAggregateType(t *testing.T) {
+	t.Parallel()
+	stack.EachEngine(t, testCutoverOfOneJobRefusesDocumentsWithoutAggregateType)
+}
+
+func testCutoverOfOneJobRefusesDocumentsWithoutAggregateType(t *testing.T, engineURL string) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newTwoJobsWith(t, engineURL, true)
+	count, _ := f.search(t)
+	require.Len(t, count, articles+notes)
+
+	_, err := reconcile.Cutover(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "articles"})
+	require.True(t, errors.Is(err, sink.ErrUnsafeMove), "cutover: %v", err)
+	require.ErrorContains(t, err, fmt.Sprintf("holds %d document(s) without _aggregate_type", articles))
+	require.ErrorContains(t, err, "found twice")
+	read, err := sink.AliasTargets(ctx, f.client, f.cfg.Alias)
+	require.NoError(t, err)
+	require.Equal(t, []string{f.v1}, read, "nothing moved")
+	count, _ = f.search(t)
+	require.Len(t, count, articles+notes, "every document found once")
+	for id, n := range count {
+		require.Equal(t, 1, n, id)
+	}
 }
