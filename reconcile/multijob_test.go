@@ -159,6 +159,13 @@ func testCutoverOfOneJobKeepsTheOtherJobsDocuments(t *testing.T, engineURL strin
 	write, err := sink.AliasTargets(ctx, f.client, f.cfg.WriteAlias)
 	require.NoError(t, err)
 	require.Equal(t, []string{f.v1}, write)
+	gens, err := sink.Generations(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias)
+	require.NoError(t, err)
+	shows := map[string]string{}
+	for _, g := range gens {
+		shows[g.Index] = g.Shows
+	}
+	require.Equal(t, map[string]string{f.v1: "all but articles", f.v2: "articles"}, shows, "what indexer status shows per generation")
 
 	// The notes job goes on at v1: a changed note and a new one land in v1.
 	f.bulk(t, f.client.Bulk().Index(f.v1).Add(indexDocOf("notes", "n1", 2, false, "v1"), indexDocOf("notes", "n-new", 1, false, "v1")))
