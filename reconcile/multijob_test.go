@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/olivere/elastic/v7"
@@ -256,4 +257,42 @@ func testCutoverOfOneJobRefusesDocumentsWithoutAggregateType(t *testing.T, engin
 	for id, n := range count {
 		require.Equal(t, 1, n, id)
 	}
+}
+
+// AUTO_CUTOVER of the articles job, with notes on the same alias: the
+// automatic cutover moves the articles only, and does not move them back
+// after the operator's rollback.
+func TestAutoCutoverOfOneJobKeepsTheOtherJobsDocuments(t *testing.T) {
+	t.Parallel()
+	stack.EachEngine(t, testAutoCutoverOfOneJobKeepsTheOtherJobsDocuments)
+}
+
+func testAutoCutoverOfOneJobKeepsTheOtherJobsDocuments(t *testing.T, engineURL string) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newTwoJobs(t, engineURL)
+	var logs logBuffer
+	actx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- reconcile.AutoCutover(actx, f.cfg, reconcile.AutoCutoverOptions{
+			DB: f.pool, Jobs: []string{"articles", "notes"}, Interval: 100 * time.Millisecond,
+			Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		})
+	}()
+	defer func() {
+		cancel()
+		require.NoError(t, <-done)
+	}()
+	require.Eventually(t, func() bool { return logs.count("the read alias moved to the rebuilt generation") == 1 }, time.Minute, 20*time.Millisecond, logs.String())
+	f.requireFound(t, "v2")
+
+	// The operator rolls articles back (forced: v1 is stale for it); the
+	// automatic cutover leaves it there, and notes where they are.
+	_, err := reconcile.Rollback(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "articles", Force: true})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return logs.count("rolled back from; left to the operator") > 0 }, time.Minute, 20*time.Millisecond, logs.String())
+	f.requireFound(t, "v1")
+	require.Equal(t, 1, logs.count("the read alias moved"))
+	require.Zero(t, logs.count("level=WARN"), logs.String())
 }
