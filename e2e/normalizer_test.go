@@ -30,8 +30,8 @@ import (
 // an indexer are SIGKILLed once each during the rebuild and restarted. After
 // the writer stops, a catch-up run and the cutover, every live row's
 // document is the v2 normalization of its latest version, deletes are
-// absent, and reconcile finds no drift. Rollback brings v1 back; a second
-// cutover rolls forward again.
+// absent, and reconcile finds no drift. Rollback is refused (v1 is stale);
+// with --force it brings v1 back; a second cutover rolls forward again.
 func TestNormalizerUpgradeWithCutover(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -201,7 +201,7 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 
 	cut := testproc.Run(t, 4*time.Minute, p.indexerBin, p.env(), "cutover", "--job", p.spec.Job, "--wait", "3m")
 	require.Equal(t, 0, cut.ExitCode(), "cutover:\n%s\n%s\n%s", cut.Stdout(), tail(cut.Stderr(), 20), procs())
-	require.Contains(t, cut.Stdout(), "now reads "+v2)
+	require.Contains(t, cut.Stdout(), "from "+v2)
 	requireAliasOn(t, p, v2)
 
 	// Every live row's document is the v2 normalization of its latest
@@ -233,10 +233,21 @@ FROM source_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.sour
 	require.Equal(t, cli.ExitConflict, drop.ExitCode(), "the live generation is never dropped")
 	require.Contains(t, drop.Stderr(), "is the live generation")
 
-	// Rollback: the v1 generation answers again (titles as v1 made them).
-	rb := testproc.Run(t, time.Minute, p.indexerBin, p.env(), "rollback")
+	// Rollback: refused, since v1 is stale for the job (its rows are at
+	// v2 now, and changed since v1 last saw them); --force rolls back
+	// anyway, logged and audited. The v1 generation answers again (titles
+	// as v1 made them).
+	rb := testproc.Run(t, time.Minute, p.indexerBin, p.env(), "rollback", "--job", p.spec.Job)
+	require.Equal(t, cli.ExitConflict, rb.ExitCode(), "rollback to a stale generation: %s", rb.Stdout())
+	require.Contains(t, rb.Stderr(), "not at processor version v1")
+	requireAliasOn(t, p, v2)
+	rb = testproc.Run(t, time.Minute, p.indexerBin, p.env(), "rollback", "--job", p.spec.Job, "--force")
 	require.Equal(t, 0, rb.ExitCode(), rb.Stderr())
-	require.Contains(t, rb.Stdout(), "now reads "+v1)
+	require.Contains(t, rb.Stdout(), "from "+v1)
+	require.Contains(t, rb.Stdout(), "forced past")
+	var audited int
+	require.NoError(t, p.pool.QueryRow(ctx, `SELECT count(*) FROM checkpoint_audit WHERE job = $1 AND action = 'rollback-forced'`, p.spec.Job).Scan(&audited))
+	require.Equal(t, 1, audited)
 	requireAliasOn(t, p, v1)
 	require.Equal(t, "v1", sampleDoc(t, p)[sink.FieldPV])
 	title := sampleDoc(t, p)["title"].(string)
@@ -258,7 +269,7 @@ FROM source_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.sour
 	// The old generation can go; a rollback to it is refused afterwards.
 	drop = testproc.Run(t, time.Minute, p.indexerBin, p.env(), "generations", "drop", "--index", v1)
 	require.Equal(t, 0, drop.ExitCode(), drop.Stderr())
-	rb = testproc.Run(t, time.Minute, p.indexerBin, p.env(), "rollback")
+	rb = testproc.Run(t, time.Minute, p.indexerBin, p.env(), "rollback", "--job", p.spec.Job)
 	require.Equal(t, cli.ExitConflict, rb.ExitCode(), rb.Stdout())
 	require.Contains(t, rb.Stderr(), "no longer exists")
 	report(t, "normalizer upgrade: %d rows, %d updates and %d soft deletes during the rebuild, %d searches during rebuild, cutover, rollback and roll-forward, 0 failed or short",

@@ -131,7 +131,7 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 	if res.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
 		return res, alias, "", err
 	}
-	if skip, err := candidate(ctx, client, cfg, res.Index); skip != "" || err != nil {
+	if skip, err := candidate(ctx, client, cfg, res.Index, j.AggregateType); skip != "" || err != nil {
 		return res, alias, skip, err
 	}
 	conn, err := db.Acquire(ctx)
@@ -150,10 +150,10 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 	// Bounded: a stalled database must not hold up the indexer's shutdown.
 	defer func() { _ = pgconn.ReleaseAdvisoryLock(ctx, conn.Conn(), key) }()
 	// Again under the lock: another indexer may have moved it meanwhile.
-	if skip, err := candidate(ctx, client, cfg, res.Index); skip != "" || err != nil {
+	if skip, err := candidate(ctx, client, cfg, res.Index, j.AggregateType); skip != "" || err != nil {
 		return res, alias, skip, err
 	}
-	res, err = Cutover(ctx, cfg, CutoverOptions{DB: db, Job: job})
+	res, err = Cutover(ctx, cfg, CutoverOptions{DB: db, Job: job, locked: true})
 	if err == nil && res.Already {
 		skip = skipLive
 	}
@@ -161,10 +161,15 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 }
 
 // candidate says why index, a generation of cfg's alias, is no candidate
-// for an automatic cutover, or "" when it is one: it exists, is not live,
-// and records no cutover to it.
-func candidate(ctx context.Context, client *elastic.Client, cfg sink.Config, index string) (string, error) {
+// for an automatic cutover of the documents of aggregate type typ, or ""
+// when it is one: it exists, they are not live there, and it records no
+// move of them to it.
+func candidate(ctx context.Context, client *elastic.Client, cfg sink.Config, index, typ string) (string, error) {
 	gens, err := sink.Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
+	if err != nil {
+		return "", err
+	}
+	state, err := sink.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
 	if err != nil {
 		return "", err
 	}
@@ -172,9 +177,9 @@ func candidate(ctx context.Context, client *elastic.Client, cfg sink.Config, ind
 	switch {
 	case i < 0:
 		return skipMissing, nil
-	case gens[i].Live:
+	case state.LiveOf(typ) == index:
 		return skipLive, nil
-	case gens[i].Meta.CutoverAt != "":
+	case sink.WasLiveFor(gens[i], typ):
 		return skipRolledBack, nil
 	}
 	return "", nil

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -31,10 +33,26 @@ type CutoverOptions struct {
 	Poll time.Duration
 	// Progress, if set, gets one line per check while waiting.
 	Progress io.Writer
-	// AllowUnversioned lets the cutover hide the live generation's
-	// documents that carry no processor version and that the new
-	// generation lacks (see Readiness.Unversioned).
+	// AllowUnversioned lets the cutover hide the documents that carry no
+	// processor version and that the new generation lacks (see
+	// Readiness.Unversioned).
 	AllowUnversioned bool
+	// Force moves even though the readiness checks refuse; the move is
+	// logged (Logger, else cfg.Logger) and audited in checkpoint_audit
+	// (action cutover-forced or rollback-forced). Documents without a
+	// processor version are still governed by AllowUnversioned.
+	Force bool
+	// HealthTimeout bounds the wait for the target generation's shards
+	// (green when the generation it replaces is green, else its primaries);
+	// default sink.DefaultHealthTimeout.
+	HealthTimeout time.Duration
+	// Logger gets the line of a forced move; default cfg.Logger.
+	Logger *slog.Logger
+	// locked: the caller (AutoCutover) holds the alias's cutover lock.
+	locked bool
+	// beforeMove, if set, runs between the count of documents without a
+	// processor version and the alias move (tests: a write in the window).
+	beforeMove func()
 }
 
 // Readiness is where a generation stands against what its job produced.
@@ -48,6 +66,13 @@ type Readiness struct {
 	// RowsOtherPV counts the source's normalized rows of another
 	// processor version.
 	RowsOtherPV int64
+	// Kept counts the rows of another processor version that a job with
+	// vanished: keep holds although they left its scope (deleted from the
+	// table, or out of its filter): no run reads them again, so they stay
+	// at the version that last read them, and their documents are carried
+	// into the generation as they are (the move copies them; RowsOtherPV
+	// does not count them).
+	Kept int64
 	// SourceRows and IndexDocs are the two sides reconcile compared;
 	// Drift counts the ids that differ.
 	SourceRows, IndexDocs int64
@@ -67,11 +92,13 @@ type Readiness struct {
 	Behind           batch.Behind
 	Rebuild, CatchUp string
 	SourceCompared   bool
-	// Live is the generation the read alias points at now. Unversioned
-	// counts its documents (tombstones aside) that carry no processor
-	// version and whose id the generation at Index lacks: events enqueued
-	// by applications (outbox.Enqueue) go through the write alias, into the
-	// live generation only, so a cutover would hide them from searches.
+	// Live is the generation the job's documents were found in before the
+	// move. Unversioned counts the documents (tombstones aside) that carry
+	// no processor version, that the move took out of searches and whose
+	// id the generation at Index lacks (only with AllowUnversioned: else
+	// the move is refused): events enqueued by applications
+	// (outbox.Enqueue) go through the write alias, into the base generation
+	// only.
 	Live        string
 	Unversioned int64
 	// Missing says what stands between the generation and a safe cutover;
@@ -107,15 +134,23 @@ func (r Readiness) behind() string {
 // source table changed after a run read them (Readiness.Behind), a run at
 // that version started after the rebuild run finished (the catch-up).
 func CheckGeneration(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job string) (Readiness, error) {
-	cfg = cfg.WithDefaults()
-	var r Readiness
 	j, err := LoadJob(ctx, db, job)
 	if err != nil {
-		return r, err
+		return Readiness{}, err
 	}
+	return checkGenerationAt(ctx, cfg, db, j, "")
+}
+
+// checkGenerationAt is CheckGeneration of j at j.ProcessorVersion (a
+// rollback's target version), for the generation index (when "", the
+// version's generation).
+func checkGenerationAt(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, j Job, index string) (Readiness, error) {
+	cfg = cfg.WithDefaults()
+	var r Readiness
+	job := j.Name
 	r.Job, r.ProcessorVersion = j.Name, j.ProcessorVersion
 	cfg = cfg.ForAggregateType(j.AggregateType)
-	err = db.QueryRow(ctx, `
+	err := db.QueryRow(ctx, `
 SELECT logical_run_id, count(*), count(*) FILTER (WHERE state = 'succeeded'),
        coalesce(string_agg(CASE WHEN partition_key = '' THEN '(all)' ELSE partition_key END || ' ' || state, ', ' ORDER BY partition_key) FILTER (WHERE state <> 'succeeded'), '')
 FROM batch_runs WHERE job = $1 AND processor_version = $2 AND state <> 'superseded'
@@ -132,8 +167,10 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	if err != nil {
 		return r, err
 	}
-	if r.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
-		return r, err
+	if r.Index = index; r.Index == "" {
+		if r.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+			return r, err
+		}
 	}
 	exists, err := sink.GenerationExists(ctx, client, r.Index)
 	if err != nil {
@@ -162,13 +199,18 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 				r.Index, r.Drift, rep.MissingCount, rep.StaleCount, rep.ExtraCount, job))
 		}
 	}
-	if r.Unversioned, r.Live, err = unversionedOnlyInLive(ctx, client, cfg.Alias, r.Index); err != nil {
-		return r, err
-	}
 	if r.Run != "" && r.Succeeded == r.Partitions {
 		if err := checkSource(ctx, db, j, &r); err != nil {
 			return r, err
 		}
+	}
+	if r.RowsOtherPV > 0 {
+		kept, err := keptRows(ctx, db, j)
+		if err != nil {
+			return r, err
+		}
+		r.Kept = int64(len(kept))
+		r.RowsOtherPV -= r.Kept
 	}
 	if r.RowsOtherPV > 0 {
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
@@ -177,36 +219,65 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	return r, nil
 }
 
-// CutoverResult says what [Cutover] did.
+// CutoverResult says what [Cutover] and [Rollback] did.
 type CutoverResult struct {
 	Readiness
-	// From are the indices the read alias left; Already is set when the
-	// generation was live before.
+	// From are the generations the job's documents left (empty: from
+	// none); Already is set when the generation was live for the job
+	// before. Whole: the write alias moved too (every job of the alias is
+	// live in the generation now). Forced: the checks refused and Force
+	// moved anyway. Copied counts documents without a processor version
+	// written into the generation left during the move and copied over.
+	Alias   string
 	From    []string
 	Already bool
+	Whole   bool
+	Forced  bool
+	Copied  int64
 }
 
-// Cutover makes the generation of job's current processor version live once
-// [CheckGeneration] finds it ready (waiting up to opts.Wait): one _aliases
-// call moves the read alias, with its tombstone filter, and the write alias
-// to it. The old generation is kept, and recorded as the new one's
-// previous generation for [Rollback]. A refusal wraps [sink.ErrUnsafeMove] and
-// says what is missing; nothing changed then.
+// Cutover makes the generation of job's current processor version live for
+// the job's documents once [CheckGeneration] finds it ready (waiting up to
+// opts.Wait): one _aliases call rewrites the read alias so searches find
+// the job's documents there and every other job's where they were (see
+// sink.PlanMove); when every job of the alias is then live there, the
+// write alias moves too. The generation left is kept and recorded as the
+// job's previous generation for [Rollback]. A refusal wraps
+// [sink.ErrUnsafeMove] and says what is missing; nothing changed then.
 func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (CutoverResult, error) {
-	cfg = cfg.WithDefaults()
-	opts.Poll = cmp.Or(opts.Poll, 2*time.Second)
-	var res CutoverResult
 	if opts.DB == nil || opts.Job == "" {
-		return res, &sink.ConfigError{Err: errors.New("CutoverOptions.DB and CutoverOptions.Job are required")}
+		return CutoverResult{}, &sink.ConfigError{Err: errors.New("CutoverOptions.DB and CutoverOptions.Job are required")}
 	}
 	j, err := LoadJob(ctx, opts.DB, opts.Job)
 	if err != nil {
-		return res, err
+		return CutoverResult{}, err
 	}
+	return moveChecked(ctx, cfg, opts, j, "", "cutover")
+}
+
+// moveChecked waits for j's generation at j.ProcessorVersion (index, or
+// that version's generation when "") to pass the checks, then moves j's
+// documents there. what names the command in messages and the audit.
+func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Job, index, what string) (CutoverResult, error) {
+	cfg = cfg.WithDefaults()
+	opts.Poll = cmp.Or(opts.Poll, 2*time.Second)
+	var res CutoverResult
 	cfg = cfg.ForAggregateType(j.AggregateType)
 	deadline := time.Now().Add(opts.Wait)
+	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	if err != nil {
+		return res, err
+	}
+	if index == "" {
+		if index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+			return res, err
+		}
+	}
 	for {
-		r, err := CheckGeneration(ctx, cfg, opts.DB, opts.Job)
+		if err := carryKept(ctx, cfg, opts.DB, client, j, index); err != nil {
+			return res, err
+		}
+		r, err := checkGenerationAt(ctx, cfg, opts.DB, j, index)
 		res.Readiness = r
 		if err != nil {
 			return res, err
@@ -219,7 +290,17 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 			if opts.Wait > 0 {
 				waited = fmt.Sprintf(" after waiting %s", opts.Wait)
 			}
-			return res, fmt.Errorf("%w: cutover of alias %s to %s%s: %s", sink.ErrUnsafeMove, cfg.Alias, r.Index, waited, strings.Join(r.Missing, "; "))
+			refusal := fmt.Sprintf("%s of job %s (alias %s) to %s%s: %s", what, j.Name, cfg.Alias, r.Index, waited, strings.Join(r.Missing, "; "))
+			if !opts.Force {
+				return res, fmt.Errorf("%w: %s (--force moves anyway)", sink.ErrUnsafeMove, refusal)
+			}
+			if err := auditForced(ctx, opts.DB, j.Name, what, "--force past: "+refusal); err != nil {
+				return res, err
+			}
+			cmp.Or(opts.Logger, cfg.Logger).Warn(what+" forced past the checks (--force)", slog.String("job", j.Name), slog.String("alias", cfg.Alias),
+				slog.String("index", r.Index), slog.String("refused", strings.Join(r.Missing, "; ")))
+			res.Forced = true
+			break
 		}
 		if opts.Progress != nil {
 			fmt.Fprintf(opts.Progress, "waiting: %d/%d documents in %s, %d drifted, %d rows to rebuild, %s source rows changed since read, run %s %d/%d partitions\n",
@@ -231,51 +312,156 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 		case <-time.After(opts.Poll):
 		}
 	}
-	if res.Unversioned > 0 && !opts.AllowUnversioned {
-		return res, fmt.Errorf("%w: cutover of alias %s to %s: the live generation %s holds %d document(s) without a processor version "+
-			"(events enqueued by an application, not by a batcher job) that %s lacks; after the cutover searches would no longer find them. "+
-			"Enqueue them again so they reach %s, or accept losing them from searches with --allow-unversioned",
-			sink.ErrUnsafeMove, cfg.Alias, res.Index, res.Live, res.Unversioned, res.Index, res.Index)
-	}
-	from, err := sink.MoveAliases(ctx, cfg, res.Index)
-	res.From, res.Already = from, from == nil && err == nil
+	res.Alias = cfg.Alias
+	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, moveOptions{allowUnversioned: opts.AllowUnversioned, healthTimeout: opts.HealthTimeout, locked: opts.locked, beforeMove: opts.beforeMove})
+	res.Live, res.Unversioned, res.Copied = mr.plan.From, mr.hidden, mr.copied
+	res.From, res.Already, res.Whole = mr.fromList, mr.already, mr.plan.Whole
 	return res, err
 }
 
-// unversionedOnlyInLive counts the documents of alias's live generation
-// (tombstones aside) that carry no processor version and whose id index
-// lacks. Nothing when index is live already.
-func unversionedOnlyInLive(ctx context.Context, client *elastic.Client, alias, index string) (int64, string, error) {
-	live, err := sink.AliasTargets(ctx, client, alias)
-	if err != nil || len(live) != 1 || live[0] == index {
-		return 0, "", err
+// Rollback moves job's documents back to the generation they were live in
+// before they last moved to the one they are live in now (so rolling back
+// twice rolls forward again), after the same checks as [Cutover], made at
+// that generation's processor version: its latest run succeeded, every
+// normalized row of the source is at that version (after a cutover rows
+// move on to the new version: run the job at the old one first, e.g.
+// batcher run --spec job-v1.yaml), the generation matches
+// normalized_records, and no document without a processor version is
+// hidden. opts.Force moves past the checks (logged and audited). It
+// refuses when no previous generation is recorded, or it was dropped (or
+// dropped and created again since).
+func Rollback(ctx context.Context, cfg sink.Config, opts CutoverOptions) (CutoverResult, error) {
+	if opts.DB == nil || opts.Job == "" {
+		return CutoverResult{}, &sink.ConfigError{Err: errors.New("CutoverOptions.DB and CutoverOptions.Job are required")}
 	}
-	q := elastic.NewBoolQuery().MustNot(elastic.NewExistsQuery(sink.FieldPV), elastic.NewTermQuery(sink.FieldDeleted, true))
-	scroll := client.Scroll(live[0]).Query(q).Size(1000).FetchSource(false)
-	defer func() { _ = scroll.Clear(context.WithoutCancel(ctx)) }()
-	var hidden int64
-	for {
-		page, err := scroll.Do(ctx)
-		if errors.Is(err, io.EOF) {
-			return hidden, live[0], nil
-		}
-		if err != nil {
-			return 0, live[0], fmt.Errorf("list documents without a processor version in %s: %w", live[0], err)
-		}
-		ids := make([]string, 0, len(page.Hits.Hits))
-		for _, h := range page.Hits.Hits {
-			ids = append(ids, h.Id)
-		}
-		if len(ids) == 0 {
-			return hidden, live[0], nil
-		}
-		found, err := client.Count(index).Query(elastic.NewBoolQuery().Filter(elastic.NewIdsQuery().Ids(ids...)).
-			MustNot(elastic.NewTermQuery(sink.FieldDeleted, true))).Do(ctx)
-		if err != nil {
-			return 0, live[0], fmt.Errorf("count documents of %s: %w", index, err)
-		}
-		hidden += int64(len(ids)) - found
+	j, err := LoadJob(ctx, opts.DB, opts.Job)
+	if err != nil {
+		return CutoverResult{}, err
 	}
+	cfg = cfg.WithDefaults().ForAggregateType(j.AggregateType)
+	var res CutoverResult
+	res.Job = j.Name
+	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	if err != nil {
+		return res, err
+	}
+	state, err := sink.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
+	if err != nil {
+		return res, err
+	}
+	live := state.LiveOf(j.AggregateType)
+	if live == "" {
+		return res, fmt.Errorf("%w: the documents of job %s (aggregate type %q) are live in no generation of alias %s", sink.ErrUnsafeMove, j.Name, j.AggregateType, cfg.Alias)
+	}
+	prev, uuid, err := sink.PreviousOf(ctx, client, live, j.AggregateType)
+	if err != nil {
+		return res, err
+	}
+	if prev == "" {
+		return res, fmt.Errorf("%w: generation %s, where the documents of job %s are live, records no previous generation to roll back to", sink.ErrUnsafeMove, live, j.Name)
+	}
+	gens, err := sink.Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
+	if err != nil {
+		return res, err
+	}
+	i := slices.IndexFunc(gens, func(g sink.Generation) bool { return g.Index == prev })
+	if i < 0 {
+		return res, fmt.Errorf("%w: previous generation %s of job %s (alias %s) no longer exists (dropped)", sink.ErrUnsafeMove, prev, j.Name, cfg.Alias)
+	}
+	if uuid != "" {
+		now, err := sink.IndexUUID(ctx, client, prev)
+		if err != nil {
+			return res, err
+		}
+		if now != uuid {
+			return res, fmt.Errorf("%w: previous generation %s of job %s was dropped and created again since the cutover "+
+				"(by an indexer that received an event of processor version %s): it holds only what arrived since (%d documents); "+
+				"rebuild it (batcher run at that version, then indexer cutover --job) instead",
+				sink.ErrUnsafeMove, prev, j.Name, gens[i].Meta.ProcessorVersion, gens[i].Docs)
+		}
+	}
+	j.ProcessorVersion = gens[i].Meta.ProcessorVersion
+	if j.ProcessorVersion == "" {
+		// A generation without metadata (the index the indexer created at
+		// its start, never adopted): the version of the job's runs whose
+		// generation name it has.
+		rows, err := opts.DB.Query(ctx, `SELECT DISTINCT processor_version FROM batch_runs WHERE job = $1`, j.Name)
+		if err != nil {
+			return res, fmt.Errorf("list the processor versions of job %s: %w", j.Name, err)
+		}
+		pvs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return res, fmt.Errorf("list the processor versions of job %s: %w", j.Name, err)
+		}
+		for _, pv := range pvs {
+			if sink.GenerationIndex(cfg.Alias, pv) == prev {
+				j.ProcessorVersion = pv
+			}
+		}
+	}
+	return moveChecked(ctx, cfg, opts, j, prev, "rollback")
+}
+
+// keptRows returns the ids of the rows of j's source at another processor
+// version than j.ProcessorVersion that its scope no longer holds, when the
+// job keeps vanished rows (vanished: keep, the default of incremental
+// jobs); nil otherwise.
+func keptRows(ctx context.Context, db *pgxpool.Pool, j Job) ([]string, error) {
+	if j.Source.Table == "" {
+		return nil, nil
+	}
+	spec, err := batch.LoadJobSpec(ctx, db, j.Name)
+	if err != nil {
+		return nil, err
+	}
+	vanished := spec.Vanished
+	if vanished == "" {
+		vanished = batch.VanishedDelete
+		if spec.Mode == batch.ModeIncremental {
+			vanished = batch.VanishedKeep
+		}
+	}
+	if vanished != batch.VanishedKeep {
+		return nil, nil
+	}
+	sr, err := batch.CompileScopeRows(ctx, db, spec)
+	if err != nil {
+		return nil, err
+	}
+	n := len(sr.Args)
+	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT n.source_id FROM normalized_records n
+WHERE n.source = $%d AND n.processor_version IS DISTINCT FROM $%d
+  AND NOT EXISTS (SELECT FROM (%s) s WHERE s.id = n.source_id)`, n+1, n+2, sr.SQL), append(slices.Clone(sr.Args), j.SourceName, j.ProcessorVersion)...)
+	if err != nil {
+		return nil, fmt.Errorf("list the kept rows of job %s: %w", j.Name, err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("list the kept rows of job %s: %w", j.Name, err)
+	}
+	return ids, nil
+}
+
+// carryKept copies the documents of j's kept rows (see [keptRows]) from the
+// generation they are live in into index, at their external version, so
+// searches go on finding them after the move.
+func carryKept(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *elastic.Client, j Job, index string) error {
+	ids, err := keptRows(ctx, db, j)
+	if err != nil || len(ids) == 0 {
+		return err
+	}
+	state, err := sink.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
+	if err != nil {
+		return err
+	}
+	from := state.LiveOf(j.AggregateType)
+	if from == "" || from == index {
+		return nil
+	}
+	if ok, err := sink.GenerationExists(ctx, client, index); err != nil || !ok {
+		return err
+	}
+	return copyDocs(ctx, client, from, index, ids)
 }
 
 // rebuildRunsSQL finds job $1's rebuild at processor version $2 (its first
@@ -306,6 +492,7 @@ func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) err
 	if err != nil {
 		return err
 	}
+	spec.ProcessorVersion = j.ProcessorVersion // a rollback checks the version it goes back to
 	if r.Behind, err = batch.CountBehind(ctx, db, spec); err != nil {
 		return err
 	}

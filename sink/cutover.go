@@ -17,6 +17,11 @@ import (
 // index's _meta for [Rollback]. It returns the indices the read alias left,
 // or nil (and does nothing) when both already point at index. The caller
 // checks that the move is safe (package reconcile's Cutover does).
+//
+// It moves the whole alias: with several jobs on the alias, whose
+// documents the read alias finds in different generations (see
+// [PlanMove]), use [PlanMove] and [ApplyMove] (package reconcile's Cutover
+// and Rollback), which move one job's.
 func MoveAliases(ctx context.Context, cfg Config, index string) ([]string, error) {
 	cfg = cfg.withDefaults()
 	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
@@ -92,7 +97,10 @@ func moveAliases(ctx context.Context, client *elastic.Client, cfg Config, index 
 }
 
 // Rollback moves both aliases back to the generation they left when they
-// last moved to the live one, in one _aliases call. Rolling back twice
+// last moved to the live one, in one _aliases call, without checks (package
+// reconcile's Rollback checks the target first and moves one job's
+// documents; indexer rollback uses that). It refuses while the read alias
+// spans several generations. Rolling back twice
 // rolls forward again. It refuses when there is no previous generation or
 // it was dropped.
 func Rollback(ctx context.Context, cfg Config) (from, into string, err error) {

@@ -47,6 +47,9 @@ type GenerationMeta struct {
 	Previous     string `json:"previous,omitempty"`
 	PreviousUUID string `json:"previous_uuid,omitempty"`
 	CutoverAt    string `json:"cutover_at,omitempty"`
+	// Sources records, per aggregate type (job), the last move of its
+	// documents to this generation (see [PlanMove]).
+	Sources map[string]SourceMoveMeta `json:"sources,omitempty"`
 	// BulkLoad is set while the generation is in bulk-load mode (see
 	// finishBulkLoad): the settings to restore.
 	BulkLoad *BulkLoad `json:"bulk_load,omitempty"`
@@ -215,7 +218,12 @@ type Generation struct {
 	Live, Writes bool
 	// Docs counts documents, tombstones included; Tombstones counts those.
 	Docs, Tombstones int64
-	otherMeta        map[string]any
+	// Shows says, when the read alias spans several generations (several
+	// jobs live in different ones), which documents it finds in this one:
+	// "articles", or "all but articles" on the base generation; "" when
+	// the read alias reads the whole generation.
+	Shows     string
+	otherMeta map[string]any
 }
 
 // listGenerations reads the _meta of the indices pattern matches.
@@ -281,12 +289,23 @@ func Generations(ctx context.Context, client *elastic.Client, alias, writeAlias 
 			candidates = append(candidates, gs...)
 		}
 	}
+	state, err := ReadAliasState(ctx, client, alias, writeAlias)
+	if err != nil {
+		return nil, err
+	}
 	var out []Generation
 	for _, g := range candidates {
 		if g.Meta.Alias != "" && g.Meta.Alias != alias {
 			continue
 		}
 		g.Live, g.Writes = slices.Contains(read, g.Index), slices.Contains(write, g.Index)
+		switch {
+		case !g.Live:
+		case g.Index == state.Base && len(state.Excluded) > 0:
+			g.Shows = "all but " + strings.Join(state.Excluded, ", ")
+		case g.Index != state.Base && state.Types[g.Index] != nil:
+			g.Shows = strings.Join(state.Types[g.Index], ", ")
+		}
 		if g.Docs, err = countDocs(ctx, client, g.Index, nil); err != nil {
 			return nil, err
 		}

@@ -137,6 +137,9 @@ func (s *Status) writeGenerations(w io.Writer) {
 		if state == stateOld {
 			state = "old (kept for rollback)"
 		}
+		if g.Shows != "" {
+			state += " (" + g.Shows + ")"
+		}
 		progress := "-"
 		if rows, ok := s.RowsByPV[g.Meta.ProcessorVersion]; ok && g.Meta.ProcessorVersion != "" {
 			progress = fmt.Sprintf("%d/%d normalized rows", g.Docs, rows)

@@ -57,8 +57,8 @@ func TestGenerationCommandsRefuse(t *testing.T) {
 	}{
 		{name: "cutover to a generation that does not exist", args: []string{"cutover", "--job", "j"},
 			want: "index " + sink.GenerationIndex(alias, "v2") + " does not exist yet (no indexer has seen an event of processor version v2)"},
-		{name: "rollback without a previous generation", args: []string{"rollback"},
-			want: "live generation " + live + " records no previous generation to roll back to"},
+		{name: "rollback without a previous generation", args: []string{"rollback", "--job", "j"},
+			want: "generation " + live + ", where the documents of job j are live, records no previous generation to roll back to"},
 		{name: "drop an index that does not exist", args: []string{"generations", "drop", "--index", alias + "_nothing"},
 			want: alias + "_nothing is not a generation of alias " + alias},
 		{name: "drop an index that is not a generation", args: []string{"generations", "drop", "--index", foreign},

@@ -1,0 +1,617 @@
+package sink
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/olivere/elastic/v7"
+)
+
+// The job-aware read alias. Several jobs may write one alias (articles and
+// notes into "content"), each with its own processor version, so each job
+// is cut over and rolled back on its own. A job's documents are told apart
+// by FieldAggregateType (header ce_aggregatetype, which the batcher sets to
+// the job's aggregate type), and the read alias is a set of (generation,
+// filter) entries in which every aggregate type is live in exactly one
+// generation:
+//
+//   - the base generation, the one the write alias points at (where
+//     events without a processor version go), shows every document except
+//     tombstones and those of the aggregate types live elsewhere
+//     ("must_not": terms on FieldAggregateType);
+//   - every other generation in the alias shows only the aggregate types
+//     live there ("filter": terms).
+//
+// So moving one job's type is one _aliases call that rewrites the filters
+// of the generations involved: searches see its documents in the new
+// generation and every other job's where they were, never both or neither.
+// When a move leaves every job of the alias live in the target, the target
+// becomes the base: the write alias moves too, and the generation left no
+// longer belongs to the read alias (with one job per alias this is the
+// whole-alias move of before). The state is the alias itself (read back by
+// [ReadAliasState]); nothing else has to agree with it.
+
+// AliasState is where the read alias of one alias points, per generation.
+type AliasState struct {
+	Alias, WriteAlias string
+	// Base is the generation the write alias points at ("" when none).
+	Base string
+	// Read lists the generations the read alias points at; Types the
+	// aggregate types each non-base entry shows (nil: no type filter, the
+	// whole generation); Excluded the types the base entry hides.
+	Read     []string
+	Types    map[string][]string
+	Excluded []string
+}
+
+// LiveOf returns the generation where typ's documents are found: the
+// entry that shows it, else the base when it does not hide it.
+func (s AliasState) LiveOf(typ string) string {
+	for _, idx := range s.Read {
+		if idx != s.Base && s.Types[idx] != nil && slices.Contains(s.Types[idx], typ) {
+			return idx
+		}
+	}
+	if s.Base != "" && slices.Contains(s.Read, s.Base) && !slices.Contains(s.Excluded, typ) {
+		return s.Base
+	}
+	for _, idx := range s.Read {
+		if idx != s.Base && s.Types[idx] == nil {
+			return idx // an entry without a type filter (a read alias set by hand)
+		}
+	}
+	return ""
+}
+
+// ReadAliasState reads alias's read alias entries and its write alias.
+func ReadAliasState(ctx context.Context, client *elastic.Client, alias, writeAlias string) (AliasState, error) {
+	s := AliasState{Alias: alias, WriteAlias: writeAlias, Types: map[string][]string{}}
+	write, err := AliasTargets(ctx, client, writeAlias)
+	if err != nil {
+		return s, err
+	}
+	if len(write) > 1 {
+		return s, fmt.Errorf("write alias %s points at %d indices %v; want one", writeAlias, len(write), write)
+	}
+	if len(write) == 1 {
+		s.Base = write[0]
+	}
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method:       http.MethodGet,
+		Path:         "/_alias/" + url.PathEscape(alias),
+		IgnoreErrors: []int{http.StatusNotFound},
+	})
+	if err != nil {
+		return s, fmt.Errorf("get alias %s: %w", alias, err)
+	}
+	if res.StatusCode == http.StatusNotFound {
+		return s, nil
+	}
+	var body map[string]struct {
+		Aliases map[string]struct {
+			Filter json.RawMessage `json:"filter"`
+		} `json:"aliases"`
+	}
+	if err := json.Unmarshal(res.Body, &body); err != nil {
+		return s, fmt.Errorf("decode alias %s: %w", alias, err)
+	}
+	for idx, a := range body {
+		e, ok := a.Aliases[alias]
+		if !ok {
+			continue
+		}
+		s.Read = append(s.Read, idx)
+		shown, hidden := parseTypeFilter(e.Filter)
+		if idx == s.Base {
+			s.Excluded = hidden
+		} else {
+			s.Types[idx] = shown
+		}
+	}
+	slices.Sort(s.Read)
+	return s, nil
+}
+
+// parseTypeFilter reads the aggregate types an alias filter of this
+// package shows (bool.filter terms) and hides (bool.must_not terms).
+func parseTypeFilter(raw json.RawMessage) (shown, hidden []string) {
+	var f struct {
+		Bool struct {
+			Filter  json.RawMessage `json:"filter"`
+			MustNot json.RawMessage `json:"must_not"`
+		} `json:"bool"`
+	}
+	if len(raw) == 0 || json.Unmarshal(raw, &f) != nil {
+		return nil, nil
+	}
+	terms := func(raw json.RawMessage) []string {
+		var clauses []map[string]map[string]json.RawMessage
+		if len(raw) == 0 || json.Unmarshal(raw, &clauses) != nil {
+			var one map[string]map[string]json.RawMessage // a single clause, not an array
+			if json.Unmarshal(raw, &one) != nil {
+				return nil
+			}
+			clauses = []map[string]map[string]json.RawMessage{one}
+		}
+		var out []string
+		for _, c := range clauses {
+			for field, v := range c["terms"] {
+				if field != FieldAggregateType && field != FieldAggregateType+".keyword" {
+					continue
+				}
+				var types []string
+				if json.Unmarshal(v, &types) == nil {
+					out = append(out, types...)
+				}
+			}
+		}
+		return out
+	}
+	return terms(f.Bool.Filter), terms(f.Bool.MustNot)
+}
+
+// typeFilter is the read alias filter of an entry: tombstones out, and
+// only the types shown (shown != nil) or all but those hidden.
+func typeFilter(field string, shown, hidden []string) map[string]any {
+	mustNot := []any{map[string]any{"term": map[string]any{FieldDeleted: true}}}
+	if len(hidden) > 0 {
+		mustNot = append(mustNot, map[string]any{"terms": map[string]any{field: hidden}})
+	}
+	b := map[string]any{"must_not": mustNot}
+	if shown != nil {
+		b["filter"] = []any{map[string]any{"terms": map[string]any{field: shown}}}
+	}
+	return map[string]any{"bool": b}
+}
+
+// AggregateTypeField returns the field that matches aggregate types exactly
+// in index: FieldAggregateType when mapped as a keyword (the built-in
+// mapping), its ".keyword" sub-field when dynamic mapping made it text.
+func AggregateTypeField(ctx context.Context, client *elastic.Client, index string) (string, error) {
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method:       http.MethodGet,
+		Path:         "/" + url.PathEscape(index) + "/_mapping/field/" + FieldAggregateType + "," + FieldAggregateType + ".keyword",
+		IgnoreErrors: []int{http.StatusNotFound},
+	})
+	if err != nil {
+		return "", fmt.Errorf("read the mapping of %s in %s: %w", FieldAggregateType, index, err)
+	}
+	if res.StatusCode == http.StatusNotFound {
+		return FieldAggregateType, nil
+	}
+	var body map[string]struct {
+		Mappings map[string]struct {
+			Mapping map[string]struct {
+				Type string `json:"type"`
+			} `json:"mapping"`
+		} `json:"mappings"`
+	}
+	if err := json.Unmarshal(res.Body, &body); err != nil {
+		return "", fmt.Errorf("read the mapping of %s in %s: %w", FieldAggregateType, index, err)
+	}
+	for _, idx := range body {
+		if f, ok := idx.Mappings[FieldAggregateType]; ok && f.Mapping[FieldAggregateType].Type == "keyword" {
+			return FieldAggregateType, nil
+		}
+		if _, ok := idx.Mappings[FieldAggregateType+".keyword"]; ok {
+			return FieldAggregateType + ".keyword", nil
+		}
+	}
+	return FieldAggregateType, nil
+}
+
+// JobMove is a move of one job's documents (cutover, rollback) to a
+// generation.
+type JobMove struct {
+	// Type is the job's aggregate type. "" (documents that cannot be told
+	// apart) moves the whole alias, which is refused while other jobs write
+	// it.
+	Type string
+	// Target is the generation index the job's documents go live in.
+	Target string
+	// JobTypes are the aggregate types of every job that writes the alias
+	// (Type among them); none means Type's job is the only one.
+	JobTypes []string
+	// HealthTimeout bounds the wait for Target's health (see
+	// [WaitHealthy]); 0 means DefaultHealthTimeout.
+	HealthTimeout time.Duration
+}
+
+// DefaultHealthTimeout is how long a move waits for the target
+// generation's shards.
+const DefaultHealthTimeout = 2 * time.Minute
+
+// MovePlan is what [PlanMove] found and [ApplyMove] does.
+type MovePlan struct {
+	Move   JobMove
+	Before AliasState
+	// From is the generation the job's documents are live in now ("" none).
+	From string
+	// Whole: the target becomes the base (the write alias moves to it);
+	// OldBase then leaves the read alias.
+	Whole   bool
+	OldBase string
+	// Leaving is the index whose documents searches stop finding through
+	// this move, and LeavingQuery selects them (tombstones aside): all of
+	// OldBase's visible documents for a whole move, else the job's type in
+	// From. "" when nothing leaves.
+	Leaving      string
+	LeavingQuery elastic.Query
+	// Noop: the job's documents are live in the target already.
+	Noop    bool
+	actions []any
+}
+
+// PlanMove computes the one _aliases call that moves m.Type to m.Target.
+func PlanMove(ctx context.Context, client *elastic.Client, alias, writeAlias string, m JobMove) (MovePlan, error) {
+	p := MovePlan{Move: m}
+	s, err := ReadAliasState(ctx, client, alias, writeAlias)
+	if err != nil {
+		return p, err
+	}
+	p.Before, p.OldBase = s, s.Base
+	others := slices.DeleteFunc(slices.Clone(m.JobTypes), func(t string) bool { return t == m.Type })
+	slices.Sort(others)
+	others = slices.Compact(others)
+	if m.Type == "" {
+		if len(others) > 0 {
+			return p, fmt.Errorf("%w: the job's documents carry no aggregate type, so a move of them alone cannot be told from the other jobs' of alias %s (%s)",
+				ErrUnsafeMove, alias, strings.Join(others, ", "))
+		}
+		p.From = s.Base
+		if len(s.Read) == 1 {
+			p.From = s.Read[0]
+		}
+	} else {
+		p.From = s.LiveOf(m.Type)
+	}
+	// The state after the move: the types each generation shows.
+	shown := map[string][]string{} // non-base entries
+	for idx, types := range s.Types {
+		if types != nil {
+			shown[idx] = slices.Clone(types)
+		}
+	}
+	excluded := slices.Clone(s.Excluded)
+	if m.Type != "" {
+		for idx := range shown {
+			shown[idx] = slices.DeleteFunc(shown[idx], func(t string) bool { return t == m.Type })
+		}
+		excluded = slices.DeleteFunc(excluded, func(t string) bool { return t == m.Type })
+		if m.Target != s.Base {
+			shown[m.Target] = append(shown[m.Target], m.Type)
+			excluded = append(excluded, m.Type)
+		}
+	}
+	liveAfter := func(t string) string {
+		for idx, types := range shown {
+			if slices.Contains(types, t) {
+				return idx
+			}
+		}
+		if s.Base != "" && !slices.Contains(excluded, t) {
+			return s.Base
+		}
+		return ""
+	}
+	p.Whole = m.Target != s.Base
+	for _, t := range others {
+		if liveAfter(t) != m.Target {
+			p.Whole = false
+		}
+	}
+	// A read alias entry without a type filter on another generation than
+	// the base (set by hand, or a state this package never makes) cannot
+	// be kept apart: only a whole move replaces it.
+	for _, idx := range s.Read {
+		if idx != s.Base && s.Types[idx] == nil && idx != m.Target && !p.Whole {
+			return p, fmt.Errorf("%w: read alias %s points at %s without an aggregate type filter; a move of one job would show its documents twice", ErrUnsafeMove, alias, idx)
+		}
+	}
+	if p.From == m.Target && !p.Whole {
+		p.Noop = true
+		return p, nil
+	}
+	fields := map[string]string{}
+	field := func(idx string) (string, error) {
+		if f, ok := fields[idx]; ok {
+			return f, nil
+		}
+		f, err := AggregateTypeField(ctx, client, idx)
+		fields[idx] = f
+		return f, err
+	}
+	var actions []any
+	remove := func(idx, a string) {
+		actions = append(actions, map[string]any{"remove": map[string]any{"index": idx, "alias": a}})
+	}
+	add := func(idx string, filter map[string]any) {
+		actions = append(actions, map[string]any{"add": map[string]any{"index": idx, "alias": alias, "filter": filter}})
+	}
+	if p.Whole {
+		// The target becomes the base; every other entry keeps what it
+		// shows, and the old base leaves the read alias.
+		p.Leaving = s.Base
+		if s.Base == "" && len(s.Read) == 1 {
+			p.Leaving = s.Read[0]
+		}
+		delete(shown, m.Target)
+		var hide []string
+		for idx, types := range shown {
+			if idx != s.Base {
+				hide = append(hide, types...)
+			}
+		}
+		slices.Sort(hide)
+		f, err := field(m.Target)
+		if err != nil {
+			return p, err
+		}
+		for _, idx := range s.Read {
+			if idx != m.Target && (idx == s.Base || len(shown[idx]) == 0) {
+				remove(idx, alias)
+			}
+		}
+		if s.Base != "" {
+			remove(s.Base, writeAlias)
+		}
+		for idx, types := range shown {
+			if idx == s.Base || len(types) == 0 {
+				continue
+			}
+			fi, err := field(idx)
+			if err != nil {
+				return p, err
+			}
+			add(idx, typeFilter(fi, types, nil))
+		}
+		if len(hide) == 0 {
+			add(m.Target, notDeletedFilter)
+		} else {
+			add(m.Target, typeFilter(f, nil, hide))
+		}
+		actions = append(actions, map[string]any{"add": map[string]any{"index": m.Target, "alias": writeAlias, "is_write_index": true}})
+	} else {
+		if p.From != "" && p.From != m.Target {
+			p.Leaving = p.From
+		}
+		// Rewrite the entries of the base, the generation the type leaves
+		// and the target; drop entries left showing nothing.
+		touched := []string{m.Target}
+		if p.From != "" {
+			touched = append(touched, p.From)
+		}
+		if s.Base != "" {
+			touched = append(touched, s.Base)
+		}
+		slices.Sort(touched)
+		for _, idx := range slices.Compact(touched) {
+			f, err := field(idx)
+			if err != nil {
+				return p, err
+			}
+			switch {
+			case idx == s.Base:
+				slices.Sort(excluded)
+				add(idx, typeFilter(f, nil, excluded))
+			case len(shown[idx]) == 0:
+				if slices.Contains(s.Read, idx) {
+					remove(idx, alias)
+				}
+			default:
+				types := shown[idx]
+				slices.Sort(types)
+				add(idx, typeFilter(f, types, nil))
+			}
+		}
+	}
+	if p.Leaving != "" {
+		q := elastic.NewBoolQuery().MustNot(elastic.NewTermQuery(FieldDeleted, true))
+		if !p.Whole {
+			f, err := field(p.Leaving)
+			if err != nil {
+				return p, err
+			}
+			q = q.Filter(elastic.NewTermQuery(f, m.Type))
+		} else if len(s.Excluded) > 0 && p.Leaving == s.Base {
+			f, err := field(p.Leaving)
+			if err != nil {
+				return p, err
+			}
+			q = q.MustNot(elastic.NewTermsQueryFromStrings(f, s.Excluded...))
+		}
+		p.LeavingQuery = q
+	}
+	p.actions = actions
+	return p, nil
+}
+
+// ErrNotHealthy: the target generation's shards are not allocated as they
+// must be before it goes live; nothing moved.
+var ErrNotHealthy = errors.New("generation not healthy")
+
+// WaitHealthy waits up to timeout for index to reach want ("green": every
+// shard copy allocated; "yellow": every primary) and refuses with
+// [ErrUnsafeMove] and [ErrNotHealthy], saying what is unallocated, when it
+// does not.
+func WaitHealthy(ctx context.Context, client *elastic.Client, index, want string, timeout time.Duration) error {
+	secs := max(1, int(timeout.Round(time.Second)/time.Second))
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodGet,
+		Path:   "/_cluster/health/" + url.PathEscape(index),
+		Params: url.Values{"wait_for_status": {want}, "timeout": {fmt.Sprintf("%ds", secs)}, "level": {"indices"}},
+		// A timed-out wait answers 408 with the health as it is.
+		IgnoreErrors: []int{http.StatusRequestTimeout},
+	})
+	if err != nil {
+		return fmt.Errorf("read the health of %s: %w", index, err)
+	}
+	var h struct {
+		Status   string `json:"status"`
+		TimedOut bool   `json:"timed_out"`
+		Indices  map[string]struct {
+			Status             string `json:"status"`
+			Replicas           int    `json:"number_of_replicas"`
+			ActiveShards       int    `json:"active_shards"`
+			Unassigned         int    `json:"unassigned_shards"`
+			Initializing       int    `json:"initializing_shards"`
+			ActivePrimaryShard int    `json:"active_primary_shards"`
+		} `json:"indices"`
+	}
+	if err := json.Unmarshal(res.Body, &h); err != nil {
+		return fmt.Errorf("decode the health of %s: %w", index, err)
+	}
+	if !h.TimedOut {
+		return nil
+	}
+	i := h.Indices[index]
+	return fmt.Errorf("%w: %w: generation %s is %s, not %s, after waiting %s (%d shard copies active, %d unassigned, %d initializing; index.number_of_replicas is %d): "+
+		"searches would read it with fewer copies than they read now, so the aliases did not move. Wait for the replicas to be allocated "+
+		"(GET _cluster/allocation/explain says why they are not), lower index.number_of_replicas of %s, or give the move more time (--health-timeout)",
+		ErrUnsafeMove, ErrNotHealthy, index, cmpStatus(i.Status, h.Status), want, time.Duration(secs)*time.Second, i.ActiveShards, i.Unassigned, i.Initializing, i.Replicas, index)
+}
+
+func cmpStatus(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// indexHealth returns index's health status ("green", "yellow", "red").
+func indexHealth(ctx context.Context, client *elastic.Client, index string) (string, error) {
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodGet,
+		Path:   "/_cluster/health/" + url.PathEscape(index),
+	})
+	if err != nil {
+		return "", fmt.Errorf("read the health of %s: %w", index, err)
+	}
+	var h struct {
+		Status string `json:"status"`
+	}
+	if err := json.Unmarshal(res.Body, &h); err != nil {
+		return "", fmt.Errorf("decode the health of %s: %w", index, err)
+	}
+	return h.Status, nil
+}
+
+// ApplyMove ends the target's bulk-load mode, waits for its health (green
+// when the generation it replaces is green, else its primaries), records
+// where the job's documents came from in its _meta (for a rollback), and
+// makes the plan's one _aliases call.
+func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
+	m := p.Move
+	gens, err := listGenerations(ctx, client, m.Target)
+	if err != nil {
+		return err
+	}
+	if len(gens) != 1 {
+		return fmt.Errorf("%w: index %s does not exist", ErrUnsafeMove, m.Target)
+	}
+	meta := gens[0].Meta
+	if meta.BulkLoad != nil {
+		// Still in bulk-load mode (refresh off): searches would not see
+		// what it holds, nor anything written to it later.
+		if err := restoreSettings(ctx, client, m.Target, *meta.BulkLoad); err != nil {
+			return err
+		}
+		meta.BulkLoad = nil
+		if err := putMeta(ctx, client, m.Target, meta); err != nil {
+			return err
+		}
+	}
+	if p.Noop {
+		return nil
+	}
+	want := "yellow"
+	if p.From != "" {
+		st, err := indexHealth(ctx, client, p.From)
+		if err != nil {
+			return err
+		}
+		if st == "green" {
+			want = "green"
+		}
+	}
+	timeout := m.HealthTimeout
+	if timeout <= 0 {
+		timeout = DefaultHealthTimeout
+	}
+	if err := WaitHealthy(ctx, client, m.Target, want, timeout); err != nil {
+		return err
+	}
+	now := time.Now().UTC().Format(time.RFC3339)
+	if p.From != "" && p.From != m.Target {
+		uuid, err := indexUUID(ctx, client, p.From)
+		if err != nil {
+			return err
+		}
+		if p.Whole {
+			meta.Previous, meta.PreviousUUID = p.From, uuid
+		}
+		if m.Type != "" {
+			if meta.Sources == nil {
+				meta.Sources = map[string]SourceMoveMeta{}
+			}
+			meta.Sources[m.Type] = SourceMoveMeta{Previous: p.From, PreviousUUID: uuid, At: now}
+		}
+	} else if m.Type != "" {
+		if meta.Sources == nil {
+			meta.Sources = map[string]SourceMoveMeta{}
+		}
+		meta.Sources[m.Type] = SourceMoveMeta{At: now}
+	}
+	meta.CutoverAt = now
+	if err := putMeta(ctx, client, m.Target, meta); err != nil {
+		return err
+	}
+	if err := updateAliases(ctx, client, p.actions); err != nil {
+		return fmt.Errorf("move the documents of aggregate type %q of alias %s to %s (someone else moved the aliases meanwhile?): %w", m.Type, p.Before.Alias, m.Target, err)
+	}
+	return nil
+}
+
+// SourceMoveMeta records, in a generation's _meta, the last move of one
+// aggregate type (a job's documents) to it.
+type SourceMoveMeta struct {
+	Previous     string `json:"previous,omitempty"`
+	PreviousUUID string `json:"previous_uuid,omitempty"`
+	At           string `json:"at,omitempty"`
+}
+
+// PreviousOf returns the generation typ's documents were live in before
+// they last moved to index, and that index's uuid then ("" when none is
+// recorded); for typ "" or a generation without per-type records, the
+// whole-alias previous generation.
+func PreviousOf(ctx context.Context, client *elastic.Client, index, typ string) (prev, uuid string, err error) {
+	gens, err := listGenerations(ctx, client, index)
+	if err != nil || len(gens) != 1 {
+		return "", "", err
+	}
+	if sm, ok := gens[0].Meta.Sources[typ]; ok && typ != "" && sm.Previous != "" {
+		return sm.Previous, sm.PreviousUUID, nil
+	}
+	return gens[0].Meta.Previous, gens[0].Meta.PreviousUUID, nil
+}
+
+// WasLiveFor reports whether typ's documents were ever moved to index (or
+// the whole alias, for a generation without per-type records).
+func WasLiveFor(g Generation, typ string) bool {
+	if _, ok := g.Meta.Sources[typ]; ok {
+		return true
+	}
+	return len(g.Meta.Sources) == 0 && g.Meta.CutoverAt != ""
+}
+
+// IndexUUID is indexUUID for commands.
+func IndexUUID(ctx context.Context, client *elastic.Client, index string) (string, error) {
+	return indexUUID(ctx, client, index)
+}
