@@ -57,17 +57,19 @@ const (
 // rows, hard-delete them, insert deleted ids again with the version reset
 // to 1, move rows out of the filter and back in, and now and then
 // TRUNCATE the table (putting some of its rows back in the same
-// transaction); long writers hold a change open for longer than a chunk
-// and than OPEN_WRITERS_WAIT; meanwhile a random process is SIGKILLed
-// every few seconds. Once the writers stop, with no manual run, the index
-// must equal the source table within rfCatchUp: the independent oracle
+// transaction); long writers hold changes open for longer than a chunk,
+// some for longer than OPEN_WRITERS_WAIT; meanwhile a random process is
+// SIGKILLed every few seconds. Once the writers stop, with no manual run,
+// the index must equal the source table within rfCatchUp (checked from
+// the source table as it is then): the independent oracle
 // (oracle_test.go) compares what the read alias finds with the documents
 // computed by SQL from the source table over a new connection (every
 // in-scope live row at its latest content and version, every soft-deleted
 // one a tombstone, nothing else visible); and it must still do so once the
 // outbox and the topic are drained. The choices come from a printed seed
 // (E2E_RFOLLOW_SEED replays them); E2E_RFOLLOW_DURATION sets the history's
-// length.
+// length (at least 30s: the test requires every kind of operation and of
+// kill to have happened).
 func TestRandomFollow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
