@@ -128,7 +128,10 @@ ON CONFLICT (job) DO UPDATE SET source_schema = EXCLUDED.source_schema, source_t
 // the source rows out of scope whose change value is in (exitfrom, exitto]
 // (withFrom false: up to exitto; withExits false, for a full run, which has
 // no change column and sweeps: none), with one delete event each. It
-// returns the tombstones written.
+// returns the tombstones written. A soft-deleted row among them (already a
+// tombstone) gets no new event but is marked vanished like the others, so
+// that a row inserted again with its version reset comes back above its
+// tombstone (upsertTail) instead of being refused below it for good.
 func (c *compiled) drainSQL(withFrom, withExits bool) stmt {
 	b := newBuilder()
 	exits := ""
@@ -158,7 +161,11 @@ WITH cap AS MATERIALIZED (
   SELECT source_id FROM cap WHERE source_id IS NOT NULL` + exits + `
   UNION
   SELECT n.source_id FROM normalized_records n
-  WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.deleted AND EXISTS (SELECT FROM cap WHERE cap.truncated)
+  WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.vanished AND EXISTS (SELECT FROM cap WHERE cap.truncated)
+), gone AS (
+  UPDATE normalized_records n SET vanished = true, updated_at = now()
+  FROM ids
+  WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = ids.source_id AND n.deleted AND NOT n.vanished
 ), up AS (
   UPDATE normalized_records n
   SET document = NULL, deleted = true, source_version = n.source_version + 1,

@@ -419,3 +419,44 @@ func TestKeepJobPurgesUnreadCaptures(t *testing.T) {
 	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_deletes WHERE source_id = '21'`))
 	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_deletes`))
 }
+
+// A soft-deleted row (its tombstone already indexed) that is then
+// hard-deleted, or truncated, and inserted again with its version reset
+// comes back live above that tombstone, in the next incremental run.
+// Found by e2e's TestRandomFollow: the drain tombstoned only live rows, so
+// the soft-deleted row's normalized row was left as it was (not vanished)
+// and the run refused the re-inserted row's version 1 below it for good.
+func TestReinsertAfterSoftAndHardDeleteComesBack(t *testing.T) {
+	t.Parallel()
+	for name, how := range map[string]string{"delete": "DELETE FROM source_records WHERE id = 7", "truncate": "TRUNCATE source_records"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			_, pool := newDB(t)
+			seed(t, pool, 1, 300, 1, 3)
+			s := deletingJob(t, pool, "del-soft-reinsert")
+			_, err := run(t, pool, s, batch.Config{})
+			require.NoError(t, err)
+			for _, sql := range []string{
+				`UPDATE source_records SET payload = jsonb_build_object('title', 'edit') WHERE id = 7`, // version 2
+				`UPDATE source_records SET deleted_at = now() WHERE id = 7`,                            // version 3, soft-deleted
+			} {
+				_, err := pool.Exec(ctx, sql)
+				require.NoError(t, err)
+			}
+			_, err = run(t, pool, s, batch.Config{})
+			require.NoError(t, err)
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '7' AND deleted AND source_version = 3`), "the soft delete's tombstone")
+
+			_, err = pool.Exec(ctx, how)
+			require.NoError(t, err)
+			_, err = pool.Exec(ctx, `INSERT INTO source_records (id, tenant_id, version, payload) VALUES (7, 't1', 1, '{"title": "back"}')`)
+			require.NoError(t, err)
+			_, err = run(t, pool, s, batch.Config{})
+			require.NoError(t, err)
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '7' AND NOT deleted AND document->>'title' = 'back' AND source_version > 3`),
+				"7 back, above its soft delete's tombstone (version 3)")
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '7' AND aggregate_version > 3`))
+		})
+	}
+}
