@@ -96,7 +96,10 @@ const (
 	// it at the tombstone's version + 1 and keeps the difference as the
 	// row's version_offset in normalized_records, so its later changes
 	// (source version + offset) stay above (normalized_records.source_version
-	// is the index's version; migration 011). The sweep treats every live row
+	// is the index's version; migration 011). The same holds for a
+	// soft-deleted row whose source row is then hard-deleted, truncated or
+	// moved out of scope: the sweep marks its tombstone vanished (no new
+	// event, the index has it). The sweep treats every live row
 	// of the job's SourceName as the job's: two jobs that write one source
 	// name with different scopes (table, filter, partition list) need
 	// distinct source names (or "keep" on both); a run refuses to start

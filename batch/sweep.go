@@ -25,7 +25,9 @@ import (
 // checkpoint (batch_sweeps.cursor), fenced by the sweep's lease token and
 // the previous cursor like a partition's chunk. A crash anywhere resumes
 // from the last committed chunk, and a chunk swept twice changes nothing
-// (a tombstone is not a live row).
+// (a tombstone is not a live row, and a vanished one is not read again).
+// Soft-deleted rows whose source row is gone are marked vanished, without
+// an event (see sweepSQL).
 
 // Failpoints of a sweep chunk.
 const (
@@ -51,8 +53,15 @@ func sweepOnResumeSQL(s Spec) string {
 // row is still gone are candidates too: they move to the run's version at
 // the same source version, with a delete event of that version, so the new
 // index generation holds the tombstone and the cutover check (every row at
-// the new version) can pass. It returns the
-// candidates read, the last candidate's id and the tombstones written.
+// the new version) can pass. A soft-deleted row of the run's version not
+// yet marked vanished (its tombstone is indexed) whose source row is gone
+// (hard-deleted, truncated, out of scope) is a candidate too: it is marked
+// vanished, with no new event, so that a row inserted again with its
+// version reset comes back above that tombstone (upsertTail) instead of
+// being refused below it for good, as the drain of captured deletes does
+// (deletes.go). Such a row is probed once per full run until then, like a
+// live row. It returns the candidates read, the last candidate's id and
+// the tombstones written (the rows only marked vanished are not counted).
 //
 // The plan is pinned to the chunk's size, not the table's: gone is
 // materialized and probes the source one candidate at a time (a LATERAL
@@ -77,7 +86,7 @@ func (c *compiled) sweepSQL(partitions bool) stmt {
 WITH cand AS MATERIALIZED (
   SELECT n.source_id, n.source_version, n.deleted FROM normalized_records n
   WHERE n.source = ` + b.p("source", "text") + `
-    AND (NOT n.deleted OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
+    AND (NOT n.deleted OR NOT n.vanished OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
     AND (` + b.p("after", "text") + ` IS NULL OR n.source_id > ` + b.p("after", "text") + `)
   ORDER BY n.source_id
   LIMIT ` + b.p("limit", "int") + `
@@ -85,6 +94,13 @@ WITH cand AS MATERIALIZED (
   SELECT cand.source_id, cand.source_version, cand.deleted FROM cand
   LEFT JOIN LATERAL (SELECT true AS hit FROM ` + c.table + ` s WHERE s.` + q(id) + ` = cand.source_id::` + c.types[id] + ` AND ` + scope + ` LIMIT 1) h ON true
   WHERE h.hit IS NULL
+), quiet AS (
+  UPDATE normalized_records n SET vanished = true, updated_at = now()
+  FROM gone
+  WHERE n.source = ` + b.p("source", "text") + ` AND n.source_id = gone.source_id
+    AND n.source_id BETWEEN (SELECT min(source_id) FROM gone) AND (SELECT max(source_id) FROM gone)
+    AND n.source_version = gone.source_version AND gone.deleted AND n.deleted AND NOT n.vanished
+    AND n.processor_version = ` + b.p("pv", "text") + `
 ), up AS (
   UPDATE normalized_records n
   SET document = NULL, deleted = true,
@@ -291,7 +307,8 @@ type SweepStatus struct {
 	Job, RunID, State string
 	// Cursor is the last normalized_records.source_id swept (nil: none).
 	Cursor *string
-	// Swept counts the live rows checked, Deleted the tombstones written.
+	// Swept counts the rows checked (live rows, and soft-deleted ones not
+	// yet marked vanished), Deleted the tombstones written.
 	Swept, Deleted int64
 	Attempt        int
 	LeaseOwner     *string

@@ -340,3 +340,52 @@ func TestAFirstLoadHasNothingToSweep(t *testing.T) {
 	require.Equal(t, int64(300), queryInt(t, pool, `SELECT swept_count FROM batch_sweeps WHERE logical_run_id = (SELECT max(logical_run_id) FROM batch_runs)`),
 		"the second run swept every row")
 }
+
+// Without the delete capture: a soft-deleted row (its tombstone indexed)
+// that is then hard-deleted, or truncated, is marked vanished by the next
+// full run's sweep (no new event: the index has its tombstone), so when it
+// is inserted again with its version reset (1, below the soft delete's 3)
+// the following full run writes it live above that tombstone, with an
+// upsert event the index takes. The sweep used to skip rows already
+// deleted: the re-inserted row was refused below the tombstone for good.
+func TestFullRunReinsertAfterSoftAndHardDeleteComesBack(t *testing.T) {
+	t.Parallel()
+	for name, how := range map[string]string{"delete": "DELETE FROM source_records WHERE id = 14", "truncate": "TRUNCATE source_records"} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			url, pool := newDB(t)
+			seed(t, pool, 1, 100, 1, 3) // ids 7..700
+			s := vanishedSpec()
+			_, err := run(t, pool, s, batch.Config{})
+			require.NoError(t, err)
+			for _, sql := range []string{
+				`UPDATE source_records SET payload = jsonb_build_object('title', 'edit') WHERE id = 14`, // version 2
+				`UPDATE source_records SET deleted_at = now() WHERE id = 14`,                            // version 3, soft-deleted
+			} {
+				_, err := pool.Exec(ctx, sql)
+				require.NoError(t, err)
+			}
+			_, err = run(t, pool, s, batch.Config{})
+			require.NoError(t, err)
+			require.Equal(t, []string{"14@3"}, deleteEvents(t, url), "the soft delete's tombstone")
+
+			_, err = pool.Exec(ctx, how)
+			require.NoError(t, err)
+			sum, err := run(t, pool, s, batch.Config{}) // the sweep sees 14 gone
+			require.NoError(t, err)
+			require.True(t, sum.Done)
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'delete' AND aggregate_id = '14'`),
+				"no second delete for a row whose tombstone is indexed")
+
+			_, err = pool.Exec(ctx, `INSERT INTO source_records (id, created_at, tenant_id, version, payload) VALUES (14, '2024-01-01', 't2', 1, '{"title": "back"}')`)
+			require.NoError(t, err)
+			sum, err = run(t, pool, s, batch.Config{})
+			require.NoError(t, err)
+			require.True(t, sum.Done)
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '14' AND NOT deleted AND document->>'title' = 'back' AND source_version > 3`),
+				"14 back, above its soft delete's tombstone (version 3)")
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version > 3`))
+		})
+	}
+}
