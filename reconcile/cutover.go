@@ -35,6 +35,8 @@ type CutoverOptions struct {
 	// documents that carry no processor version and that the new
 	// generation lacks (see Readiness.Unversioned).
 	AllowUnversioned bool
+
+	auto bool // an AutoCutover round: recorded as an automatic cutover
 }
 
 // Readiness is where a generation stands against what its job produced.
@@ -239,6 +241,9 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 	}
 	from, err := sink.MoveAliases(ctx, cfg, res.Index)
 	res.From, res.Already = from, from == nil && err == nil
+	if err == nil {
+		err = recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, opts.auto)
+	}
 	return res, err
 }
 

@@ -87,6 +87,7 @@ func rollbackCommand(stdout io.Writer) cli.Command {
 				"when there is none or it was dropped.")
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
+			registerLiveDatabase(fs, &s)
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
@@ -99,7 +100,7 @@ func rollbackCommand(stdout io.Writer) cli.Command {
 				return conflictIfUnsafe(err)
 			}
 			fmt.Fprintf(stdout, "alias %s now reads %s (was %s)\n", s.cfg.Alias, into, from)
-			return nil
+			return recordRollback(ctx, stdout, &s, into)
 		},
 	}
 }
