@@ -193,3 +193,38 @@ func RegisteredVersions(ctx context.Context, db querier) ([]string, error) {
 	}
 	return pvs, nil
 }
+
+// liveForEventsSQL: the live versions of the jobs whose events go to
+// topic $1 as aggregate type $2 (stored specs carry their defaults).
+const liveForEventsSQL = `
+SELECT v.job, v.processor_version FROM batch_processor_versions v JOIN batch_jobs j USING (job)
+WHERE v.live AND coalesce(nullif(j.spec->>'topic', ''), '` + defaultTopic + `') = $1
+  AND coalesce(nullif(j.spec->>'aggregate_type', ''), j.spec->'source'->>'table') = $2
+ORDER BY v.job`
+
+// LiveVersionForEvents returns the live processor version of the scan jobs
+// whose events go to topic as aggregateType (so to one alias), for other
+// writers of those documents (manifest jobs): their events carry it as
+// ce_processorversion and reach the generation searches read, as the
+// jobs' own documents. "" when no such job has a live version; an error
+// naming them when they disagree.
+func LiveVersionForEvents(ctx context.Context, db DB, topic, aggregateType string) (string, error) {
+	rows, err := db.Query(ctx, liveForEventsSQL, topic, aggregateType)
+	if err != nil {
+		return "", fmt.Errorf("read the live processor version of topic %s, aggregate type %s: %w", topic, aggregateType, err)
+	}
+	type jobPV struct{ Job, PV string }
+	all, err := pgx.CollectRows(rows, pgx.RowToStructByPos[jobPV])
+	if err != nil {
+		return "", fmt.Errorf("read the live processor version of topic %s, aggregate type %s: %w", topic, aggregateType, err)
+	}
+	pv := ""
+	for i, j := range all {
+		if i > 0 && j.PV != pv {
+			return "", fmt.Errorf("scan jobs %s (live processor version %s) and %s (live %s) both send aggregate type %s to topic %s: "+
+				"which generation an event of another writer belongs to is ambiguous; cut both over to one version", all[0].Job, pv, j.Job, j.PV, aggregateType, topic)
+		}
+		pv = j.PV
+	}
+	return pv, nil
+}
