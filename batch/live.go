@@ -53,7 +53,8 @@ const (
 INSERT INTO batch_processor_versions AS v (job, processor_version, live, first_live_at, live_since)
 SELECT $1, $2, true, now(), now()
 WHERE NOT EXISTS (SELECT FROM batch_processor_versions WHERE job = $1 AND live)
-ON CONFLICT (job, processor_version) DO NOTHING`
+ON CONFLICT (job, processor_version) DO UPDATE SET
+  live = true, first_live_at = coalesce(v.first_live_at, now()), live_since = now(), left_at = NULL`
 	registerRebuildSQL = `
 INSERT INTO batch_processor_versions (job, processor_version) VALUES ($1, $2)
 ON CONFLICT (job, processor_version) DO NOTHING`

@@ -21,6 +21,14 @@ CREATE TABLE batch_processor_versions (
 );
 CREATE UNIQUE INDEX batch_processor_versions_live ON batch_processor_versions (job) WHERE live;
 
+-- The versions jobs ran at before this migration are registered (an
+-- indexer with DATABASE_URL keeps writing their events), none live: which
+-- one searches read is in the search engine. The next run of each job
+-- records its version as live; indexer cutover and rollback correct it.
+INSERT INTO batch_processor_versions (job, processor_version)
+SELECT DISTINCT job, processor_version FROM batch_runs WHERE processor_version IS NOT NULL
+ON CONFLICT DO NOTHING;
+
 -- Every move of a job's live version: who moved it, how (first run,
 -- cutover, automatic cutover, rollback), from and to which version.
 CREATE TABLE batch_live_version_moves (

@@ -6,6 +6,9 @@ import (
 	"io"
 	"strings"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 )
@@ -42,4 +45,18 @@ func recordRollback(ctx context.Context, stdout io.Writer, s *settings, index st
 		fmt.Fprintf(stdout, "live processor version of %s recorded for job(s) %s\n", index, strings.Join(jobs, ", "))
 	}
 	return nil
+}
+
+// checkProcessorVersions sets which processor versions the indexer builds
+// generations for: PROCESSOR_VERSIONS, and those the jobs registered in
+// pool's batch_processor_versions (nil pool: none). Neither: every
+// version, with a warning.
+func (s *settings) checkProcessorVersions(pool *pgxpool.Pool) {
+	s.cfg.ProcessorVersions = splitList(s.processorVersions)
+	if pool != nil {
+		s.cfg.RegisteredVersions = func(ctx context.Context) ([]string, error) { return batch.RegisteredVersions(ctx, pool) }
+	}
+	if pool == nil && len(s.cfg.ProcessorVersions) == 0 && s.cfg.Logger != nil {
+		s.cfg.Logger.Warn("neither DATABASE_URL nor PROCESSOR_VERSIONS is set: an index generation is created for any processor version a record's header names")
+	}
 }
