@@ -110,6 +110,21 @@ func checkLiveVersion(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions)
 	return nil
 }
 
+// refuseStale refuses work at s's processor version, outside a run
+// (quarantine retry), when the version was live before and is not now.
+func refuseStale(ctx context.Context, q querier, s Spec) error {
+	var live *string
+	var since *time.Time
+	var wasLive bool
+	if err := q.QueryRow(ctx, jobVersionsSQL, s.Job, s.ProcessorVersion).Scan(&live, &since, &wasLive); err != nil {
+		return fmt.Errorf("read the live processor version of job %s: %w", s.Job, err)
+	}
+	if live != nil && *live != s.ProcessorVersion && wasLive {
+		return &LiveVersionError{Job: s.Job, ProcessorVersion: s.ProcessorVersion, Live: *live, LiveSince: *since}
+	}
+	return nil
+}
+
 // LiveVersion is a job's live processor version as recorded.
 type LiveVersion struct {
 	Job, ProcessorVersion string

@@ -80,6 +80,9 @@ func TestRunAtAVersionThatIsNoLongerLiveIsRefused(t *testing.T) {
 	var stored string
 	require.NoError(t, pool.QueryRow(ctx, `SELECT spec->>'processor_version' FROM batch_jobs WHERE job = 'records'`).Scan(&stored))
 	require.Equal(t, "v2", stored, "the refused run's spec is not saved (indexer cutover --job reads it)")
+	p = cmd("quarantine", "retry", "--spec", v1)
+	require.Equal(t, 3, p.ExitCode(), "quarantine retry with the old spec: %s", p.Stdout())
+	require.Contains(t, p.Stderr(), "processor version v1 was live before")
 	p = cmd("run", "--spec", v2)
 	require.Equal(t, 0, p.ExitCode(), p.Stderr())
 	require.Contains(t, p.Stdout(), "100 changed")

@@ -484,7 +484,7 @@ func quarantineRetryCommand(stdout io.Writer) cli.Command {
 			}
 			res, err := batch.RetryQuarantine(ctx, db.Pool, spec, nil)
 			if err != nil {
-				return err
+				return classify(err)
 			}
 			fmt.Fprintf(stdout, "retried %d quarantined row(s) of job %s: %d resolved, %d still bad\n", res.Retried, spec.Job, res.Resolved, res.StillBad)
 			return nil
