@@ -134,3 +134,35 @@ func testProcessorVersionHeaderIsChecked(t *testing.T, engineURL string) {
 		}
 	}
 }
+
+// PROCESSOR_VERSIONS without a database: only the listed versions get a
+// generation; another is dead-lettered and creates no index.
+func TestProcessorVersionsListed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	es := stack.ElasticsearchURL(t)
+	f := newFixture(t, es, es, 1)
+	alias := f.cfg.Alias
+	t.Cleanup(func() { _, _ = f.client.DeleteIndex(alias + "_*").Do(context.Background()) })
+	cfg := f.cfg
+	cfg.ProcessorVersions = []string{"v1", "v2"}
+	require.NoError(t, ensureTopic(ctx, cfg.Brokers, cfg.withDefaults().DeadLetterTopic, 1))
+	f.start(cfg)
+	at := func(id, pv string) rec {
+		r := upsert(id, 1, `{"n": 1}`)
+		r.headers = map[string]string{outbox.HeaderProcessorVersion: pv}
+		return r
+	}
+	f.produce(at("1", "v2"), at("2", "v3"))
+	dead := f.deadLetters(1)
+	require.Equal(t, CodeUnknownProcessorVersion, headerMap(dead[0])[HeaderDLQCode])
+	require.Equal(t, "2", string(dead[0].Key))
+	f.waitCaughtUp(cfg.Group, time.Minute)
+	require.NoError(t, refresh(ctx, f.client, GenerationIndex(alias, "v2")))
+	n, err := countDocs(ctx, f.client, GenerationIndex(alias, "v2"), nil)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	exists, err := f.client.IndexExists(GenerationIndex(alias, "v3")).Do(ctx)
+	require.NoError(t, err)
+	require.False(t, exists, "no index for the unlisted version")
+}
