@@ -51,6 +51,14 @@
 // another processor version or scope is refused with [ErrCheckpointIncompatible]
 // unless the operator restarts or declares the version compatible.
 //
+// Each job has one live processor version, the one whose index generation
+// searches read (batch_processor_versions): its first run records it, and
+// an indexer cutover or rollback moves it ([SetLiveVersion]). A run at a
+// version never live is the rebuild of that version's generation and runs;
+// a run at a version that was live before and is not now (an old schedule
+// after a cutover, the new one after a rollback) is refused with a
+// [LiveVersionError] unless StartOptions.Rebuild declares it.
+//
 // A full run (Spec.Vanished = delete, the default) ends with a sweep: once
 // every partition succeeded, the live rows of normalized_records for the
 // job's source name whose source row is gone or out of scope become

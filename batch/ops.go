@@ -331,6 +331,9 @@ func RetryQuarantine(ctx context.Context, db DB, spec Spec, proc Processor) (Ret
 	if err := spec.validate(); err != nil {
 		return out, err
 	}
+	if err := refuseStale(ctx, db, spec); err != nil {
+		return out, err
+	}
 	c, err := compile(ctx, db, spec)
 	if err != nil {
 		return out, err

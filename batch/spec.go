@@ -60,6 +60,9 @@ type Spec struct {
 	// AggregateType of the outbox events. Default: the table name.
 	AggregateType string `json:"aggregate_type,omitempty" yaml:"aggregate_type,omitempty"`
 	// SourceName is normalized_records.source. Default: the table name.
+	// Jobs that share one must send their events to one topic with one
+	// aggregate type (a run is refused otherwise: the second job would
+	// find every row unchanged and send nothing).
 	SourceName string `json:"source_name,omitempty" yaml:"source_name,omitempty"`
 	// Chunk tunes the chunk size.
 	Chunk ChunkSettings `json:"chunk,omitempty" yaml:"chunk,omitempty"`

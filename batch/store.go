@@ -43,6 +43,11 @@ type StartOptions struct {
 	// Resume continues a run made by another processor version when the
 	// spec lists that version in compatible_versions.
 	Resume bool
+	// Rebuild declares a run at a processor version that was the job's
+	// live one before and is not now (see [LiveVersionError]): it rebuilds
+	// that version's index generation beside the live one (e.g. v2 again
+	// after a rollback to v1). A version never live needs no declaration.
+	Rebuild bool
 }
 
 // documentsByPVKey is the key of batch_jobs.spec that holds, per processor
@@ -68,6 +73,9 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	if _, err := tx.Exec(ctx, lockJobSQL, s.Job); err != nil {
 		return "", fmt.Errorf("lock job %s: %w", s.Job, err)
+	}
+	if err := checkLiveVersion(ctx, tx, s, opts); err != nil {
+		return "", err
 	}
 	if err := checkDocumentUnchanged(ctx, tx, s, opts); err != nil {
 		return "", err

@@ -378,7 +378,13 @@ func checkSharedSourceName(ctx context.Context, tx pgx.Tx, s Spec) error {
 	mine := rowScope(s)
 	for _, o := range others {
 		name := cmp.Or(o.SourceName, o.Source.Table)
-		if name != s.SourceName || rowScope(o) == mine {
+		if name != s.SourceName {
+			continue
+		}
+		if err := checkSameEvents(s, o); err != nil {
+			return err
+		}
+		if rowScope(o) == mine {
 			continue
 		}
 		if s.Vanished != VanishedDelete && o.Vanished != VanishedDelete {
@@ -390,4 +396,21 @@ func checkSharedSourceName(ctx context.Context, tx pgx.Tx, s Spec) error {
 			ErrSpec, s.Job, s.SourceName, o.Job, o.Job)
 	}
 	return nil
+}
+
+// checkSameEvents refuses a job that shares its source name with job o
+// but sends its events to another topic or with another aggregate type.
+// normalized_records is keyed by (source, source_id), and a row is written
+// (and its event enqueued) only when its source or processor version
+// changed: the second job would find every row the first one normalized
+// unchanged and send nothing to its topic.
+func checkSameEvents(s, o Spec) error {
+	topic, aggType := cmp.Or(o.Topic, defaultTopic), cmp.Or(o.AggregateType, o.Source.Table)
+	if topic == s.Topic && aggType == s.AggregateType {
+		return nil
+	}
+	return fmt.Errorf("%w: spec %s: source_name %q is also written by job %s, which sends its events to topic %q as aggregate type %q "+
+		"(this spec: topic %q, aggregate type %q); normalized rows are keyed by source_name and id, so this job would find every row "+
+		"job %s normalized unchanged and send no event: give this job its own source_name (e.g. source_name: %s.%s)",
+		ErrSpec, s.Job, s.SourceName, o.Job, topic, aggType, s.Topic, s.AggregateType, o.Job, s.SourceName, s.Job)
 }

@@ -86,9 +86,9 @@ func testJobsOnOneAlias(t *testing.T, jobs []*aliasJob) {
 			require.NoError(t, os.WriteFile(j.files[pv], b, 0o644))
 		}
 	}
-	run := func(j *aliasJob, pv string) {
+	run := func(j *aliasJob, pv string, flags ...string) {
 		t.Helper()
-		b := testproc.Run(t, 3*time.Minute, p.batcherBin, p.env(), "run", "--spec", j.files[pv], "--lease-ttl", "3s")
+		b := testproc.Run(t, 3*time.Minute, p.batcherBin, p.env(), append([]string{"run", "--spec", j.files[pv], "--lease-ttl", "3s"}, flags...)...)
 		require.Equal(t, 0, b.ExitCode(), "batcher run %s at %s:\n%s", j.name, pv, tail(b.Stderr(), 30))
 	}
 	// runJobs runs the jobs of live, each at its version, at once.
@@ -225,8 +225,10 @@ func testJobsOnOneAlias(t *testing.T, jobs []*aliasJob) {
 	runsOK()
 	expectFound(step1)
 
-	// 2. rollback of articles, after its job ran at v1 again.
-	run(jobs[0], "v1")
+	// 2. rollback of articles, after its job ran at v1 again (a declared
+	// rebuild: v1 was live before and is not now, so a plain run at v1
+	// is the stale schedule the batcher refuses).
+	run(jobs[0], "v1", "--rebuild")
 	cutover("rollback", "articles", v1)
 	expectFound(allV1)
 	requireAliasOn(t, p, v1)

@@ -204,6 +204,13 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 	require.Contains(t, cut.Stdout(), "from "+v2)
 	requireAliasOn(t, p, v2)
 
+	// The old schedule still runs the v1 spec: refused, naming the live
+	// version; the checks below find normalized_records and the index
+	// untouched (every row at v2, the index equal to the source).
+	stale := testproc.Run(t, 2*time.Minute, p.batcherBin, p.env(), "run", "--spec", p.specFile)
+	require.Equal(t, cli.ExitConflict, stale.ExitCode(), "the v1 schedule after the cutover: %s", stale.Stdout())
+	require.Contains(t, stale.Stderr(), "job "+p.spec.Job+": processor version v1 was live before and is not now: v2 is live")
+
 	// Every live row's document is the v2 normalization of its latest
 	// version; deletes are tombstones, invisible through the read alias.
 	var behind, wrong int64
@@ -249,6 +256,10 @@ FROM source_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.sour
 	require.NoError(t, p.pool.QueryRow(ctx, `SELECT count(*) FROM checkpoint_audit WHERE job = $1 AND action = 'rollback-forced'`, p.spec.Job).Scan(&audited))
 	require.Equal(t, 1, audited)
 	requireAliasOn(t, p, v1)
+	// After the rollback the v2 schedule is the stale one.
+	stale = testproc.Run(t, 2*time.Minute, p.batcherBin, p.env(), "run", "--spec", v2File)
+	require.Equal(t, cli.ExitConflict, stale.ExitCode(), "the v2 schedule after the rollback: %s", stale.Stdout())
+	require.Contains(t, stale.Stderr(), "processor version v2 was live before and is not now: v1 is live")
 	require.Equal(t, "v1", sampleDoc(t, p)[sink.FieldPV])
 	title := sampleDoc(t, p)["title"].(string)
 	require.NotEqual(t, strings.ToUpper(title), title, "a v1 title is not upper-cased")

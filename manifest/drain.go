@@ -319,6 +319,10 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 		return nil, job, fmt.Errorf("manifest job %s chunk %d: release savepoint: %w", d.jobID, chunkNo, err)
 	}
 
+	headers, err := liveHeaders(ctx, tx, job)
+	if err != nil {
+		return nil, job, err
+	}
 	n := len(changed)
 	seqs, ids, befores, afters, fields, afterFields := make([]int32, n), make([]string, n), make([]int64, n), make([]int64, n), make([]string, n), make([]string, n)
 	events := make([]outbox.Event, n)
@@ -333,6 +337,7 @@ func (d *drainer) step(ctx context.Context) (*Chunk, Job, error) {
 			AggregateVersion: c.after,
 			Type:             outbox.TypeUpsert,
 			Payload:          c.doc,
+			Headers:          headers,
 		}
 	}
 	if _, err := tx.Exec(ctx, insertAuditSQL, d.jobID, chunkNo, job.Transition.From, job.Transition.To, seqs, ids, befores, afters, fields, afterFields); err != nil {

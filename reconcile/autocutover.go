@@ -131,6 +131,9 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 	if res.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
 		return res, alias, "", err
 	}
+	if back, err := rolledBackFrom(ctx, db, job, j.ProcessorVersion); back || err != nil {
+		return res, alias, skipRolledBack, err
+	}
 	if skip, err := candidate(ctx, client, cfg, res.Index, j.AggregateType); skip != "" || err != nil {
 		return res, alias, skip, err
 	}
@@ -153,7 +156,7 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 	if skip, err := candidate(ctx, client, cfg, res.Index, j.AggregateType); skip != "" || err != nil {
 		return res, alias, skip, err
 	}
-	res, err = Cutover(ctx, cfg, CutoverOptions{DB: db, Job: job, locked: true})
+	res, err = Cutover(ctx, cfg, CutoverOptions{DB: db, Job: job, locked: true, auto: true})
 	if err == nil && res.Already {
 		skip = skipLive
 	}

@@ -53,6 +53,8 @@ type CutoverOptions struct {
 	// beforeMove, if set, runs between the count of documents without a
 	// processor version and the alias move (tests: a write in the window).
 	beforeMove func()
+	// auto: an AutoCutover round, recorded as an automatic cutover.
+	auto bool
 }
 
 // Readiness is where a generation stands against what its job produced.
@@ -316,6 +318,9 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, moveOptions{allowUnversioned: opts.AllowUnversioned, healthTimeout: opts.HealthTimeout, locked: opts.locked, beforeMove: opts.beforeMove})
 	res.Live, res.Unversioned, res.Copied = mr.plan.From, mr.hidden, mr.copied
 	res.From, res.Already, res.Whole = mr.fromList, mr.already, mr.plan.Whole
+	if err == nil {
+		err = recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto))
+	}
 	return res, err
 }
 

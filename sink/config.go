@@ -2,6 +2,7 @@ package sink
 
 import (
 	"cmp"
+	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -116,6 +117,20 @@ type Config struct {
 	// Package reconcile compares normalized_records ids with _id, so it
 	// needs "id".
 	IDFormat string
+
+	// ProcessorVersions lists the processor versions (header
+	// ce_processorversion) the indexer creates, adopts and writes index
+	// generations for (PROCESSOR_VERSIONS), besides those
+	// RegisteredVersions returns. A record of another version is
+	// dead-lettered (unknown_processor_version): it creates no index. Both
+	// unset: every version (an arbitrary header creates an index).
+	ProcessorVersions []string
+	// RegisteredVersions, if set, returns the processor versions scan jobs
+	// registered (batch.RegisteredVersions over DATABASE_URL). It is asked
+	// again when a record of a version not known yet arrives, at most once
+	// per batch: a job registers its version before it enqueues any event
+	// of it.
+	RegisteredVersions func(ctx context.Context) ([]string, error)
 
 	// Mapping is the create-index body (settings and mappings) used when the
 	// aliases do not exist yet. Default: the embedded mapping.json.

@@ -191,6 +191,14 @@
 // external version stays the source version within each generation, so
 // ordering, replays and tombstones work per generation exactly as above.
 //
+// Before a batch is sent, a record whose processor version is not known is
+// dead-lettered (unknown_processor_version) and creates no index: known are
+// Config.ProcessorVersions and the versions jobs registered
+// (Config.RegisteredVersions). So is a record whose generation index exists
+// but belongs to another alias or version (its _meta; two pairs can name
+// one index: "orders"+"eu_v1" and "orders_eu"+"v1"), or has no _meta and is
+// not the bootstrap <alias>_v1 (generation_conflict).
+//
 // # Throttling
 //
 // Config.MaxRate caps documents per second for the whole process with one

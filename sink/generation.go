@@ -105,6 +105,9 @@ func createGeneration(ctx context.Context, client *elastic.Client, alias, pv str
 // set (a generation the indexer builds from a topic).
 func createGenerationMode(ctx context.Context, client *elastic.Client, alias, pv string, mapping []byte, extra map[string]any, bulk bool) (string, error) {
 	index := GenerationIndex(alias, pv)
+	if err := checkAdoptable(ctx, client, alias, pv, index); err != nil {
+		return "", err
+	}
 	meta := GenerationMeta{Alias: alias, ProcessorVersion: pv, CreatedAt: time.Now().UTC().Format(time.RFC3339Nano)}
 	if bulk {
 		var m map[string]any

@@ -41,6 +41,7 @@ type Indexer struct {
 	dlq      *deadLetterWriter
 	throttle *throttle
 	router   *router
+	pvGate   *pvGate
 	m        *metrics
 	// onBatch, if set, is called after every resolved and committed batch
 	// (tests).
@@ -80,6 +81,7 @@ func New(cfg Config) (*Indexer, error) {
 		dlq:      newDeadLetterWriter(cfg),
 		throttle: newThrottle(cfg.MaxRate, cfg.BatchSize, m.rateLimit.Set),
 		router:   newRouter(client, cfg, rules),
+		pvGate:   newPVGate(client, cfg),
 		m:        m,
 	}, nil
 }
@@ -626,6 +628,9 @@ func (ix *Indexer) newBackOff(ctx context.Context) backoff.BackOff {
 // possible (ctx ended, retries exhausted, dead-letter topic unwritable).
 func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 	res := Batch{Docs: len(batch)}
+	if err := ix.pvGate.check(ctx, batch); err != nil {
+		return res, err
+	}
 	var dead []*doc
 	pending := make([]*doc, 0, len(batch))
 	for _, d := range batch {

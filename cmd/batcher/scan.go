@@ -43,6 +43,7 @@ type runConfig struct {
 	Partition string
 	Restart   bool
 	Resume    bool
+	Rebuild   bool
 	MaxChunks int
 	Workers   int
 	WorkerID  string
@@ -86,6 +87,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 	fs.String(&c.Partition, "partition", "BATCH_PARTITION", "", "work on this partition only (default: all)")
 	fs.Bool(&c.Restart, "restart", "", false, "start a new run from the beginning (supersedes the unfinished one)")
 	fs.Bool(&c.Resume, "resume", "", false, "continue a run made by a processor version the spec declares compatible; or accept a changed document section under the same processor version (audited)")
+	fs.Bool(&c.Rebuild, "rebuild", "", false, "run at a processor version that was the job's live one before and is not now (after a cutover or rollback): rebuild its index generation beside the live one; without it such a run is refused (exit 3)")
 	fs.Int(&c.MaxChunks, "max-chunks", "MAX_CHUNKS", 0, "stop softly after this many chunks (0 = no limit)")
 	fs.Int(&c.Workers, "workers", "WORKERS", 1, "partitions worked on at once by this process")
 	fs.String(&c.WorkerID, "worker-id", "WORKER_ID", "", "name of this worker in leases (default host-pid)")
@@ -133,7 +135,7 @@ func runCmd(ctx context.Context, args []string, stdout io.Writer) error {
 		defer lingerMetrics(soft, c.Linger, logger)
 	}
 	cfg := batch.Config{
-		StartOptions: batch.StartOptions{RunID: c.RunID, Restart: c.Restart, Resume: c.Resume},
+		StartOptions: batch.StartOptions{RunID: c.RunID, Restart: c.Restart, Resume: c.Resume, Rebuild: c.Rebuild},
 		WorkerID:     c.WorkerID, Workers: c.Workers, LeaseTTL: c.LeaseTTL, MaxChunks: c.MaxChunks, Partition: c.Partition,
 		Logger: logger, Metrics: batch.NewMetrics(reg, pool), OpenWritersWait: c.OpenWritersWait,
 	}
@@ -196,6 +198,10 @@ func classify(err error) error {
 	var writers *batch.OpenWritersError
 	if errors.As(err, &writers) {
 		return errors.New(writers.Message(openWritersSetting))
+	}
+	var notLive *batch.LiveVersionError
+	if errors.As(err, &notLive) {
+		return &cli.ExitError{Code: cli.ExitConflict, Err: errors.New(notLive.Message("--rebuild"))}
 	}
 	var incompatible *batch.IncompatibleError
 	if errors.As(err, &incompatible) {
@@ -478,7 +484,7 @@ func quarantineRetryCommand(stdout io.Writer) cli.Command {
 			}
 			res, err := batch.RetryQuarantine(ctx, db.Pool, spec, nil)
 			if err != nil {
-				return err
+				return classify(err)
 			}
 			fmt.Fprintf(stdout, "retried %d quarantined row(s) of job %s: %d resolved, %d still bad\n", res.Retried, spec.Job, res.Resolved, res.StillBad)
 			return nil

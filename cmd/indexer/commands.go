@@ -41,6 +41,8 @@ type settings struct {
 	autoCutoverInterval time.Duration
 	// indexer run's scheduled tombstone purge
 	purge purgeSettings
+	// PROCESSOR_VERSIONS (sink.Config.ProcessorVersions)
+	processorVersions string
 }
 
 func (s *settings) registerKafka(fs *cli.FlagSet) {
@@ -95,8 +97,9 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Duration(&s.autoCutoverInterval, "auto-cutover-interval", "AUTO_CUTOVER_INTERVAL", 30*time.Second, "how often the AUTO_CUTOVER jobs' generations are checked")
 	fs.Duration(&s.purge.interval, "tombstone-purge-interval", "TOMBSTONE_PURGE_INTERVAL", 0, "run indexer tombstones purge this often (0 = never; needs DATABASE_URL unless TOMBSTONE_PURGE_NO_OUTBOX)")
 	s.purge.register(fs)
-	fs.SecretOrFile(&s.common.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (only with AUTO_CUTOVER or TOMBSTONE_PURGE_INTERVAL)")
+	fs.SecretOrFile(&s.common.DatabaseURL, "database-url", "DATABASE_URL", "PostgreSQL connection string, e.g. postgres://user:pass@localhost:5432/db (needed by AUTO_CUTOVER and TOMBSTONE_PURGE_INTERVAL; with it, index generations are created only for the processor versions jobs registered)")
 	s.common.BindRequireTLS(fs)
+	fs.String(&s.processorVersions, "processor-versions", "PROCESSOR_VERSIONS", "", `comma-separated processor versions (header ce_processorversion) to build index generations for, besides those jobs registered (DATABASE_URL); a record of another version is dead-lettered (unknown_processor_version) ("" and no DATABASE_URL = every version)`)
 }
 
 // validateAutoCutover checks the automatic cutover's settings before
@@ -209,6 +212,14 @@ func runCommand() cli.Command {
 			}
 			reg := metrics.NewRegistry()
 			s.cfg.Registerer = reg
+			var pool *pgxpool.Pool
+			if s.common.DatabaseURL != "" {
+				if pool, err = s.common.OpenDB(ctx, 3); err != nil {
+					return err
+				}
+				defer pool.Close()
+			}
+			s.checkProcessorVersions(pool)
 			ix, err := sink.New(s.cfg)
 			if err != nil {
 				return usageIfConfig(err)
@@ -222,13 +233,6 @@ func runCommand() cli.Command {
 			health.AddCheck("consumer group", ix.GroupReady)
 			if err := metrics.Serve(soft, ep, reg, health, logger); err != nil {
 				return cli.UsageError("%v", err)
-			}
-			var pool *pgxpool.Pool
-			if s.autoCutover != "" || (s.purge.interval > 0 && !s.purge.noOutbox) {
-				if pool, err = s.common.OpenDB(ctx, 3); err != nil {
-					return err
-				}
-				defer pool.Close()
 			}
 			if s.purge.interval > 0 {
 				pCtx, pStop := context.WithCancel(soft)

@@ -101,6 +101,11 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				if err != nil {
 					return conflictIfUnsafe(err)
 				}
+				// The generation searches read: the job's live processor
+				// version, not the one its last run used (a rebuild).
+				if j.ProcessorVersion, err = reconcile.LiveProcessorVersion(ctx, pool, j); err != nil {
+					return err
+				}
 				cfg.Source, cfg.ProcessorVersion, cfg.AggregateType = j.SourceName, j.ProcessorVersion, j.AggregateType
 				cfg.Topic = cmp.Or(j.Topic, topic)
 				routes, err := sink.ParseRoutes(routesFlag)

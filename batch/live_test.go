@@ -1,0 +1,107 @@
+package batch_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/testproc"
+)
+
+// normalizedState is what a user checks of normalized_records and the
+// outbox: every row's id, processor and source version, and the events.
+func normalizedState(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var s string
+	require.NoError(t, pool.QueryRow(context.Background(), `
+SELECT coalesce(md5(string_agg(source_id || ':' || processor_version || ':' || source_version, ',' ORDER BY source_id)), '') ||
+       ' events=' || (SELECT count(*) FROM outbox_events) FROM normalized_records`).Scan(&s))
+	return s
+}
+
+func rowsAt(t *testing.T, pool *pgxpool.Pool, pv string) int64 {
+	t.Helper()
+	return queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE processor_version = $1`, pv)
+}
+
+// The stale schedule (issue 27, item 2): after a cutover to v2 the old
+// spec at v1 is refused (exit 3), naming the job, the live version and the
+// commands that make a version live, and nothing changes in
+// normalized_records or the outbox; after a rollback to v1 the v2 schedule
+// is refused the same way; --rebuild declares a rebuild of a version that
+// was live before. A version never live (the upgrade's rebuild) runs.
+func TestRunAtAVersionThatIsNoLongerLiveIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	bin := testproc.Build(t, "batcher")
+	url, pool := newDB(t)
+	seed(t, pool, 1, 300, 1, 1)
+	at := func(pv string) string {
+		return writeSpec(t, spec(func(s *batch.Spec) { s.ProcessorVersion = pv }))
+	}
+	v1, v2 := at("v1"), at("v2")
+	cmd := func(args ...string) *testproc.Proc {
+		t.Helper()
+		return testproc.Run(t, time.Minute, bin, env(url), args...)
+	}
+	live := func() string {
+		v, err := batch.LoadLiveVersion(ctx, pool, "records")
+		require.NoError(t, err)
+		return v.ProcessorVersion
+	}
+	touch := func() {
+		_, err := pool.Exec(ctx, `UPDATE source_records SET payload = payload || '{"n": 1}' WHERE id % 3 = 0`)
+		require.NoError(t, err)
+	}
+
+	p := cmd("run", "--spec", v1)
+	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+	require.Equal(t, "v1", live(), "a job's first version is live")
+	p = cmd("run", "--spec", v2)
+	require.Equal(t, 0, p.ExitCode(), "v2 was never live: its rebuild runs\n%s", p.Stderr())
+	require.EqualValues(t, 300, rowsAt(t, pool, "v2"))
+	require.Equal(t, "v1", live())
+
+	_, err := batch.SetLiveVersion(ctx, pool, "records", "v2", batch.MovedByCutover)
+	require.NoError(t, err)
+	touch()
+	before := normalizedState(t, pool)
+	p = cmd("run", "--spec", v1)
+	require.Equal(t, 3, p.ExitCode(), "the old schedule after the cutover: %s", p.Stdout())
+	for _, want := range []string{"job records", "processor version v1 was live before", "v2 is live", "indexer rollback", "indexer cutover --job records", "--rebuild"} {
+		require.Contains(t, p.Stderr(), want)
+	}
+	require.Equal(t, before, normalizedState(t, pool), "nothing changed")
+	require.EqualValues(t, 300, rowsAt(t, pool, "v2"))
+	var stored string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT spec->>'processor_version' FROM batch_jobs WHERE job = 'records'`).Scan(&stored))
+	require.Equal(t, "v2", stored, "the refused run's spec is not saved (indexer cutover --job reads it)")
+	p = cmd("quarantine", "retry", "--spec", v1)
+	require.Equal(t, 3, p.ExitCode(), "quarantine retry with the old spec: %s", p.Stdout())
+	require.Contains(t, p.Stderr(), "processor version v1 was live before")
+	p = cmd("run", "--spec", v2)
+	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+	require.Contains(t, p.Stdout(), "100 changed")
+
+	_, err = batch.SetLiveVersion(ctx, pool, "records", "v1", batch.MovedByRollback)
+	require.NoError(t, err)
+	touch()
+	before = normalizedState(t, pool)
+	p = cmd("run", "--spec", v2)
+	require.Equal(t, 3, p.ExitCode(), "the new schedule after the rollback: %s", p.Stdout())
+	require.Contains(t, p.Stderr(), "processor version v2 was live before and is not now: v1 is live")
+	require.Equal(t, before, normalizedState(t, pool), "nothing changed")
+	p = cmd("run", "--spec", v1)
+	require.Equal(t, 0, p.ExitCode(), p.Stderr())
+	require.EqualValues(t, 300, rowsAt(t, pool, "v1"))
+
+	p = cmd("run", "--spec", v2, "--rebuild")
+	require.Equal(t, 0, p.ExitCode(), "a declared rebuild: %s", p.Stderr())
+	require.EqualValues(t, 300, rowsAt(t, pool, "v2"))
+	require.Equal(t, "v1", live(), "a rebuild does not make its version live")
+	require.EqualValues(t, 3, queryInt(t, pool, `SELECT count(*) FROM batch_live_version_moves WHERE job = 'records'`), "first run, cutover, rollback")
+}
