@@ -69,6 +69,11 @@ func TestIndexerAutoCutover(t *testing.T) {
 		return err == nil && len(targets) == 1 && targets[0] == v2
 	})
 	requireAliasOn(t, p, v2)
+	// The indexer logs the move once it has recorded the job's live
+	// version, a moment after the _aliases call.
+	waitUntil(t, time.Minute, "the automatic cutover's log line", func() bool {
+		return strings.Contains(ix.Stderr(), "the read alias moved to the rebuilt generation")
+	})
 	require.Equal(t, 1, strings.Count(ix.Stderr(), "the read alias moved to the rebuilt generation"), procs())
 	require.Equal(t, "v2", sampleDoc(t, p)[sink.FieldPV])
 	p.expect = expectV2
