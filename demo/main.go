@@ -410,7 +410,7 @@ func (d *run) newNormalizer(ctx context.Context) (string, error) {
 	if err := d.sampleSearch(ctx); err != nil {
 		return "", err
 	}
-	fmt.Printf("  rollback in one action: indexer rollback (ALIAS=%s); then indexer generations drop --index %s when done\n", d.alias, sink.GenerationIndex(d.alias, "v1"))
+	fmt.Printf("  rollback in one action: indexer rollback --job %s --force (ALIAS=%s; without --force, after batcher run --rebuild at v1); then indexer generations drop --index %s when done\n", job, d.alias, sink.GenerationIndex(d.alias, "v1"))
 	return res, nil
 }
 
