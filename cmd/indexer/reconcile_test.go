@@ -10,6 +10,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -26,13 +27,13 @@ func TestReconcileCommandOnAJobWhoseTableIsT(t *testing.T) {
 	dbURL := stack.Database(t)
 	pool := stack.Pool(t, dbURL)
 	esURL := stack.ElasticsearchURL(t)
-	client, err := sink.NewClient(esURL)
+	client, err := index.NewClient(esURL)
 	require.NoError(t, err)
 	alias := stack.UniqueName("records")
 	t.Cleanup(func() {
 		_, _ = client.PerformRequest(context.Background(), elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + alias + "_v1", IgnoreErrors: []int{404}})
 	})
-	_, err = sink.EnsureIndex(ctx, client, alias, alias+"-write", sink.DefaultMapping)
+	_, err = index.Ensure(ctx, client, alias, alias+"-write", sink.DefaultMapping)
 	require.NoError(t, err)
 	const n = 300
 	_, err = pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted)

@@ -1,4 +1,4 @@
-package sink
+package index
 
 import (
 	"context"
@@ -509,7 +509,7 @@ func indexHealth(ctx context.Context, client *elastic.Client, index string) (str
 // makes the plan's one _aliases call.
 func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
 	m := p.Move
-	gens, err := listGenerations(ctx, client, m.Target)
+	gens, err := ListGenerations(ctx, client, m.Target)
 	if err != nil {
 		return err
 	}
@@ -524,7 +524,7 @@ func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
 			return err
 		}
 		meta.BulkLoad = nil
-		if err := putMeta(ctx, client, m.Target, meta); err != nil {
+		if err := PutMeta(ctx, client, m.Target, meta); err != nil {
 			return err
 		}
 	}
@@ -550,7 +550,7 @@ func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
 	}
 	now := time.Now().UTC().Format(time.RFC3339)
 	if p.From != "" && p.From != m.Target {
-		uuid, err := indexUUID(ctx, client, p.From)
+		uuid, err := UUID(ctx, client, p.From)
 		if err != nil {
 			return err
 		}
@@ -570,10 +570,10 @@ func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
 		meta.Sources[m.Type] = SourceMoveMeta{At: now}
 	}
 	meta.CutoverAt = now
-	if err := putMeta(ctx, client, m.Target, meta); err != nil {
+	if err := PutMeta(ctx, client, m.Target, meta); err != nil {
 		return err
 	}
-	if err := updateAliases(ctx, client, p.actions); err != nil {
+	if err := UpdateAliases(ctx, client, p.actions); err != nil {
 		return fmt.Errorf("move the documents of aggregate type %q of alias %s to %s (someone else moved the aliases meanwhile?): %w", m.Type, p.Before.Alias, m.Target, err)
 	}
 	return nil
@@ -592,7 +592,7 @@ type SourceMoveMeta struct {
 // recorded); for typ "" or a generation without per-type records, the
 // whole-alias previous generation.
 func PreviousOf(ctx context.Context, client *elastic.Client, index, typ string) (prev, uuid string, err error) {
-	gens, err := listGenerations(ctx, client, index)
+	gens, err := ListGenerations(ctx, client, index)
 	if err != nil || len(gens) != 1 {
 		return "", "", err
 	}
@@ -609,9 +609,4 @@ func WasLiveFor(g Generation, typ string) bool {
 		return true
 	}
 	return len(g.Meta.Sources) == 0 && g.Meta.CutoverAt != ""
-}
-
-// IndexUUID is indexUUID for commands.
-func IndexUUID(ctx context.Context, client *elastic.Client, index string) (string, error) {
-	return indexUUID(ctx, client, index)
 }
