@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -497,6 +498,43 @@ func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) err
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of %s.%s changed after run %s read them (%d updated or soft-deleted, %d new in the scope, %d gone from it); "+
 			"run the job again (batcher run --spec with the job's spec, or batcher run --job %s: the catch-up) and cut over after it",
 			r.Behind.Total(), spec.Source.Schema, spec.Source.Table, r.Rebuild, r.Behind.Changed, r.Behind.Missing, r.Behind.Gone, j.Name))
+	}
+	return nil
+}
+
+// jobTypesOf returns the aggregate types of every job in batch_jobs whose
+// documents go to alias under cfg's routes.
+func jobTypesOf(ctx context.Context, db *pgxpool.Pool, cfg sink.Config, alias string) ([]string, error) {
+	rows, err := db.Query(ctx, `SELECT spec FROM batch_jobs`)
+	if err != nil {
+		return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var j Job
+		if err := rows.Scan(&j); err != nil {
+			return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+		}
+		typ := cmp.Or(j.AggregateType, j.Source.Table)
+		if cfg.ForAggregateType(typ).Alias == alias {
+			out = append(out, typ)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+	}
+	slices.Sort(out)
+	return slices.Compact(out), nil
+}
+
+// auditForced records a move made with --force past refused checks, in
+// checkpoint_audit (action "<what>-forced").
+func auditForced(ctx context.Context, db *pgxpool.Pool, job, what, reason string) error {
+	actor := cmp.Or(os.Getenv("USER"), "indexer")
+	if _, err := db.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, '', '', $2, $3, $4)`,
+		job, actor, reason, what+"-forced"); err != nil {
+		return fmt.Errorf("audit the forced %s of job %s: %w", what, job, err)
 	}
 	return nil
 }
