@@ -439,6 +439,13 @@ var (
 	ErrUnsafeMove = errors.New("refused")
 )
 
+// GenerationExists reports whether index exists as a generation (with or
+// without its _meta).
+func GenerationExists(ctx context.Context, client *elastic.Client, index string) (bool, error) {
+	gens, err := ListGenerations(ctx, client, index)
+	return len(gens) == 1, err
+}
+
 // GenerationTarget returns the index holding alias's generation for pv:
 // where its write alias points, else the index GenerationIndex names.
 func GenerationTarget(ctx context.Context, client *elastic.Client, alias, pv string) (string, error) {

@@ -71,13 +71,6 @@ func MoveAliases(ctx context.Context, client *elastic.Client, alias, writeAlias,
 	return read, nil
 }
 
-// GenerationExists reports whether index exists as a generation (with or
-// without its _meta).
-func GenerationExists(ctx context.Context, client *elastic.Client, index string) (bool, error) {
-	gens, err := ListGenerations(ctx, client, index)
-	return len(gens) == 1, err
-}
-
 // Rollback moves both aliases back to the generation they left when they
 // last moved to the live one, in one _aliases call, without checks (package
 // reconcile's Rollback checks the target first and moves one job's
