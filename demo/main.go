@@ -48,10 +48,10 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/logging"
 	"github.com/outboxrelay/outboxrelay/reconcile"
-	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 type config struct {
@@ -279,7 +279,7 @@ func (d *run) setup(ctx context.Context) error {
 	if d.pool, err = pgxpool.New(ctx, d.dbURL); err != nil {
 		return err
 	}
-	if d.es, err = sink.NewClient(d.searchURL); err != nil {
+	if d.es, err = index.NewClient(d.searchURL); err != nil {
 		return err
 	}
 	// A previous demo's index and aliases go, so the counts start at zero.
@@ -387,9 +387,9 @@ func (d *run) newNormalizer(ctx context.Context) (string, error) {
 	if err := os.WriteFile(v2File, b, 0o644); err != nil {
 		return "", err
 	}
-	gen := sink.GenerationIndex(d.alias, "v2")
+	gen := index.GenerationIndex(d.alias, "v2")
 	step("normalizer", "a new normalizer: title transforms [trim] -> [trim, upper], processor_version v1 -> v2 (%s)", v2File)
-	step("run 3", "batcher: every row normalized again and indexed into the new generation %s; searches keep reading %s", gen, sink.GenerationIndex(d.alias, "v1"))
+	step("run 3", "batcher: every row normalized again and indexed into the new generation %s; searches keep reading %s", gen, index.GenerationIndex(d.alias, "v1"))
 	res, err := d.pipelineRun(ctx, 3, v2File, gen, "v2")
 	if err != nil {
 		return "", err
@@ -410,7 +410,7 @@ func (d *run) newNormalizer(ctx context.Context) (string, error) {
 	if err := d.sampleSearch(ctx); err != nil {
 		return "", err
 	}
-	fmt.Printf("  rollback in one action: indexer rollback --job %s --force (ALIAS=%s; without --force, after batcher run --rebuild at v1); then indexer generations drop --index %s when done\n", job, d.alias, sink.GenerationIndex(d.alias, "v1"))
+	fmt.Printf("  rollback in one action: indexer rollback --job %s --force (ALIAS=%s; without --force, after batcher run --rebuild at v1); then indexer generations drop --index %s when done\n", job, d.alias, index.GenerationIndex(d.alias, "v1"))
 	return res, nil
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -32,7 +33,7 @@ func TestIndexerAutoCutover(t *testing.T) {
 	}
 	p.runBatcher(2 * time.Minute)
 	p.waitSettled(ctx, 2*time.Minute, procs)
-	v1, v2 := sink.GenerationIndex(p.alias, "v1"), sink.GenerationIndex(p.alias, "v2")
+	v1, v2 := index.GenerationIndex(p.alias, "v1"), index.GenerationIndex(p.alias, "v2")
 	requireAliasOn(t, p, v1)
 
 	specV2 := p.spec
@@ -65,7 +66,7 @@ func TestIndexerAutoCutover(t *testing.T) {
 	// The catch-up: the indexer moves the aliases by itself.
 	runV2()
 	waitUntil(t, 2*time.Minute, "the automatic cutover to "+v2, func() bool {
-		targets, err := sink.AliasTargets(ctx, p.es, p.alias)
+		targets, err := index.AliasTargets(ctx, p.es, p.alias)
 		return err == nil && len(targets) == 1 && targets[0] == v2
 	})
 	requireAliasOn(t, p, v2)

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -147,7 +148,7 @@ func testJobsOnOneAlias(t *testing.T, jobs []*aliasJob) {
 	runJobs(allV1)
 	runsOK()
 	expectFound(allV1)
-	v1, v2 := sink.GenerationIndex(p.alias, "v1"), sink.GenerationIndex(p.alias, "v2")
+	v1, v2 := index.GenerationIndex(p.alias, "v1"), index.GenerationIndex(p.alias, "v2")
 
 	// The prober: per job, what the alias finds against the source.
 	var probes, badProbes atomic.Int64
@@ -257,11 +258,11 @@ func testJobsOnOneAlias(t *testing.T, jobs []*aliasJob) {
 	report(t, "%d jobs on one alias: %d searches during two upgrades, a rollback and the runs between, 0 missing or doubled", len(jobs), probes.Load())
 }
 
-func requireWriteAlias(t *testing.T, p *pipeline, index string) {
+func requireWriteAlias(t *testing.T, p *pipeline, idx string) {
 	t.Helper()
-	targets, err := sink.AliasTargets(context.Background(), p.es, p.alias+"-write")
+	targets, err := index.AliasTargets(context.Background(), p.es, p.alias+"-write")
 	require.NoError(t, err)
-	require.Equal(t, []string{index}, targets)
+	require.Equal(t, []string{idx}, targets)
 }
 
 // probeJobs searches the read alias the way users do (no refresh) and

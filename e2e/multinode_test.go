@@ -20,10 +20,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
-	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 // The whole pipeline on a 3-broker Kafka cluster (replication 3,
@@ -75,14 +75,14 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	wg.Wait()
 	require.True(t, kOK && sOK, "a cluster did not start")
 	brokers := strings.Split(kc.Env, ",")
-	require.Len(t, sink.SplitURLs(sc.Env), 2, "search cluster URLs")
+	require.Len(t, index.SplitURLs(sc.Env), 2, "search cluster URLs")
 	clustersUp := time.Since(started)
 	phase("clusters up")
 	p.brokers = brokers
-	es, err := sink.NewClient(sc.Env)
+	es, err := index.NewClient(sc.Env)
 	require.NoError(t, err)
 	p.es = es
-	p.searchURLs = sink.SplitURLs(sc.Env)
+	p.searchURLs = index.SplitURLs(sc.Env)
 	const partitions = 3
 	kcl := createReplicatedTopic(ctx, t, brokers, p.topic, partitions)
 
@@ -96,22 +96,22 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 	// The indexer creates the index (one shard, one replica) at start. Its
 	// primary is moved to node 2, the node without the cluster-manager role,
 	// so that killing node 2 fails the primary over to node 1's replica.
-	var index string
+	var idx string
 	waitFor(t, 2*time.Minute, "the indexer to create the index", func() bool {
-		targets, err := sink.AliasTargets(ctx, p.es, p.alias+"-write")
+		targets, err := index.AliasTargets(ctx, p.es, p.alias+"-write")
 		if err == nil && len(targets) == 1 {
-			index = targets[0]
+			idx = targets[0]
 		}
-		return index != ""
+		return idx != ""
 	})
-	waitGreen(ctx, t, p.es, index, 2*time.Minute)
-	if primaryNode(ctx, t, p.es, index) != "outboxrelay-node-2" {
+	waitGreen(ctx, t, p.es, idx, 2*time.Minute)
+	if primaryNode(ctx, t, p.es, idx) != "outboxrelay-node-2" {
 		_, err := p.es.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/_cluster/reroute",
 			Body: map[string]any{"commands": []any{map[string]any{"cancel": map[string]any{
-				"index": index, "shard": 0, "node": "outboxrelay-node-1", "allow_primary": true}}}}})
+				"index": idx, "shard": 0, "node": "outboxrelay-node-1", "allow_primary": true}}}}})
 		require.NoError(t, err, "move the primary to node 2")
-		waitFor(t, 2*time.Minute, "the primary on node 2", func() bool { return primaryNode(ctx, t, p.es, index) == "outboxrelay-node-2" })
-		waitGreen(ctx, t, p.es, index, 2*time.Minute)
+		waitFor(t, 2*time.Minute, "the primary on node 2", func() bool { return primaryNode(ctx, t, p.es, idx) == "outboxrelay-node-2" })
+		waitGreen(ctx, t, p.es, idx, 2*time.Minute)
 	}
 
 	phase("index created, primary on node 2, green")
@@ -141,7 +141,7 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 		// by its primary, recovering) cannot take over, and the shard
 		// would go red instead of failing over.
 		st, err := p.status(ctx)
-		if err != nil || docCount(ctx, p.es, index) < 2000 || indexHealth(ctx, p.es, index) != "green" {
+		if err != nil || docCount(ctx, p.es, idx) < 2000 || indexHealth(ctx, p.es, idx) != "green" {
 			return false
 		}
 		ixInFlight = st.TotalLag()
@@ -151,15 +151,15 @@ func TestPipelineSurvivesBrokerAndSearchNodeFailover(t *testing.T) {
 		Vars: []string{"SEARCH_JAVA_OPTS=-Xms512m -Xmx512m", "SEARCH_START_TIMEOUT=240"}}
 	// Counts after a refresh: what is written, not what the last periodic
 	// refresh showed.
-	atKill := docCount(ctx, p.es, index)
+	atKill := docCount(ctx, p.es, idx)
 	nodeKilled := time.Now()
 	killPidFile(t, filepath.Join(node.Dir, "opensearch", "opensearch.pid"))
 	last := atKill
 	waitFor(t, 2*time.Minute, "indexing to resume on node 1 after the node kill", func() bool {
-		last = docCount(ctx, p.es, index)
+		last = docCount(ctx, p.es, idx)
 		return last > atKill+500
 	}, func() string {
-		return fmt.Sprintf("documents: %d at the kill, %d last (-1: the count failed)\n%s\n%s", atKill, last, clusterState(ctx, p.es, index), procs())
+		return fmt.Sprintf("documents: %d at the kill, %d last (-1: the count failed)\n%s\n%s", atKill, last, clusterState(ctx, p.es, idx), procs())
 	})
 	ixResumed := time.Since(nodeKilled)
 	phase("search node 2 killed, indexing resumed")

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/failpoint"
@@ -59,7 +60,7 @@ func TestNormalizerUpgradeWithCutover(t *testing.T) {
 	}
 	p.runBatcher(3*time.Minute, "--lease-ttl", "3s")
 	p.waitSettled(ctx, 3*time.Minute, procs)
-	v1, v2 := sink.GenerationIndex(p.alias, "v1"), sink.GenerationIndex(p.alias, "v2")
+	v1, v2 := index.GenerationIndex(p.alias, "v1"), index.GenerationIndex(p.alias, "v2")
 	requireAliasOn(t, p, v1)
 
 	// The prober searches the read alias the way users do, without
@@ -287,12 +288,12 @@ FROM source_records s LEFT JOIN normalized_records n ON n.source = $1 AND n.sour
 		rows, updated.Load(), deleted.Load(), probes.Load())
 }
 
-func requireAliasOn(t *testing.T, p *pipeline, index string) {
+func requireAliasOn(t *testing.T, p *pipeline, idx string) {
 	t.Helper()
 	for _, a := range []string{p.alias, p.alias + "-write"} {
-		targets, err := sink.AliasTargets(context.Background(), p.es, a)
+		targets, err := index.AliasTargets(context.Background(), p.es, a)
 		require.NoError(t, err)
-		require.Equal(t, []string{index}, targets, "alias %s", a)
+		require.Equal(t, []string{idx}, targets, "alias %s", a)
 	}
 }
 

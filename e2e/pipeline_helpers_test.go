@@ -25,6 +25,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
 	"github.com/outboxrelay/outboxrelay/outbox"
@@ -82,7 +83,7 @@ func newPipeline(tb testing.TB, o pipelineOptions) *pipeline {
 	p.group = p.topic + "-indexer"
 	p.pool = stack.Pool(tb, p.dbURL)
 	var err error
-	p.es, err = sink.NewClient(stack.ElasticsearchURL(tb))
+	p.es, err = index.NewClient(stack.ElasticsearchURL(tb))
 	require.NoError(tb, err)
 	createTopic(tb, p.brokers, p.topic, cmpOr(o.TopicPartitions, 6))
 

@@ -10,11 +10,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
 	"github.com/outboxrelay/outboxrelay/reconcile"
-	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 // After a clean pipeline run, documents are deleted and altered directly in
@@ -33,7 +33,7 @@ func TestReconcileFindsAndRepairsDriftBehindThePipelinesBack(t *testing.T) {
 	p.runBatcher(3 * time.Minute)
 	p.waitSettled(ctx, 3*time.Minute, procs)
 
-	targets, err := sink.AliasTargets(ctx, p.es, p.alias+"-write")
+	targets, err := index.AliasTargets(ctx, p.es, p.alias+"-write")
 	require.NoError(t, err)
 	require.Len(t, targets, 1)
 	index := targets[0]

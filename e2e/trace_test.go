@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/tracing"
 	"github.com/outboxrelay/outboxrelay/outbox"
@@ -45,7 +46,7 @@ FROM generate_series(1, 3) g`)
 	brokers, esURL := stack.KafkaBrokers(t), stack.ElasticsearchURL(t)
 	topic, alias := stack.UniqueName("trace"), stack.UniqueName("trace")
 	createTopic(t, brokers, topic, 2)
-	es, err := sink.NewClient(esURL)
+	es, err := index.NewClient(esURL)
 	require.NoError(t, err)
 	t.Cleanup(func() { _, _ = es.DeleteIndex(alias + "_v*").Do(context.Background()) })
 

@@ -5,16 +5,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"log/slog"
-	"slices"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/olivere/elastic/v7"
 
-	"github.com/outboxrelay/outboxrelay/internal/pgconn"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
@@ -79,7 +75,7 @@ func AutoCutover(ctx context.Context, cfg sink.Config, opts AutoCutoverOptions) 
 					slog.String("alias", alias), slog.String("processor_version", res.ProcessorVersion),
 					slog.Any("from", res.From), slog.Int64("documents", res.IndexDocs), slog.Int64("source_rows_changed_since_read", res.Behind.Total()))
 				delete(waiting, job)
-			case errors.Is(err, sink.ErrUnsafeMove):
+			case errors.Is(err, index.ErrUnsafeMove):
 				if waiting[job] != res.Index {
 					l.Info("automatic cutover: waiting for the generation to be ready", slog.String("missing", err.Error()))
 					waiting[job] = res.Index
@@ -102,16 +98,15 @@ func AutoCutover(ctx context.Context, cfg sink.Config, opts AutoCutoverOptions) 
 
 // Why a round of [AutoCutover] did not try a generation.
 const (
-	skipNoJob      = "no job"      // the job has not run yet (batch_jobs has no spec)
-	skipMissing    = "missing"     // no indexer has created it yet
-	skipLive       = "live"        // the read alias points at it
-	skipRolledBack = "rolled back" // live before, not now
-	skipLocked     = "locked"      // another process holds the alias's cutover lock
+	skipNoJob      = "no job"             // the job has not run yet (batch_jobs has no spec)
+	skipLive       = index.SkipLive       // the read alias points at it
+	skipRolledBack = index.SkipRolledBack // live before, not now
+	skipLocked     = "locked"             // another process holds the alias's cutover lock
 )
 
 // autoCutoverOnce is one round of [AutoCutover] for job, whose generations
 // belong to alias. skip says why it did not try the generation ("" when it
-// tried); a generation not ready is an error wrapping [sink.ErrUnsafeMove].
+// tried); a generation not ready is an error wrapping [index.ErrUnsafeMove].
 // It moved the aliases when both are empty.
 func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job string) (res CutoverResult, alias, skip string, err error) {
 	j, err := LoadJob(ctx, db, job)
@@ -124,36 +119,29 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 	res.Job, res.ProcessorVersion = j.Name, j.ProcessorVersion
 	cfg = cfg.ForAggregateType(j.AggregateType)
 	alias = cfg.Alias
-	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, alias, "", err
 	}
-	if res.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+	if res.Index, err = index.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
 		return res, alias, "", err
 	}
 	if back, err := rolledBackFrom(ctx, db, job, j.ProcessorVersion); back || err != nil {
 		return res, alias, skipRolledBack, err
 	}
-	if skip, err := candidate(ctx, client, cfg, res.Index, j.AggregateType); skip != "" || err != nil {
+	if skip, err := index.Candidate(ctx, client, cfg.Alias, cfg.WriteAlias, res.Index, j.AggregateType); skip != "" || err != nil {
 		return res, alias, skip, err
 	}
-	conn, err := db.Acquire(ctx)
+	unlock, locked, err := index.TryLockAlias(ctx, db, cfg.Alias)
 	if err != nil {
 		return res, alias, "", fmt.Errorf("automatic cutover of job %s: %w", job, err)
-	}
-	defer conn.Release()
-	key := cutoverLockKey(cfg.Alias)
-	var locked bool
-	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, key).Scan(&locked); err != nil {
-		return res, alias, "", fmt.Errorf("automatic cutover of job %s: take the cutover lock of alias %s: %w", job, cfg.Alias, err)
 	}
 	if !locked {
 		return res, alias, skipLocked, nil
 	}
-	// Bounded: a stalled database must not hold up the indexer's shutdown.
-	defer func() { _ = pgconn.ReleaseAdvisoryLock(ctx, conn.Conn(), key) }()
+	defer unlock()
 	// Again under the lock: another indexer may have moved it meanwhile.
-	if skip, err := candidate(ctx, client, cfg, res.Index, j.AggregateType); skip != "" || err != nil {
+	if skip, err := index.Candidate(ctx, client, cfg.Alias, cfg.WriteAlias, res.Index, j.AggregateType); skip != "" || err != nil {
 		return res, alias, skip, err
 	}
 	res, err = Cutover(ctx, cfg, CutoverOptions{DB: db, Job: job, locked: true, auto: true})
@@ -161,36 +149,4 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 		skip = skipLive
 	}
 	return res, alias, skip, err
-}
-
-// candidate says why index, a generation of cfg's alias, is no candidate
-// for an automatic cutover of the documents of aggregate type typ, or ""
-// when it is one: it exists, they are not live there, and it records no
-// move of them to it.
-func candidate(ctx context.Context, client *elastic.Client, cfg sink.Config, index, typ string) (string, error) {
-	gens, err := sink.Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
-	if err != nil {
-		return "", err
-	}
-	state, err := sink.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
-	if err != nil {
-		return "", err
-	}
-	i := slices.IndexFunc(gens, func(g sink.Generation) bool { return g.Index == index })
-	switch {
-	case i < 0:
-		return skipMissing, nil
-	case state.LiveOf(typ) == index:
-		return skipLive, nil
-	case sink.WasLiveFor(gens[i], typ):
-		return skipRolledBack, nil
-	}
-	return "", nil
-}
-
-// cutoverLockKey is the advisory lock key of automatic cutovers of alias.
-func cutoverLockKey(alias string) int64 {
-	h := fnv.New64a()
-	h.Write([]byte("outboxrelay.cutover:" + strings.ToLower(alias)))
-	return int64(h.Sum64())
 }

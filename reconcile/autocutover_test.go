@@ -11,8 +11,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/reconcile"
-	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 // logBuffer collects log lines from several goroutines.
@@ -79,13 +79,13 @@ func TestAutoCutoverMovesTheAliasOnceTheCatchUpRan(t *testing.T) {
 	f.index(t)
 	require.Eventually(t, func() bool { return logs.count("the read alias moved to the rebuilt generation") == 1 }, time.Minute, 20*time.Millisecond, logs.String())
 	for _, a := range []string{f.cfg.Alias, f.cfg.WriteAlias} {
-		targets, err := sink.AliasTargets(ctx, f.client, a)
+		targets, err := index.AliasTargets(ctx, f.client, a)
 		require.NoError(t, err)
 		require.Equal(t, []string{f.next}, targets, "alias %s", a)
 	}
 
 	// The operator rolls back: the generation is not moved live again.
-	_, into, err := sink.Rollback(ctx, f.cfg)
+	_, into, err := index.Rollback(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias)
 	require.NoError(t, err)
 	require.Equal(t, f.live, into)
 	require.Eventually(t, func() bool { return logs.count("rolled back from; left to the operator") > 0 }, time.Minute, 20*time.Millisecond, logs.String())

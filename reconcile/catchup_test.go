@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/demo"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
@@ -41,14 +42,14 @@ func newRebuildFixture(t *testing.T, rows int) *rebuildFixture {
 	f := &rebuildFixture{pool: stack.Pool(t, stack.Database(t))}
 	require.NoError(t, demo.Seed(ctx, f.pool, demo.SeedOptions{Rows: rows}))
 	var err error
-	f.client, err = sink.NewClient(stack.ElasticsearchURL(t))
+	f.client, err = index.NewClient(stack.ElasticsearchURL(t))
 	require.NoError(t, err)
 	f.cfg = sink.Config{URL: stack.ElasticsearchURL(t), Alias: stack.UniqueName("catchup")}.WithDefaults()
 	t.Cleanup(func() { _, _ = f.client.DeleteIndex(f.cfg.Alias + "_*").Do(context.Background()) })
-	f.live, err = sink.EnsureIndex(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias, f.cfg.Mapping)
+	f.live, err = index.Ensure(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias, f.cfg.Mapping)
 	require.NoError(t, err)
-	f.next = sink.GenerationIndex(f.cfg.Alias, "v2")
-	require.NoError(t, sink.CreateIndex(ctx, f.client, f.next, f.cfg.Mapping, map[string]any{f.next + "-write": map[string]any{"is_write_index": true}}))
+	f.next = index.GenerationIndex(f.cfg.Alias, "v2")
+	require.NoError(t, index.Create(ctx, f.client, f.next, f.cfg.Mapping, map[string]any{f.next + "-write": map[string]any{"is_write_index": true}}))
 	f.spec = batch.DemoSpec()
 	f.spec.ProcessorVersion = "v2"
 	f.spec.Chunk = batch.ChunkSettings{Size: 100, Min: 100, Max: 100}
@@ -101,7 +102,7 @@ func (f *rebuildFixture) exec(t *testing.T, sql string) int64 {
 
 func (f *rebuildFixture) readAlias(t *testing.T) []string {
 	t.Helper()
-	read, err := sink.AliasTargets(context.Background(), f.client, f.cfg.Alias)
+	read, err := index.AliasTargets(context.Background(), f.client, f.cfg.Alias)
 	require.NoError(t, err)
 	return read
 }
@@ -157,7 +158,7 @@ WHERE id IN (SELECT id FROM source_records ORDER BY created_at, id LIMIT 5)`)
 	require.Contains(t, r.String(), "14 source rows changed since read")
 
 	_, err = reconcile.Cutover(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: f.spec.Job})
-	require.True(t, errors.Is(err, sink.ErrUnsafeMove), "cutover before the catch-up: %v", err)
+	require.True(t, errors.Is(err, index.ErrUnsafeMove), "cutover before the catch-up: %v", err)
 	require.ErrorContains(t, err, "14 row(s) of public.source_records changed after run")
 	require.Equal(t, []string{f.live}, f.readAlias(t), "nothing moved")
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"github.com/olivere/elastic/v7"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
 
@@ -44,7 +46,7 @@ type CutoverOptions struct {
 	Force bool
 	// HealthTimeout bounds the wait for the target generation's shards
 	// (green when the generation it replaces is green, else its primaries);
-	// default sink.DefaultHealthTimeout.
+	// default index.DefaultHealthTimeout.
 	HealthTimeout time.Duration
 	// Logger gets the line of a forced move; default cfg.Logger.
 	Logger *slog.Logger
@@ -146,7 +148,7 @@ func CheckGeneration(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 // checkGenerationAt is CheckGeneration of j at j.ProcessorVersion (a
 // rollback's target version), for the generation index (when "", the
 // version's generation).
-func checkGenerationAt(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, j Job, index string) (Readiness, error) {
+func checkGenerationAt(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, j Job, gen string) (Readiness, error) {
 	cfg = cfg.WithDefaults()
 	var r Readiness
 	job := j.Name
@@ -165,16 +167,16 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 	case r.Succeeded < r.Partitions:
 		r.Missing = append(r.Missing, fmt.Sprintf("run %s has not succeeded in every partition (%s)", r.Run, r.Unfinished))
 	}
-	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return r, err
 	}
-	if r.Index = index; r.Index == "" {
-		if r.Index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+	if r.Index = gen; r.Index == "" {
+		if r.Index, err = index.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
 			return r, err
 		}
 	}
-	exists, err := sink.GenerationExists(ctx, client, r.Index)
+	exists, err := index.GenerationExists(ctx, client, r.Index)
 	if err != nil {
 		return r, err
 	}
@@ -187,7 +189,7 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 			return r, fmt.Errorf("count normalized rows of %s: %w", j.SourceName, err)
 		}
 	} else {
-		if err := sink.Refresh(ctx, client, r.Index); err != nil {
+		if err := index.Refresh(ctx, client, r.Index); err != nil {
 			return r, err
 		}
 		rep, err := Run(ctx, rc)
@@ -242,10 +244,10 @@ type CutoverResult struct {
 // the job's documents once [CheckGeneration] finds it ready (waiting up to
 // opts.Wait): one _aliases call rewrites the read alias so searches find
 // the job's documents there and every other job's where they were (see
-// sink.PlanMove); when every job of the alias is then live there, the
+// index.PlanMove); when every job of the alias is then live there, the
 // write alias moves too. The generation left is kept and recorded as the
 // job's previous generation for [Rollback]. A refusal wraps
-// [sink.ErrUnsafeMove] and says what is missing; nothing changed then.
+// [index.ErrUnsafeMove] and says what is missing; nothing changed then.
 func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (CutoverResult, error) {
 	if opts.DB == nil || opts.Job == "" {
 		return CutoverResult{}, &sink.ConfigError{Err: errors.New("CutoverOptions.DB and CutoverOptions.Job are required")}
@@ -260,26 +262,26 @@ func Cutover(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutover
 // moveChecked waits for j's generation at j.ProcessorVersion (index, or
 // that version's generation when "") to pass the checks, then moves j's
 // documents there. what names the command in messages and the audit.
-func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Job, index, what string) (CutoverResult, error) {
+func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Job, gen, what string) (CutoverResult, error) {
 	cfg = cfg.WithDefaults()
 	opts.Poll = cmp.Or(opts.Poll, 2*time.Second)
 	var res CutoverResult
 	cfg = cfg.ForAggregateType(j.AggregateType)
 	deadline := time.Now().Add(opts.Wait)
-	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, err
 	}
-	if index == "" {
-		if index, err = sink.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
+	if gen == "" {
+		if gen, err = index.GenerationTarget(ctx, client, cfg.Alias, j.ProcessorVersion); err != nil {
 			return res, err
 		}
 	}
 	for {
-		if err := carryKept(ctx, cfg, opts.DB, client, j, index); err != nil {
+		if err := carryKept(ctx, cfg, opts.DB, client, j, gen); err != nil {
 			return res, err
 		}
-		r, err := checkGenerationAt(ctx, cfg, opts.DB, j, index)
+		r, err := checkGenerationAt(ctx, cfg, opts.DB, j, gen)
 		res.Readiness = r
 		if err != nil {
 			return res, err
@@ -294,7 +296,7 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 			}
 			refusal := fmt.Sprintf("%s of job %s (alias %s) to %s%s: %s", what, j.Name, cfg.Alias, r.Index, waited, strings.Join(r.Missing, "; "))
 			if !opts.Force {
-				return res, fmt.Errorf("%w: %s (--force moves anyway)", sink.ErrUnsafeMove, refusal)
+				return res, fmt.Errorf("%w: %s (--force moves anyway)", index.ErrUnsafeMove, refusal)
 			}
 			if err := auditForced(ctx, opts.DB, j.Name, what, "--force past: "+refusal); err != nil {
 				return res, err
@@ -315,13 +317,34 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 		}
 	}
 	res.Alias = cfg.Alias
-	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, moveOptions{allowUnversioned: opts.AllowUnversioned, healthTimeout: opts.HealthTimeout, locked: opts.locked, beforeMove: opts.beforeMove})
-	res.Live, res.Unversioned, res.Copied = mr.plan.From, mr.hidden, mr.copied
-	res.From, res.Already, res.Whole = mr.fromList, mr.already, mr.plan.Whole
+	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, opts)
+	res.Live, res.Unversioned, res.Copied = mr.Plan.From, mr.Hidden, mr.Copied
+	res.From, res.Already, res.Whole = mr.From, mr.Already, mr.Plan.Whole
 	if err == nil {
 		err = recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto))
 	}
 	return res, err
+}
+
+// moveJob moves job j's documents (aggregate type) to target, in cfg's
+// alias (cfg routed already), with index.MoveJob, under the alias's cutover
+// lock (taken here unless the caller holds it). The caller ran the
+// readiness checks.
+func moveJob(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *elastic.Client, j Job, target string, opts CutoverOptions) (index.MoveResult, error) {
+	if !opts.locked {
+		unlock, err := index.LockAlias(ctx, db, cfg.Alias)
+		if err != nil {
+			return index.MoveResult{}, err
+		}
+		defer unlock()
+	}
+	types, err := jobTypesOf(ctx, db, cfg, cfg.Alias)
+	if err != nil {
+		return index.MoveResult{}, err
+	}
+	return index.MoveJob(ctx, client, db, cfg.Alias, cfg.WriteAlias,
+		index.JobMove{Type: j.AggregateType, Target: target, JobTypes: types, HealthTimeout: opts.HealthTimeout},
+		index.MoveOptions{Job: j.Name, AllowUnversioned: opts.AllowUnversioned, Locked: true, BeforeMove: opts.beforeMove, Logger: cfg.Logger})
 }
 
 // Rollback moves job's documents back to the generation they were live in
@@ -346,46 +369,16 @@ func Rollback(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutove
 	cfg = cfg.WithDefaults().ForAggregateType(j.AggregateType)
 	var res CutoverResult
 	res.Job = j.Name
-	client, err := sink.NewClientWith(cfg.URL, cfg.HTTPClient)
+	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, err
 	}
-	state, err := sink.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
+	g, err := index.RollbackTarget(ctx, client, cfg.Alias, cfg.WriteAlias, j.Name, j.AggregateType)
 	if err != nil {
 		return res, err
 	}
-	live := state.LiveOf(j.AggregateType)
-	if live == "" {
-		return res, fmt.Errorf("%w: the documents of job %s (aggregate type %q) are live in no generation of alias %s", sink.ErrUnsafeMove, j.Name, j.AggregateType, cfg.Alias)
-	}
-	prev, uuid, err := sink.PreviousOf(ctx, client, live, j.AggregateType)
-	if err != nil {
-		return res, err
-	}
-	if prev == "" {
-		return res, fmt.Errorf("%w: generation %s, where the documents of job %s are live, records no previous generation to roll back to", sink.ErrUnsafeMove, live, j.Name)
-	}
-	gens, err := sink.Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
-	if err != nil {
-		return res, err
-	}
-	i := slices.IndexFunc(gens, func(g sink.Generation) bool { return g.Index == prev })
-	if i < 0 {
-		return res, fmt.Errorf("%w: previous generation %s of job %s (alias %s) no longer exists (dropped)", sink.ErrUnsafeMove, prev, j.Name, cfg.Alias)
-	}
-	if uuid != "" {
-		now, err := sink.IndexUUID(ctx, client, prev)
-		if err != nil {
-			return res, err
-		}
-		if now != uuid {
-			return res, fmt.Errorf("%w: previous generation %s of job %s was dropped and created again since the cutover "+
-				"(by an indexer that received an event of processor version %s): it holds only what arrived since (%d documents); "+
-				"rebuild it (batcher run at that version, then indexer cutover --job) instead",
-				sink.ErrUnsafeMove, prev, j.Name, gens[i].Meta.ProcessorVersion, gens[i].Docs)
-		}
-	}
-	j.ProcessorVersion = gens[i].Meta.ProcessorVersion
+	prev := g.Index
+	j.ProcessorVersion = g.Meta.ProcessorVersion
 	if j.ProcessorVersion == "" {
 		// A generation without metadata (the index the indexer created at
 		// its start, never adopted): the version of the job's runs whose
@@ -399,7 +392,7 @@ func Rollback(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutove
 			return res, fmt.Errorf("list the processor versions of job %s: %w", j.Name, err)
 		}
 		for _, pv := range pvs {
-			if sink.GenerationIndex(cfg.Alias, pv) == prev {
+			if index.GenerationIndex(cfg.Alias, pv) == prev {
 				j.ProcessorVersion = pv
 			}
 		}
@@ -450,23 +443,23 @@ WHERE n.source = $%d AND n.processor_version IS DISTINCT FROM $%d
 // carryKept copies the documents of j's kept rows (see [keptRows]) from the
 // generation they are live in into index, at their external version, so
 // searches go on finding them after the move.
-func carryKept(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *elastic.Client, j Job, index string) error {
+func carryKept(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *elastic.Client, j Job, gen string) error {
 	ids, err := keptRows(ctx, db, j)
 	if err != nil || len(ids) == 0 {
 		return err
 	}
-	state, err := sink.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
+	state, err := index.ReadAliasState(ctx, client, cfg.Alias, cfg.WriteAlias)
 	if err != nil {
 		return err
 	}
 	from := state.LiveOf(j.AggregateType)
-	if from == "" || from == index {
+	if from == "" || from == gen {
 		return nil
 	}
-	if ok, err := sink.GenerationExists(ctx, client, index); err != nil || !ok {
+	if ok, err := index.GenerationExists(ctx, client, gen); err != nil || !ok {
 		return err
 	}
-	return copyDocs(ctx, client, from, index, ids)
+	return index.CopyDocs(ctx, client, from, gen, ids)
 }
 
 // rebuildRunsSQL finds job $1's rebuild at processor version $2 (its first
@@ -510,6 +503,43 @@ func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) err
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of %s.%s changed after run %s read them (%d updated or soft-deleted, %d new in the scope, %d gone from it); "+
 			"run the job again (batcher run --spec with the job's spec, or batcher run --job %s: the catch-up) and cut over after it",
 			r.Behind.Total(), spec.Source.Schema, spec.Source.Table, r.Rebuild, r.Behind.Changed, r.Behind.Missing, r.Behind.Gone, j.Name))
+	}
+	return nil
+}
+
+// jobTypesOf returns the aggregate types of every job in batch_jobs whose
+// documents go to alias under cfg's routes.
+func jobTypesOf(ctx context.Context, db *pgxpool.Pool, cfg sink.Config, alias string) ([]string, error) {
+	rows, err := db.Query(ctx, `SELECT spec FROM batch_jobs`)
+	if err != nil {
+		return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var j Job
+		if err := rows.Scan(&j); err != nil {
+			return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+		}
+		typ := cmp.Or(j.AggregateType, j.Source.Table)
+		if cfg.ForAggregateType(typ).Alias == alias {
+			out = append(out, typ)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+	}
+	slices.Sort(out)
+	return slices.Compact(out), nil
+}
+
+// auditForced records a move made with --force past refused checks, in
+// checkpoint_audit (action "<what>-forced").
+func auditForced(ctx context.Context, db *pgxpool.Pool, job, what, reason string) error {
+	actor := cmp.Or(os.Getenv("USER"), "indexer")
+	if _, err := db.Exec(ctx, `INSERT INTO checkpoint_audit (job, logical_run_id, partition_key, actor, reason, action) VALUES ($1, '', '', $2, $3, $4)`,
+		job, actor, reason, what+"-forced"); err != nil {
+		return fmt.Errorf("audit the forced %s of job %s: %w", what, job, err)
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -28,16 +29,16 @@ func testCutoverRefusesToHideDocumentsWithoutProcessorVersion(t *testing.T, engi
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("cut-app")}.WithDefaults()
 
 	// The live generation (v1), as the indexer creates it, and the v2 one
 	// built beside it.
-	live, err := sink.EnsureIndex(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	live, err := index.Ensure(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
 	require.NoError(t, err)
-	next := sink.GenerationIndex(cfg.Alias, "v2")
-	require.NoError(t, sink.CreateIndex(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
+	next := index.GenerationIndex(cfg.Alias, "v2")
+	require.NoError(t, index.Create(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
 
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('j', '{"job":"j","processor_version":"v2","source_name":"src"}')`)
 	require.NoError(t, err)
@@ -63,9 +64,9 @@ SELECT 'src', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', false 
 	}
 
 	_, err = reconcile.Cutover(ctx, cfg, reconcile.CutoverOptions{DB: pool, Job: "j"})
-	require.True(t, errors.Is(err, sink.ErrUnsafeMove), "cutover must be refused: %v", err)
+	require.True(t, errors.Is(err, index.ErrUnsafeMove), "cutover must be refused: %v", err)
 	require.ErrorContains(t, err, "without a processor version")
-	read, err := sink.AliasTargets(ctx, client, cfg.Alias)
+	read, err := index.AliasTargets(ctx, client, cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, read, "the read alias did not move")
 	hits, err := client.Search(cfg.Alias).Query(elastic.NewIdsQuery().Ids("order-1")).Do(ctx)
@@ -76,7 +77,7 @@ SELECT 'src', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', false 
 	res, err := reconcile.Cutover(ctx, cfg, reconcile.CutoverOptions{DB: pool, Job: "j", AllowUnversioned: true})
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, res.From)
-	read, err = sink.AliasTargets(ctx, client, cfg.Alias)
+	read, err = index.AliasTargets(ctx, client, cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{next}, read)
 }
@@ -92,14 +93,14 @@ func testCutoverOfARoutedJobMovesItsOwnAlias(t *testing.T, engineURL string) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	orders := stack.UniqueName("cut-orders")
 	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("cut-main"), Routes: map[string]string{"orders": orders}}.WithDefaults()
-	live, err := sink.EnsureIndex(ctx, client, orders, orders+"-write", cfg.Mapping)
+	live, err := index.Ensure(ctx, client, orders, orders+"-write", cfg.Mapping)
 	require.NoError(t, err)
-	next := sink.GenerationIndex(orders, "v2")
-	require.NoError(t, sink.CreateIndex(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
+	next := index.GenerationIndex(orders, "v2")
+	require.NoError(t, index.Create(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('o', '{"job":"o","processor_version":"v2","source_name":"orders","aggregate_type":"orders"}')`)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('o', 'r2', 'succeeded', 'v2', 'h', '{}')`)
@@ -119,7 +120,7 @@ SELECT 'orders', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', fal
 	require.NoError(t, err)
 	require.Equal(t, next, out.Index)
 	require.Equal(t, []string{live}, out.From)
-	read, err := sink.AliasTargets(ctx, client, orders)
+	read, err := index.AliasTargets(ctx, client, orders)
 	require.NoError(t, err)
 	require.Equal(t, []string{next}, read, "the routed alias reads the new generation")
 }

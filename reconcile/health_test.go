@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -28,15 +29,15 @@ func testCutoverWaitsForTheGenerationsReplicas(t *testing.T, engineURL string) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	green := []byte(`{"settings":{"index":{"number_of_shards":1,"number_of_replicas":0}}}`)
 	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("cut-health"), Mapping: green}.WithDefaults()
 	t.Cleanup(func() { _, _ = client.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	live, err := sink.EnsureIndex(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	live, err := index.Ensure(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
 	require.NoError(t, err)
-	next := sink.GenerationIndex(cfg.Alias, "v2")
-	require.NoError(t, sink.CreateIndex(ctx, client, next, []byte(`{"settings":{"index":{"number_of_shards":1,"number_of_replicas":1}}}`),
+	next := index.GenerationIndex(cfg.Alias, "v2")
+	require.NoError(t, index.Create(ctx, client, next, []byte(`{"settings":{"index":{"number_of_shards":1,"number_of_replicas":1}}}`),
 		map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
 
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('j', '{"job":"j","processor_version":"v2","source_name":"src","aggregate_type":"src"}')`)
@@ -57,11 +58,11 @@ SELECT 'src', g::text, '{}'::jsonb, 1, 'v2', false FROM generate_series(1, 10) g
 	const timeout = 3 * time.Second
 	start := time.Now()
 	_, err = reconcile.Cutover(ctx, cfg, reconcile.CutoverOptions{DB: pool, Job: "j", HealthTimeout: timeout})
-	require.True(t, errors.Is(err, sink.ErrUnsafeMove) && errors.Is(err, sink.ErrNotHealthy), "cutover onto unallocated replicas: %v", err)
+	require.True(t, errors.Is(err, index.ErrUnsafeMove) && errors.Is(err, index.ErrNotHealthy), "cutover onto unallocated replicas: %v", err)
 	require.GreaterOrEqual(t, time.Since(start), timeout, "it waited for the replicas")
 	require.ErrorContains(t, err, "generation "+next+" is yellow, not green")
 	require.ErrorContains(t, err, "1 unassigned")
-	read, err := sink.AliasTargets(ctx, client, cfg.Alias)
+	read, err := index.AliasTargets(ctx, client, cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, read, "the read alias did not move")
 
@@ -70,7 +71,7 @@ SELECT 'src', g::text, '{}'::jsonb, 1, 'v2', false FROM generate_series(1, 10) g
 	out, err := reconcile.Cutover(ctx, cfg, reconcile.CutoverOptions{DB: pool, Job: "j", HealthTimeout: timeout})
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, out.From)
-	read, err = sink.AliasTargets(ctx, client, cfg.Alias)
+	read, err = index.AliasTargets(ctx, client, cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{next}, read)
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -39,14 +40,14 @@ func newTwoJobsWith(t *testing.T, engineURL string, untypedV1 bool) *twoJobs {
 	ctx := context.Background()
 	f := &twoJobs{pool: stack.Pool(t, stack.Database(t))}
 	var err error
-	f.client, err = sink.NewClient(engineURL)
+	f.client, err = index.NewClient(engineURL)
 	require.NoError(t, err)
 	f.cfg = sink.Config{URL: engineURL, Alias: stack.UniqueName("two-jobs")}.WithDefaults()
 	t.Cleanup(func() { _, _ = f.client.DeleteIndex(f.cfg.Alias + "_*").Do(context.Background()) })
-	f.v1, err = sink.EnsureIndex(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias, f.cfg.Mapping)
+	f.v1, err = index.Ensure(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias, f.cfg.Mapping)
 	require.NoError(t, err)
-	f.v2 = sink.GenerationIndex(f.cfg.Alias, "v2")
-	require.NoError(t, sink.CreateIndex(ctx, f.client, f.v2, f.cfg.Mapping, map[string]any{f.v2 + "-write": map[string]any{"is_write_index": true}}))
+	f.v2 = index.GenerationIndex(f.cfg.Alias, "v2")
+	require.NoError(t, index.Create(ctx, f.client, f.v2, f.cfg.Mapping, map[string]any{f.v2 + "-write": map[string]any{"is_write_index": true}}))
 
 	f.exec(t, `INSERT INTO batch_jobs (job, spec) VALUES
   ('articles', '{"job":"articles","processor_version":"v2","source_name":"articles","aggregate_type":"articles"}'),
@@ -157,10 +158,10 @@ func testCutoverOfOneJobKeepsTheOtherJobsDocuments(t *testing.T, engineURL strin
 	require.Equal(t, []string{f.v1}, res.From)
 	require.False(t, res.Whole, "notes still live in v1: the write alias stays")
 	f.requireFound(t, "v2")
-	write, err := sink.AliasTargets(ctx, f.client, f.cfg.WriteAlias)
+	write, err := index.AliasTargets(ctx, f.client, f.cfg.WriteAlias)
 	require.NoError(t, err)
 	require.Equal(t, []string{f.v1}, write)
-	gens, err := sink.Generations(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias)
+	gens, err := index.Generations(ctx, f.client, f.cfg.Alias, f.cfg.WriteAlias)
 	require.NoError(t, err)
 	shows := map[string]string{}
 	for _, g := range gens {
@@ -174,7 +175,7 @@ func testCutoverOfOneJobKeepsTheOtherJobsDocuments(t *testing.T, engineURL strin
 
 	// Rollback of articles: v1 is stale for it (its rows are at v2).
 	_, err = reconcile.Rollback(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "articles"})
-	require.True(t, errors.Is(err, sink.ErrUnsafeMove), "rollback to a stale generation: %v", err)
+	require.True(t, errors.Is(err, index.ErrUnsafeMove), "rollback to a stale generation: %v", err)
 	require.ErrorContains(t, err, "not at processor version v1")
 	f.requireFound(t, "v2", "n-new")
 
@@ -186,7 +187,7 @@ func testCutoverOfOneJobKeepsTheOtherJobsDocuments(t *testing.T, engineURL strin
 	require.Equal(t, f.v1, res.Index)
 	require.Equal(t, []string{f.v2}, res.From)
 	f.requireFound(t, "v1", "n-new")
-	read, err := sink.AliasTargets(ctx, f.client, f.cfg.Alias)
+	read, err := index.AliasTargets(ctx, f.client, f.cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{f.v1}, read, "v2 shows nothing any more: it left the read alias")
 }
@@ -209,7 +210,7 @@ func testRollbackRefusesAStaleGenerationUnlessForced(t *testing.T, engineURL str
 	f.requireFound(t, "v2")
 
 	_, err = reconcile.Rollback(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "articles"})
-	require.True(t, errors.Is(err, sink.ErrUnsafeMove), "rollback to a stale generation: %v", err)
+	require.True(t, errors.Is(err, index.ErrUnsafeMove), "rollback to a stale generation: %v", err)
 	require.ErrorContains(t, err, "30 row(s) of normalized_records (source articles) are not at processor version v1")
 	require.ErrorContains(t, err, "--force")
 	f.requireFound(t, "v2")
@@ -246,10 +247,10 @@ func testCutoverOfOneJobRefusesDocumentsWithoutAggregateType(t *testing.T, engin
 	require.Len(t, count, articles+notes)
 
 	_, err := reconcile.Cutover(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "articles"})
-	require.True(t, errors.Is(err, sink.ErrUnsafeMove), "cutover: %v", err)
+	require.True(t, errors.Is(err, index.ErrUnsafeMove), "cutover: %v", err)
 	require.ErrorContains(t, err, fmt.Sprintf("holds %d document(s) without _aggregate_type", articles))
 	require.ErrorContains(t, err, "found twice")
-	read, err := sink.AliasTargets(ctx, f.client, f.cfg.Alias)
+	read, err := index.AliasTargets(ctx, f.client, f.cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{f.v1}, read, "nothing moved")
 	count, _ = f.search(t)

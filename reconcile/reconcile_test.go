@@ -8,6 +8,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -46,7 +47,7 @@ func testReconcileFindsAndRepairsDrift(t *testing.T, engineURL string) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	index := stack.UniqueName("reconcile")
 	_, err = client.CreateIndex(index).BodyString(`{"settings":{"number_of_shards":1,"number_of_replicas":0,"index.gc_deletes":"1s"},"mappings":{"properties":{"_bucket":{"type":"integer"},"_idv":{"type":"long"},"_deleted":{"type":"boolean"}}}}`).Do(ctx)
@@ -170,7 +171,7 @@ func testReconcileFindsDocumentsOfAnotherProcessorVersion(t *testing.T, engineUR
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	index := stack.UniqueName("reconcile-pv")
 	_, err = client.CreateIndex(index).BodyString(`{"settings":{"number_of_shards":1,"number_of_replicas":0,"index.gc_deletes":"1s"},"mappings":{"properties":{"_bucket":{"type":"integer"},"_idv":{"type":"long"},"_deleted":{"type":"boolean"},"_pv":{"type":"keyword"}}}}`).Do(ctx)

@@ -9,6 +9,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -39,7 +40,7 @@ type repairFixture struct {
 func newRepairFixture(t *testing.T, engineURL string) *repairFixture {
 	t.Helper()
 	ctx := context.Background()
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	f := &repairFixture{pool: stack.Pool(t, stack.Database(t)), client: client, index: stack.UniqueName("reconcile")}
 	_, err = client.CreateIndex(f.index).BodyString(testMapping).Do(ctx)

@@ -9,6 +9,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -28,14 +29,14 @@ func testRollbackRefusesToHideApplicationDocuments(t *testing.T, engineURL strin
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("rb-app")}.WithDefaults()
 	t.Cleanup(func() { _, _ = client.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	live, err := sink.EnsureIndex(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	live, err := index.Ensure(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
 	require.NoError(t, err)
-	next := sink.GenerationIndex(cfg.Alias, "v2")
-	require.NoError(t, sink.CreateIndex(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
+	next := index.GenerationIndex(cfg.Alias, "v2")
+	require.NoError(t, index.Create(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('j', '{"job":"j","processor_version":"v2","source_name":"src","aggregate_type":"src"}')`)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('j', 'r2', 'succeeded', 'v2', 'h', '{}')`)
@@ -69,7 +70,7 @@ SELECT 'src', g::text, '{}'::jsonb, 1, 'v2', false FROM generate_series(1, 10) g
 	require.EqualValues(t, 1, found())
 
 	_, err = reconcile.Rollback(ctx, cfg, reconcile.CutoverOptions{DB: pool, Job: "j", Force: true})
-	require.True(t, errors.Is(err, sink.ErrUnsafeMove), "rollback hiding an application document: %v", err)
+	require.True(t, errors.Is(err, index.ErrUnsafeMove), "rollback hiding an application document: %v", err)
 	require.ErrorContains(t, err, "1 document(s) without a processor version")
 	require.EqualValues(t, 1, found(), "still found")
 

@@ -8,6 +8,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/reconcile"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -27,14 +28,14 @@ func testCutoverKeepsADocumentWrittenBetweenTheCheckAndTheMove(t *testing.T, eng
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	client, err := sink.NewClient(engineURL)
+	client, err := index.NewClient(engineURL)
 	require.NoError(t, err)
 	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("cut-window")}.WithDefaults()
 	t.Cleanup(func() { _, _ = client.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	live, err := sink.EnsureIndex(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	live, err := index.Ensure(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
 	require.NoError(t, err)
-	next := sink.GenerationIndex(cfg.Alias, "v2")
-	require.NoError(t, sink.CreateIndex(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
+	next := index.GenerationIndex(cfg.Alias, "v2")
+	require.NoError(t, index.Create(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('j', '{"job":"j","processor_version":"v2","source_name":"src","aggregate_type":"src"}')`)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('j', 'r2', 'succeeded', 'v2', 'h', '{}')`)
@@ -60,7 +61,7 @@ SELECT 'src', g::text, '{}'::jsonb, 1, 'v2', false FROM generate_series(1, 10) g
 	out, err := reconcile.Cutover(ctx, cfg, opts)
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, out.From)
-	require.NoError(t, sink.Refresh(ctx, client, next))
+	require.NoError(t, index.Refresh(ctx, client, next))
 	hits, err := client.Search(cfg.Alias).Query(elastic.NewIdsQuery().Ids("order-1")).Do(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, hits.TotalHits(), "the document written during the move is found")

@@ -9,6 +9,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 )
 
@@ -21,7 +22,7 @@ func TestIndexerRefusesReadAliasWithoutWriteAlias(t *testing.T) {
 	es := stack.ElasticsearchURL(t)
 	f := newFixture(t, es, es, 1)
 	ctx := context.Background()
-	_, err := EnsureIndex(ctx, f.client, f.cfg.Alias, f.cfg.Alias+"-write", f.cfg.Mapping)
+	_, err := index.Ensure(ctx, f.client, f.cfg.Alias, f.cfg.Alias+"-write", f.cfg.Mapping)
 	require.NoError(t, err)
 	v2 := f.cfg.Alias + "_v2"
 	_, err = Reindex(ctx, f.cfg.withDefaults(), ReindexOptions{Into: v2, Settle: time.Millisecond})
@@ -38,14 +39,14 @@ func TestIndexerRefusesReadAliasWithoutWriteAlias(t *testing.T) {
 	err = ix.Run(runCtx)
 	require.Error(t, err)
 	require.NoError(t, runCtx.Err(), "refused at once, not retried: %v", err)
-	require.ErrorIs(t, err, ErrWriteAliasMissing)
+	require.ErrorIs(t, err, index.ErrWriteAliasMissing)
 	for _, want := range []string{f.cfg.Alias, f.cfg.Alias + "-write", v2, "_aliases"} {
 		require.Contains(t, err.Error(), want)
 	}
-	read, err := AliasTargets(ctx, f.client, f.cfg.Alias)
+	read, err := index.AliasTargets(ctx, f.client, f.cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{v2}, read, "the read alias still reads one generation")
-	write, err := AliasTargets(ctx, f.client, f.cfg.Alias+"-write")
+	write, err := index.AliasTargets(ctx, f.client, f.cfg.Alias+"-write")
 	require.NoError(t, err)
 	require.Empty(t, write)
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 )
 
@@ -25,11 +26,11 @@ func TestFirstGenerationKeepsAnEventWrittenDuringTheTakeover(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	es := stack.ElasticsearchURL(t)
-	direct, err := NewClient(es)
+	direct, err := index.NewClient(es)
 	require.NoError(t, err)
 	cfg := Config{URL: es, Alias: stack.UniqueName("boot")}.withDefaults()
 	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	bootstrap, err := EnsureIndex(ctx, direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	bootstrap, err := index.Ensure(ctx, direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
 	require.NoError(t, err)
 
 	// In front of the engine: just before the router's _aliases call, the
@@ -49,14 +50,14 @@ func TestFirstGenerationKeepsAnEventWrittenDuringTheTakeover(t *testing.T) {
 		proxy.ServeHTTP(w, r)
 	}))
 	t.Cleanup(srv.Close)
-	client, err := NewClient(srv.URL)
+	client, err := index.NewClient(srv.URL)
 	require.NoError(t, err)
 
 	rt := newRouter(client, cfg, newRecordRules(cfg))
 	require.NoError(t, rt.route(ctx, []*doc{{id: "g-1", alias: cfg.Alias, pv: "v7"}}))
 	require.NoError(t, injectErr)
-	live := GenerationIndex(cfg.Alias, "v7")
-	targets, err := AliasTargets(ctx, direct, cfg.Alias)
+	live := index.GenerationIndex(cfg.Alias, "v7")
+	targets, err := index.AliasTargets(ctx, direct, cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, targets, "the first generation is live")
 	_, err = direct.Refresh(cfg.Alias, bootstrap).Do(ctx)
@@ -76,7 +77,7 @@ func TestEnsureIndexLosesTheCreateRaceCleanly(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	es := stack.ElasticsearchURL(t)
-	direct, err := NewClient(es)
+	direct, err := index.NewClient(es)
 	require.NoError(t, err)
 	cfg := Config{URL: es, Alias: stack.UniqueName("race")}.withDefaults()
 	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
@@ -92,18 +93,18 @@ func TestEnsureIndexLosesTheCreateRaceCleanly(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		proxy.ServeHTTP(w, r)
 		if r.Method == http.MethodGet && strings.HasPrefix(r.URL.Path, "/_alias/") {
-			once.Do(func() { other, otherErr = EnsureIndex(r.Context(), direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping) })
+			once.Do(func() { other, otherErr = index.Ensure(r.Context(), direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping) })
 		}
 	}))
 	t.Cleanup(srv.Close)
-	client, err := NewClient(srv.URL)
+	client, err := index.NewClient(srv.URL)
 	require.NoError(t, err)
 
-	index, err := EnsureIndex(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	idx, err := index.Ensure(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
 	require.NoError(t, otherErr)
 	require.NoError(t, err, "the loser of the race finds the index the winner created")
-	require.Equal(t, other, index)
-	write, err := AliasTargets(ctx, direct, cfg.WriteAlias)
+	require.Equal(t, other, idx)
+	write, err := index.AliasTargets(ctx, direct, cfg.WriteAlias)
 	require.NoError(t, err)
-	require.Equal(t, []string{index}, write)
+	require.Equal(t, []string{idx}, write)
 }

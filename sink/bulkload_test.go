@@ -12,6 +12,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -36,13 +37,13 @@ func TestGenerationIsBuiltInBulkLoadModeUntilCaughtUp(t *testing.T) {
 	f.produce(recs...)
 
 	ctx := context.Background()
-	index := GenerationIndex(f.cfg.Alias, "v1")
+	idx := index.GenerationIndex(f.cfg.Alias, "v1")
 	var mu sync.Mutex
 	var during []string // refresh interval of the generation after each bulk
 	cfg := f.cfg
 	cfg.BatchSize = 100
 	cfg.BulkObserver = func(int, int, time.Duration) {
-		s, err := bulkLoadSettings(ctx, f.client, index)
+		s, err := index.BulkLoadSettings(ctx, f.client, idx)
 		mu.Lock()
 		defer mu.Unlock()
 		during = append(during, s.RefreshInterval+" "+fmt.Sprint(err))
@@ -54,10 +55,10 @@ func TestGenerationIsBuiltInBulkLoadModeUntilCaughtUp(t *testing.T) {
 	require.NotEmpty(t, during)
 	require.Equal(t, "-1 <nil>", during[0], "the first bulk of the %d documents went into a generation with refresh off", n)
 	mu.Unlock()
-	s, err := bulkLoadSettings(ctx, f.client, index)
+	s, err := index.BulkLoadSettings(ctx, f.client, idx)
 	require.NoError(t, err)
-	require.Equal(t, BulkLoad{RefreshInterval: "1s", Replicas: "0"}, s, "the mapping's settings are back")
-	gens, err := listGenerations(ctx, f.client, index)
+	require.Equal(t, index.BulkLoad{RefreshInterval: "1s", Replicas: "0"}, s, "the mapping's settings are back")
+	gens, err := index.ListGenerations(ctx, f.client, idx)
 	require.NoError(t, err)
 	require.Len(t, gens, 1)
 	require.Nil(t, gens[0].Meta.BulkLoad, "the mode is cleared from the generation's _meta")
@@ -80,23 +81,23 @@ func testCutoverEndsTheBulkLoadFirst(t *testing.T, engineURL string) {
 	t.Parallel()
 	ctx := context.Background()
 	es := engineURL
-	client, err := NewClient(es)
+	client, err := index.NewClient(es)
 	require.NoError(t, err)
 	cfg := Config{URL: es, Alias: stack.UniqueName("bulkcut"),
 		Mapping: []byte(`{"settings":{"index":{"number_of_shards":1,"refresh_interval":"2s","number_of_replicas":0}}}`)}.WithDefaults()
 	t.Cleanup(func() { _, _ = client.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	live, err := createGeneration(ctx, client, cfg.Alias, "v1", cfg.Mapping, nil)
+	live, err := index.CreateGeneration(ctx, client, cfg.Alias, "v1", cfg.Mapping, nil, false)
 	require.NoError(t, err)
-	_, err = moveAliases(ctx, client, cfg, live)
+	_, err = index.MoveAliases(ctx, client, cfg.Alias, cfg.WriteAlias, live)
 	require.NoError(t, err)
-	next, err := createGenerationMode(ctx, client, cfg.Alias, "v2", cfg.Mapping, nil, true)
+	next, err := index.CreateGeneration(ctx, client, cfg.Alias, "v2", cfg.Mapping, nil, true)
 	require.NoError(t, err)
-	s, err := bulkLoadSettings(ctx, client, next)
+	s, err := index.BulkLoadSettings(ctx, client, next)
 	require.NoError(t, err)
-	require.Equal(t, BulkLoad{RefreshInterval: "-1", Replicas: "0"}, s)
+	require.Equal(t, index.BulkLoad{RefreshInterval: "-1", Replicas: "0"}, s)
 
 	const n = 50
-	bulk := client.Bulk().Index(generationWriteAlias(next))
+	bulk := client.Bulk().Index(index.GenerationWriteAlias(next))
 	for i := range n {
 		id := "c-" + strconv.Itoa(i)
 		bulk.Add(elastic.NewBulkIndexRequest().Id(id).Version(1).VersionType("external").
@@ -109,16 +110,16 @@ func testCutoverEndsTheBulkLoadFirst(t *testing.T, engineURL string) {
 	require.NoError(t, err)
 	require.Zero(t, c, "refresh is off while the generation is built")
 
-	from, err := MoveAliases(ctx, cfg, next)
+	from, err := index.MoveAliases(ctx, client, cfg.Alias, cfg.WriteAlias, next)
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, from)
 	c, err = client.Count(cfg.Alias).Do(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, n, c, "every document is searchable the moment the alias points at the generation")
-	s, err = bulkLoadSettings(ctx, client, next)
+	s, err = index.BulkLoadSettings(ctx, client, next)
 	require.NoError(t, err)
-	require.Equal(t, BulkLoad{RefreshInterval: "2s", Replicas: "0"}, s, "the mapping's settings are back")
-	gens, err := listGenerations(ctx, client, next)
+	require.Equal(t, index.BulkLoad{RefreshInterval: "2s", Replicas: "0"}, s, "the mapping's settings are back")
+	gens, err := index.ListGenerations(ctx, client, next)
 	require.NoError(t, err)
 	require.Nil(t, gens[0].Meta.BulkLoad)
 	require.Equal(t, live, gens[0].Meta.Previous, "the rest of the cutover's record is kept")

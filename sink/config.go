@@ -73,7 +73,7 @@ type Config struct {
 
 	// URL is the search engine's HTTP address (ELASTICSEARCH_URL), or the
 	// addresses of several nodes of one cluster, comma-separated; see
-	// [NewClient] for how requests spread over them. Required.
+	// [index.NewClient] for how requests spread over them. Required.
 	URL string
 	// HTTPClient sends the engine requests (credentials, TLS; internal/esconn
 	// builds it). nil: a plain client.

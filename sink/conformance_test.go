@@ -13,6 +13,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -198,7 +199,7 @@ func testDeleteSurvivesGCDeletes(t *testing.T, f *fixture, _ *faultInjector) {
 
 func (f *fixture) writeIndex() string {
 	f.t.Helper()
-	targets, err := AliasTargets(context.Background(), f.client, f.cfg.withDefaults().WriteAlias)
+	targets, err := index.AliasTargets(context.Background(), f.client, f.cfg.withDefaults().WriteAlias)
 	require.NoError(f.t, err)
 	require.Len(f.t, targets, 1)
 	return targets[0]

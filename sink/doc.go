@@ -163,10 +163,10 @@
 //
 // Writes go through Config.WriteAlias ("records-write"), with
 // require_alias=true so a missing alias never auto-creates an index. When
-// neither alias exists, [EnsureIndex] creates "<alias>_v1" from
+// neither alias exists, [index.Ensure] creates "<alias>_v1" from
 // Config.Mapping (default: the embedded mapping.json) with both aliases in
 // the same call. A read alias without its write alias is refused
-// ([ErrWriteAliasMissing], naming both and the _aliases call that fixes
+// ([index.ErrWriteAliasMissing], naming both and the _aliases call that fixes
 // it): after a reindex the write alias belongs on the new generation, and
 // the indexer cannot tell which that is. [Reindex] rebuilds into a new index without downtime:
 // move the write alias, copy the old index on the server with
@@ -175,9 +175,14 @@
 //
 // # Index generations
 //
+// The index lifecycle (engine client, generations, aliases, bulk-load
+// settings, cutover, rollback, drop) is package index's; this package
+// decides which generation each consumed document goes to (the router,
+// generation.go), creating or adopting it through package index.
+//
 // A document whose event carries ce_processorversion (every batcher event)
 // is written into that processor version's generation,
-// [GenerationIndex](alias, pv) ("records_v2"), through the generation's own
+// [index.GenerationIndex](alias, pv) ("records_v2"), through the generation's own
 // write alias ("records_v2-write"); the indexer creates it from the
 // mapping, with _meta.outboxrelay naming alias and version, the first time
 // it sees the version (several indexers may race; the losers find it
@@ -187,7 +192,7 @@
 // (indexer cutover, or AUTO_CUTOVER in indexer run: once the job's run at
 // that version succeeded, every normalized row carries it, the generation
 // reconciles clean and, if rows changed behind the rebuild, a catch-up run
-// followed) or [Rollback], each one _aliases call ([MoveAliases]). The
+// followed) or [index.Rollback], each one _aliases call ([index.MoveAliases]). The
 // external version stays the source version within each generation, so
 // ordering, replays and tombstones work per generation exactly as above.
 //

@@ -6,6 +6,8 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"strconv"
+
+	"github.com/outboxrelay/outboxrelay/index"
 )
 
 // The document format: what the indexer writes next to the user's
@@ -13,18 +15,18 @@ import (
 const (
 	// FieldDeleted marks a delete tombstone document. The read alias filters
 	// documents with FieldDeleted = true out of searches.
-	FieldDeleted = "_deleted"
+	FieldDeleted = index.FieldDeleted
 	// FieldBucket holds Bucket(id).
 	FieldBucket = "_bucket"
 	// FieldIDV holds IDV(id, version, deleted, processor version).
 	FieldIDV = "_idv"
 	// FieldPV holds the processor version that built the document (absent
 	// for events that carry none).
-	FieldPV = "_pv"
+	FieldPV = index.FieldPV
 	// FieldAggregateType holds the event's ce_aggregatetype: whose document
 	// it is when several producers write into one index, so reconcile
 	// compares (and repairs) only its own source's documents.
-	FieldAggregateType = "_aggregate_type"
+	FieldAggregateType = index.FieldAggregateType
 	// FieldPosition holds [partition, offset] of the Kafka record a
 	// document was written from, with NullValues "delete" only: a null
 	// value without a version replayed after a later record of its key was
@@ -33,7 +35,7 @@ const (
 	// FieldDeletedAt holds, on a tombstone, when the indexer wrote it
 	// (milliseconds since the epoch, the indexer's clock when it parsed the
 	// delete): [PurgeTombstones] removes tombstones older than the horizon.
-	FieldDeletedAt = "_deleted_at"
+	FieldDeletedAt = index.FieldDeletedAt
 )
 
 // Buckets is the number of id ranges reconciliation compares.

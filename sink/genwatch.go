@@ -5,6 +5,8 @@ import (
 	"context"
 	"log/slog"
 	"time"
+
+	"github.com/outboxrelay/outboxrelay/index"
 )
 
 // States of an index generation, as `indexer status` and the
@@ -18,8 +20,8 @@ const (
 // generationStates returns the state of each of gs: live where the read
 // alias points, building when created after the live one (or when none is
 // live), old otherwise (kept for rollback).
-func generationStates(gs []Generation) []string {
-	var live *Generation
+func generationStates(gs []index.Generation) []string {
+	var live *index.Generation
 	for i := range gs {
 		if gs[i].Live {
 			live = &gs[i]
@@ -30,7 +32,7 @@ func generationStates(gs []Generation) []string {
 		switch {
 		case g.Live:
 			out[i] = stateLive
-		case live == nil || g.createdAt().After(live.createdAt()):
+		case live == nil || g.CreatedAt().After(live.CreatedAt()):
 			out[i] = stateBuilding
 		default:
 			out[i] = stateOld
@@ -54,7 +56,7 @@ func (ix *Indexer) watchGenerations(ctx context.Context) {
 	exported := map[[3]string]bool{} // alias, index, state
 	for {
 		for _, alias := range ix.rules.aliases() {
-			gs, err := Generations(ctx, ix.client, alias, ix.rules.writeAliasOf(alias))
+			gs, err := index.Generations(ctx, ix.client, alias, ix.rules.writeAliasOf(alias))
 			if err != nil {
 				if ctx.Err() == nil {
 					ix.log.Warn("cannot read the index generations", slog.String("alias", alias), slog.String("error", err.Error()))

@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -74,7 +75,7 @@ func TestGenerationDocsFollowARebuild(t *testing.T) {
 		})
 	}
 
-	first, next := GenerationIndex(cfg.Alias, "a"), GenerationIndex(cfg.Alias, "b")
+	first, next := index.GenerationIndex(cfg.Alias, "a"), index.GenerationIndex(cfg.Alias, "b")
 	produce("a", 20)
 	waitFor("the first generation live with 20 documents", func(g map[string]map[string]float64) bool {
 		return len(g[first]) == 1 && g[first][stateLive] == 20
@@ -85,7 +86,7 @@ func TestGenerationDocsFollowARebuild(t *testing.T) {
 	})
 	require.Equal(t, map[string]float64{stateOld: 0}, gauges()[cfg.Alias+"_v1"], "the empty bootstrap index is old")
 
-	_, err = MoveAliases(context.Background(), cfg, next)
+	_, err = index.MoveAliases(context.Background(), f.client, cfg.withDefaults().Alias, cfg.withDefaults().WriteAlias, next)
 	require.NoError(t, err)
 	waitFor("the states swapped by the cutover", func(g map[string]map[string]float64) bool {
 		return len(g[next]) == 1 && g[next][stateLive] == 30 && len(g[first]) == 1 && g[first][stateOld] == 20
@@ -100,15 +101,15 @@ func TestGenerationCreatedInTheSameSecondIsBuilding(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	es := stack.ElasticsearchURL(t)
-	client, err := NewClient(es)
+	client, err := index.NewClient(es)
 	require.NoError(t, err)
 	cfg := Config{URL: es, Alias: stack.UniqueName("same")}.withDefaults()
 	t.Cleanup(func() { _, _ = client.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	first, err := createGeneration(ctx, client, cfg.Alias, "a", cfg.Mapping, map[string]any{cfg.Alias: map[string]any{}})
+	first, err := index.CreateGeneration(ctx, client, cfg.Alias, "a", cfg.Mapping, map[string]any{cfg.Alias: map[string]any{}}, false)
 	require.NoError(t, err)
-	next, err := createGeneration(ctx, client, cfg.Alias, "b", cfg.Mapping, nil)
+	next, err := index.CreateGeneration(ctx, client, cfg.Alias, "b", cfg.Mapping, nil, false)
 	require.NoError(t, err)
-	gens, err := Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
+	gens, err := index.Generations(ctx, client, cfg.Alias, cfg.WriteAlias)
 	require.NoError(t, err)
 	states := map[string]string{}
 	for i, s := range generationStates(gens) {

@@ -15,6 +15,8 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"golang.org/x/sync/errgroup"
+
+	"github.com/outboxrelay/outboxrelay/index"
 )
 
 // Sentinel errors.
@@ -67,7 +69,7 @@ func New(cfg Config) (*Indexer, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, &ConfigError{Err: err}
 	}
-	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
+	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return nil, &ConfigError{Err: err}
 	}
@@ -106,11 +108,11 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	// The engine or the broker may still be starting (or restarting) when
 	// the indexer does: wait for them within the retry budget instead of
 	// exiting at once; a refusal that will not heal (a bad mapping) stops.
-	var index string
+	var idx string
 	err := backoff.RetryNotify(func() error {
 		var err error
-		if index, err = ix.ensureIndexes(ctx); err != nil {
-			if !IsRetryable(err) || errors.Is(err, ErrWriteAliasMissing) {
+		if idx, err = ix.ensureIndexes(ctx); err != nil {
+			if !index.IsRetryable(err) || errors.Is(err, index.ErrWriteAliasMissing) {
 				return backoff.Permanent(err)
 			}
 			return err
@@ -131,7 +133,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	}
 	ix.log.Info("indexer starting",
 		slog.String("topic", ix.cfg.Topic), slog.String("group", ix.cfg.Group),
-		slog.String("write_alias", ix.cfg.WriteAlias), slog.String("index", index),
+		slog.String("write_alias", ix.cfg.WriteAlias), slog.String("index", idx),
 		slog.Int("lanes", ix.cfg.Lanes), slog.Int("batch_size", ix.cfg.BatchSize))
 
 	group, err := kafka.NewConsumerGroup(kafka.ConsumerGroupConfig{
@@ -674,7 +676,7 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 				if ctx.Err() != nil {
 					return res, ctx.Err()
 				}
-				if !IsRetryable(err) {
+				if !index.IsRetryable(err) {
 					return res, fmt.Errorf("bulk request to %s refused: %w", ix.cfg.WriteAlias, err)
 				}
 				saw429 = saw429 || elastic.IsStatusCode(err, http.StatusTooManyRequests)

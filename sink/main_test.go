@@ -17,6 +17,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -83,7 +84,7 @@ func newFixture(t testing.TB, engineURL, realURL string, partitions int) *fixtur
 			return err
 		})
 	}
-	client, err := NewClient(realURL)
+	client, err := index.NewClient(realURL)
 	require.NoError(t, err)
 	w := &kafka.Writer{Addr: kafka.TCP(brokers...), Topic: topic, Balancer: &kafka.Hash{}, RequiredAcks: kafka.RequireAll, BatchTimeout: 2 * time.Millisecond}
 	t.Cleanup(func() { _ = w.Close() })

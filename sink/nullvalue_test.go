@@ -8,6 +8,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 )
 
@@ -25,7 +26,7 @@ func TestNullValueDeleteReplayKeepsLaterRecord(t *testing.T) {
 	ix, err := New(cfg)
 	require.NoError(t, err)
 	ctx := context.Background()
-	_, err = EnsureIndex(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
+	_, err = index.Ensure(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
 	require.NoError(t, err)
 	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
 	defer ix.dlq.Close()

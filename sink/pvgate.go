@@ -4,12 +4,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 	"time"
 
 	"github.com/olivere/elastic/v7"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
@@ -138,60 +138,23 @@ func (g *pvGate) ownGeneration(ctx context.Context, alias, pv string) (string, e
 	if at, ok := g.owned[key]; ok && time.Since(at) < routeTTL {
 		return "", nil
 	}
-	index := GenerationIndex(alias, pv)
-	targets, err := AliasTargets(ctx, g.client, generationWriteAlias(index))
+	idx := index.GenerationIndex(alias, pv)
+	targets, err := index.AliasTargets(ctx, g.client, index.GenerationWriteAlias(idx))
 	if err != nil {
 		return "", err
 	}
 	if len(targets) == 0 {
-		targets = []string{index}
+		targets = []string{idx}
 	}
 	for _, t := range targets {
-		gens, err := listGenerations(ctx, g.client, t)
+		gens, err := index.ListGenerations(ctx, g.client, t)
 		if err != nil {
 			return "", err
 		}
-		if problem := generationOwner(gens, alias, pv, t); problem != "" {
+		if problem := index.GenerationOwner(gens, alias, pv, t); problem != "" {
 			return problem, nil
 		}
 	}
 	g.owned[key] = time.Now()
 	return "", nil
-}
-
-// generationOwner says why index (listed as gens: none when it does not
-// exist) is not the generation of (alias, pv), or "".
-func generationOwner(gens []Generation, alias, pv, index string) string {
-	i := slices.IndexFunc(gens, func(g Generation) bool { return g.Index == index })
-	switch {
-	case i < 0:
-		return ""
-	case gens[i].Meta.Alias == alias && gens[i].Meta.ProcessorVersion == pv:
-		return ""
-	case gens[i].Meta.ProcessorVersion == "" && gens[i].Meta.Alias == "" && index == alias+"_v1" && pv == "v1":
-		return "" // the bootstrap index, adopted by its first v1 event
-	case gens[i].Meta.ProcessorVersion == "":
-		return fmt.Sprintf("index %s, where processor version %q of alias %s would go, has no generation metadata (_meta.%s): "+
-			"no indexer created it as a generation, and it is not adopted (only the index %s_v1 the indexer creates at its start is)",
-			index, pv, alias, metaKey, alias)
-	}
-	return fmt.Sprintf("index %s, where processor version %q of alias %s would go, is the generation of processor version %q of alias %s: "+
-		"nothing is written into another alias's or version's index",
-		index, pv, alias, gens[i].Meta.ProcessorVersion, gens[i].Meta.Alias)
-}
-
-// checkAdoptable refuses to create (or adopt) the generation of (alias,
-// pv) when the index it names exists and is not theirs; createGeneration
-// calls it before it adds any alias to an existing index.
-func checkAdoptable(ctx context.Context, client *elastic.Client, alias, pv, index string) error {
-	gens, err := listGenerations(ctx, client, index)
-	if err != nil {
-		return err
-	}
-	// An existing index of another name (index is an alias) is not created here.
-	gens = slices.DeleteFunc(gens, func(g Generation) bool { return g.Index != index })
-	if problem := generationOwner(gens, alias, pv, index); problem != "" {
-		return fmt.Errorf("%w: %s", ErrUnsafeMove, problem)
-	}
-	return nil
 }

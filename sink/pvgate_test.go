@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	batchpkg "github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -23,8 +24,8 @@ import (
 // registered versions (batch_processor_versions over DATABASE_URL):
 // unknown versions are dead-lettered with a reason, create no index and no
 // metric series; a version registered after the indexer started is found
-// (read again on a miss); GenerationIndex("<a>", "eu_v1") and
-// GenerationIndex("<a>_eu", "v1") name one index, which the _meta check
+// (read again on a miss); index.GenerationIndex("<a>", "eu_v1") and
+// index.GenerationIndex("<a>_eu", "v1") name one index, which the _meta check
 // refuses to share; an index <alias>_x without generation metadata is
 // not adopted.
 func TestProcessorVersionHeaderIsChecked(t *testing.T) {
@@ -48,11 +49,11 @@ func testProcessorVersionHeaderIsChecked(t *testing.T, engineURL string) {
 	// Another alias's v1 generation, whose name is the one (alias, "eu_v1")
 	// would get; and a foreign index named like a generation of alias.
 	other := alias + "_eu"
-	collide, err := createGeneration(ctx, f.client, other, "v1", f.cfg.Mapping, nil)
+	collide, err := index.CreateGeneration(ctx, f.client, other, "v1", f.cfg.Mapping, nil, false)
 	require.NoError(t, err)
-	require.Equal(t, GenerationIndex(alias, "eu_v1"), collide, "the two pairs name one index")
+	require.Equal(t, index.GenerationIndex(alias, "eu_v1"), collide, "the two pairs name one index")
 	foreign := alias + "_v3"
-	require.NoError(t, CreateIndex(ctx, f.client, foreign, f.cfg.Mapping, nil))
+	require.NoError(t, index.Create(ctx, f.client, foreign, f.cfg.Mapping, nil))
 
 	reg := prometheus.NewRegistry()
 	cfg := f.cfg
@@ -80,7 +81,7 @@ func testProcessorVersionHeaderIsChecked(t *testing.T, engineURL string) {
 		return nil
 	})
 	for _, pv := range []string{"evil", "v2"} {
-		exists, err := f.client.IndexExists(GenerationIndex(alias, pv)).Do(ctx)
+		exists, err := f.client.IndexExists(index.GenerationIndex(alias, pv)).Do(ctx)
 		require.NoError(t, err)
 		require.False(t, exists, "no index for the unknown version %s", pv)
 	}
@@ -89,9 +90,9 @@ func testProcessorVersionHeaderIsChecked(t *testing.T, engineURL string) {
 	register("v2")
 	f.produce(at("4", "v2"))
 	eventually(t, time.Minute, func() error {
-		n, err := countDocs(ctx, f.client, GenerationIndex(alias, "v2"), nil)
+		n, err := index.CountDocs(ctx, f.client, index.GenerationIndex(alias, "v2"), nil)
 		if err != nil || n != 1 {
-			return fmt.Errorf("%s: %d documents (%v)", GenerationIndex(alias, "v2"), n, err)
+			return fmt.Errorf("%s: %d documents (%v)", index.GenerationIndex(alias, "v2"), n, err)
 		}
 		return nil
 	})
@@ -108,20 +109,20 @@ func testProcessorVersionHeaderIsChecked(t *testing.T, engineURL string) {
 	require.Equal(t, CodeGenerationConflict, h[HeaderDLQCode])
 	require.Contains(t, h[HeaderDLQReason], "has no generation metadata")
 	f.waitCaughtUp(cfg.Group, time.Minute)
-	for _, index := range []string{collide, foreign} {
-		_, err := f.client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/" + index + "/_refresh"})
+	for _, idx := range []string{collide, foreign} {
+		_, err := f.client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/" + idx + "/_refresh"})
 		require.NoError(t, err)
-		n, err := countDocs(ctx, f.client, index, nil)
+		n, err := index.CountDocs(ctx, f.client, idx, nil)
 		require.NoError(t, err)
-		require.Zero(t, n, "nothing written into %s", index)
+		require.Zero(t, n, "nothing written into %s", idx)
 	}
-	aliases, err := AliasTargets(ctx, f.client, generationWriteAlias(foreign))
+	aliases, err := index.AliasTargets(ctx, f.client, index.GenerationWriteAlias(foreign))
 	require.NoError(t, err)
 	require.Empty(t, aliases, "no write alias added to %s", foreign)
-	gens, err := listGenerations(ctx, f.client, collide)
+	gens, err := index.ListGenerations(ctx, f.client, collide)
 	require.NoError(t, err)
 	require.Len(t, gens, 1)
-	require.Equal(t, GenerationMeta{Alias: other, ProcessorVersion: "v1"}, GenerationMeta{Alias: gens[0].Meta.Alias, ProcessorVersion: gens[0].Meta.ProcessorVersion},
+	require.Equal(t, index.GenerationMeta{Alias: other, ProcessorVersion: "v1"}, index.GenerationMeta{Alias: gens[0].Meta.Alias, ProcessorVersion: gens[0].Meta.ProcessorVersion},
 		"%s is still %s's generation", collide, other)
 
 	fams, err := reg.Gather()
@@ -158,11 +159,11 @@ func TestProcessorVersionsListed(t *testing.T) {
 	require.Equal(t, CodeUnknownProcessorVersion, headerMap(dead[0])[HeaderDLQCode])
 	require.Equal(t, "2", string(dead[0].Key))
 	f.waitCaughtUp(cfg.Group, time.Minute)
-	require.NoError(t, refresh(ctx, f.client, GenerationIndex(alias, "v2")))
-	n, err := countDocs(ctx, f.client, GenerationIndex(alias, "v2"), nil)
+	require.NoError(t, index.Refresh(ctx, f.client, index.GenerationIndex(alias, "v2")))
+	n, err := index.CountDocs(ctx, f.client, index.GenerationIndex(alias, "v2"), nil)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	exists, err := f.client.IndexExists(GenerationIndex(alias, "v3")).Do(ctx)
+	exists, err := f.client.IndexExists(index.GenerationIndex(alias, "v3")).Do(ctx)
 	require.NoError(t, err)
 	require.False(t, exists, "no index for the unlisted version")
 }

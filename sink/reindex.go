@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/olivere/elastic/v7"
+
+	"github.com/outboxrelay/outboxrelay/index"
 )
 
 // ReindexOptions configure [Reindex].
@@ -63,12 +65,12 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 	if opts.Into == cfg.Alias || opts.Into == cfg.WriteAlias {
 		return res, &ConfigError{Err: fmt.Errorf("ReindexOptions.Into=%q: must not be an alias name", opts.Into)}
 	}
-	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
+	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, err
 	}
 	log := cfg.Logger
-	reads, err := AliasTargets(ctx, client, cfg.Alias)
+	reads, err := index.AliasTargets(ctx, client, cfg.Alias)
 	if err != nil {
 		return res, err
 	}
@@ -80,22 +82,22 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 		log.Info("read alias already points at the target; nothing to do", slog.String("index", opts.Into))
 		return res, nil
 	}
-	writes, err := AliasTargets(ctx, client, cfg.WriteAlias)
+	writes, err := index.AliasTargets(ctx, client, cfg.WriteAlias)
 	if err != nil {
 		return res, err
 	}
 
 	// 1. The new index; it carries on the old one's generation (the same
 	// processor version), and a rollback leads back to the old one.
-	if err := CreateIndex(ctx, client, opts.Into, cfg.Mapping, nil); err != nil {
+	if err := index.Create(ctx, client, opts.Into, cfg.Mapping, nil); err != nil {
 		return res, err
 	}
-	if gens, err := listGenerations(ctx, client, res.From); err != nil {
+	if gens, err := index.ListGenerations(ctx, client, res.From); err != nil {
 		return res, err
 	} else if len(gens) == 1 && gens[0].Meta.ProcessorVersion != "" {
 		meta := gens[0].Meta
 		meta.Previous, meta.CreatedAt = res.From, time.Now().UTC().Format(time.RFC3339)
-		if err := putMeta(ctx, client, opts.Into, meta); err != nil {
+		if err := index.PutMeta(ctx, client, opts.Into, meta); err != nil {
 			return res, err
 		}
 	}
@@ -117,7 +119,7 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 				map[string]any{"remove": map[string]any{"index": res.From, "alias": a}},
 				map[string]any{"add": map[string]any{"index": opts.Into, "alias": a, "is_write_index": true}})
 		}
-		if err := updateAliases(ctx, client, actions); err != nil {
+		if err := index.UpdateAliases(ctx, client, actions); err != nil {
 			return res, err
 		}
 		log.Info("write alias moved", slog.String("alias", cfg.WriteAlias), slog.String("index", opts.Into))
@@ -129,7 +131,7 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 	}
 	// 3. Copy, keeping external versions; the copy only sees refreshed
 	// documents, hence the refresh.
-	if err := refresh(ctx, client, res.From); err != nil {
+	if err := index.Refresh(ctx, client, res.From); err != nil {
 		return res, err
 	}
 	task, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
@@ -162,7 +164,7 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 		}
 		r, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodGet, Path: "/_tasks/" + url.PathEscape(started.Task)})
 		if err != nil {
-			if IsRetryable(err) {
+			if index.IsRetryable(err) {
 				log.Warn("polling the copy task failed; retrying", slog.String("error", err.Error()))
 				continue
 			}
@@ -201,9 +203,9 @@ func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResul
 		break
 	}
 	// 4. Searches move to the new index, atomically.
-	if err := updateAliases(ctx, client, []any{
+	if err := index.UpdateAliases(ctx, client, []any{
 		map[string]any{"remove": map[string]any{"index": res.From, "alias": cfg.Alias}},
-		map[string]any{"add": map[string]any{"index": opts.Into, "alias": cfg.Alias, "filter": notDeletedFilter}},
+		map[string]any{"add": map[string]any{"index": opts.Into, "alias": cfg.Alias, "filter": index.NotDeletedFilter()}},
 	}); err != nil {
 		return res, err
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 )
 
@@ -76,7 +77,7 @@ func testReindexZeroDowntime(t *testing.T, es string) {
 	f.produce(upsert("after-swap", 1, docN(1)))
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 
-	reads, err := AliasTargets(context.Background(), f.client, cfg.Alias)
+	reads, err := index.AliasTargets(context.Background(), f.client, cfg.Alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{cfg.Alias + "_v2"}, reads)
 	seen := f.search(cfg.Alias)

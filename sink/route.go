@@ -15,6 +15,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
@@ -128,14 +129,14 @@ func ParseRoutes(s string) (map[string]string, error) {
 }
 
 // ensureIndexes makes sure every alias records may go to exists (see
-// [EnsureIndex]) and returns the index behind Config.WriteAlias. It maps
-// FieldDeletedAt, which tombstones carry (see [CreateIndex]). With
+// [index.Ensure]) and returns the index behind Config.WriteAlias. It maps
+// FieldDeletedAt, which tombstones carry (see [index.Create]). With
 // NullValues "delete" it also maps FieldPosition, which the documents then
 // carry: an index with a strict mapping would refuse every one of them.
 func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
 	var first string
 	for i, alias := range ix.rules.aliases() {
-		index, err := EnsureIndex(ctx, ix.client, alias, ix.rules.writeAliasOf(alias), ix.cfg.Mapping)
+		idx, err := index.Ensure(ctx, ix.client, alias, ix.rules.writeAliasOf(alias), ix.cfg.Mapping)
 		if err != nil {
 			return "", err
 		}
@@ -143,21 +144,21 @@ func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
 		// strict mapping would refuse every tombstone. An index that maps
 		// the field otherwise already is left as it is.
 		if _, err := ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{
-			Method: http.MethodPut, Path: "/" + url.PathEscape(index) + "/_mapping",
-			Body: map[string]any{"properties": map[string]any{FieldDeletedAt: deletedAtMapping()}},
+			Method: http.MethodPut, Path: "/" + url.PathEscape(idx) + "/_mapping",
+			Body: map[string]any{"properties": map[string]any{FieldDeletedAt: index.DeletedAtMapping()}},
 		}); err != nil {
-			ix.log.Warn("cannot map "+FieldDeletedAt+" (tombstone purge times)", slog.String("index", index), slog.String("error", err.Error()))
+			ix.log.Warn("cannot map "+FieldDeletedAt+" (tombstone purge times)", slog.String("index", idx), slog.String("error", err.Error()))
 		}
 		if ix.cfg.NullValues == NullValuesDelete {
 			if _, err := ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{
-				Method: http.MethodPut, Path: "/" + url.PathEscape(index) + "/_mapping",
+				Method: http.MethodPut, Path: "/" + url.PathEscape(idx) + "/_mapping",
 				Body: map[string]any{"properties": map[string]any{FieldPosition: map[string]any{"type": "long"}}},
 			}); err != nil {
-				return "", fmt.Errorf("map %s in index %s (NULL_VALUES=delete): %w", FieldPosition, index, err)
+				return "", fmt.Errorf("map %s in index %s (NULL_VALUES=delete): %w", FieldPosition, idx, err)
 			}
 		}
 		if i == 0 {
-			first = index
+			first = idx
 		}
 	}
 	return first, nil
@@ -200,7 +201,7 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 	err := backoff.Retry(func() error {
 		var err error
 		res, err = ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/_mget", Body: req})
-		if err != nil && !IsRetryable(err) {
+		if err != nil && !index.IsRetryable(err) {
 			return backoff.Permanent(err)
 		}
 		return err

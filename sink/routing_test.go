@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
 )
@@ -37,9 +38,9 @@ func TestRoutingByProcessorVersion(t *testing.T) {
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 
 	ctx := context.Background()
-	live := GenerationIndex(f.cfg.Alias, first)
-	for _, a := range []string{f.cfg.Alias, f.cfg.Alias + "-write", generationWriteAlias(live)} {
-		targets, err := AliasTargets(ctx, f.client, a)
+	live := index.GenerationIndex(f.cfg.Alias, first)
+	for _, a := range []string{f.cfg.Alias, f.cfg.Alias + "-write", index.GenerationWriteAlias(live)} {
+		targets, err := index.AliasTargets(ctx, f.client, a)
 		require.NoError(t, err)
 		require.Equal(t, []string{live}, targets, "alias %s", a)
 	}
@@ -53,7 +54,7 @@ func TestRoutingByProcessorVersion(t *testing.T) {
 	f.produce(recs...)
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 
-	building := GenerationIndex(f.cfg.Alias, next)
+	building := index.GenerationIndex(f.cfg.Alias, next)
 	_, err := f.client.Refresh(building, live).Do(ctx)
 	require.NoError(t, err)
 	n, err := f.client.Count(building).Do(ctx)
@@ -63,9 +64,9 @@ func TestRoutingByProcessorVersion(t *testing.T) {
 	require.Len(t, seen, 61, "searches still read the live generation, plus the application event")
 	require.Equal(t, "v1 "+docN(0), seen["g-00"], "the live generation keeps the first version's document")
 
-	gens, err := Generations(ctx, f.client, f.cfg.Alias, f.cfg.Alias+"-write")
+	gens, err := index.Generations(ctx, f.client, f.cfg.Alias, f.cfg.Alias+"-write")
 	require.NoError(t, err)
-	byIndex := map[string]Generation{}
+	byIndex := map[string]index.Generation{}
 	for _, g := range gens {
 		byIndex[g.Index] = g
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 )
 
@@ -35,10 +36,10 @@ INSERT INTO batch_runs (job, logical_run_id, partition_key, state, processor_ver
 
 	st := &Status{
 		ReadAlias: "records",
-		Generations: []Generation{
-			{Index: "records_v1", Meta: GenerationMeta{ProcessorVersion: "v1", CreatedAt: "2026-01-01T00:00:00Z"}, Live: true, Docs: 1000},
-			{Index: "records_v2", Meta: GenerationMeta{ProcessorVersion: "v2", CreatedAt: "2026-01-02T00:00:00Z"}, Docs: 390},
-			{Index: "records_v3", Meta: GenerationMeta{ProcessorVersion: "v3", CreatedAt: "2026-01-03T00:00:00Z"}, Docs: 40},
+		Generations: []index.Generation{
+			{Index: "records_v1", Meta: index.GenerationMeta{ProcessorVersion: "v1", CreatedAt: "2026-01-01T00:00:00Z"}, Live: true, Docs: 1000},
+			{Index: "records_v2", Meta: index.GenerationMeta{ProcessorVersion: "v2", CreatedAt: "2026-01-02T00:00:00Z"}, Docs: 390},
+			{Index: "records_v3", Meta: index.GenerationMeta{ProcessorVersion: "v3", CreatedAt: "2026-01-03T00:00:00Z"}, Docs: 40},
 		},
 		RowsByPV: map[string]int64{"v1": 1000, "v2": 400, "v3": 42},
 		ScanByPV: scans,

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+
+	"github.com/outboxrelay/outboxrelay/index"
 )
 
 // Status is what `indexer status` prints.
@@ -22,7 +24,7 @@ type Status struct {
 	ReadAlias, WriteAlias     string
 	ReadIndices, WriteIndices []string
 	// Generations of the read alias (engine part).
-	Generations []Generation
+	Generations []index.Generation
 	// RowsByPV counts normalized_records rows per processor version, the
 	// target of a building generation; nil when DATABASE_URL is not set.
 	RowsByPV map[string]int64
@@ -65,17 +67,17 @@ func GetStatus(ctx context.Context, cfg Config) (*Status, error) {
 		return nil, err
 	}
 	if cfg.URL != "" {
-		client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
+		client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 		if err != nil {
 			return nil, err
 		}
-		if st.ReadIndices, err = AliasTargets(ctx, client, cfg.Alias); err != nil {
+		if st.ReadIndices, err = index.AliasTargets(ctx, client, cfg.Alias); err != nil {
 			return nil, err
 		}
-		if st.WriteIndices, err = AliasTargets(ctx, client, cfg.WriteAlias); err != nil {
+		if st.WriteIndices, err = index.AliasTargets(ctx, client, cfg.WriteAlias); err != nil {
 			return nil, err
 		}
-		if st.Generations, err = Generations(ctx, client, cfg.Alias, cfg.WriteAlias); err != nil {
+		if st.Generations, err = index.Generations(ctx, client, cfg.Alias, cfg.WriteAlias); err != nil {
 			return nil, err
 		}
 	}

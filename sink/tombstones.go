@@ -14,6 +14,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/olivere/elastic/v7"
 	"github.com/segmentio/kafka-go"
+
+	"github.com/outboxrelay/outboxrelay/index"
 )
 
 // Tombstone purge.
@@ -146,13 +148,13 @@ func PurgeTombstones(ctx context.Context, cfg Config, opts PurgeOptions) (PurgeR
 		return PurgeResult{}, err
 	}
 	res := PurgeResult{Horizon: ComputeHorizon(opts.Now(), opts.Margin, sources)}
-	client, err := NewClientWith(cfg.URL, cfg.HTTPClient)
+	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, err
 	}
 	rules := newRecordRules(cfg)
 	for _, alias := range rules.aliases() {
-		gens, err := Generations(ctx, client, alias, rules.writeAliasOf(alias))
+		gens, err := index.Generations(ctx, client, alias, rules.writeAliasOf(alias))
 		if err != nil {
 			return res, err
 		}
@@ -174,46 +176,46 @@ func tombstonesQuery(extra ...any) map[string]any {
 	return map[string]any{"bool": map[string]any{"filter": append([]any{map[string]any{"term": map[string]any{FieldDeleted: true}}}, extra...)}}
 }
 
-func purgeIndex(ctx context.Context, client *elastic.Client, index string, horizon time.Time, dryRun bool) (PurgedIndex, error) {
-	pi := PurgedIndex{Index: index}
+func purgeIndex(ctx context.Context, client *elastic.Client, idx string, horizon time.Time, dryRun bool) (PurgedIndex, error) {
+	pi := PurgedIndex{Index: idx}
 	before := map[string]any{"range": map[string]any{FieldDeletedAt: map[string]any{"lt": horizon.UnixMilli()}}}
 	old := tombstonesQuery(before)
 	var err error
-	if pi.Legacy, err = countDocs(ctx, client, index, map[string]any{"bool": map[string]any{
+	if pi.Legacy, err = index.CountDocs(ctx, client, idx, map[string]any{"bool": map[string]any{
 		"filter":   []any{map[string]any{"term": map[string]any{FieldDeleted: true}}},
 		"must_not": []any{map[string]any{"exists": map[string]any{"field": FieldDeletedAt}}},
 	}}); err != nil {
 		return pi, err
 	}
-	all, err := countDocs(ctx, client, index, tombstonesQuery())
+	all, err := index.CountDocs(ctx, client, idx, tombstonesQuery())
 	if err != nil {
 		return pi, err
 	}
 	if dryRun {
-		if pi.Purged, err = countDocs(ctx, client, index, old); err != nil {
+		if pi.Purged, err = index.CountDocs(ctx, client, idx, old); err != nil {
 			return pi, err
 		}
 	} else {
 		res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
 			Method: http.MethodPost,
-			Path:   "/" + url.PathEscape(index) + "/_delete_by_query",
+			Path:   "/" + url.PathEscape(idx) + "/_delete_by_query",
 			// conflicts=proceed: a tombstone changed since it matched is
 			// skipped (it is no longer the tombstone that matched).
 			Params: url.Values{"conflicts": {"proceed"}, "refresh": {"true"}},
 			Body:   map[string]any{"query": old},
 		})
 		if err != nil {
-			return pi, fmt.Errorf("purge tombstones of %s: %w", index, err)
+			return pi, fmt.Errorf("purge tombstones of %s: %w", idx, err)
 		}
 		var out struct {
 			Deleted  int64 `json:"deleted"`
 			Failures []json.RawMessage
 		}
 		if err := json.Unmarshal(res.Body, &out); err != nil {
-			return pi, fmt.Errorf("decode delete by query of %s: %w", index, err)
+			return pi, fmt.Errorf("decode delete by query of %s: %w", idx, err)
 		}
 		if len(out.Failures) > 0 {
-			return pi, fmt.Errorf("purge tombstones of %s: %d failure(s), first: %s", index, len(out.Failures), out.Failures[0])
+			return pi, fmt.Errorf("purge tombstones of %s: %d failure(s), first: %s", idx, len(out.Failures), out.Failures[0])
 		}
 		pi.Purged = out.Deleted
 	}

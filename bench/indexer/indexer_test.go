@@ -28,6 +28,7 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/benchround"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/outbox"
@@ -61,7 +62,7 @@ func BenchmarkIndexer(b *testing.B) {
 	ctx := context.Background()
 	brokers := stack.KafkaBrokers(b)
 	es := stack.ElasticsearchURL(b)
-	client, err := sink.NewClient(es)
+	client, err := index.NewClient(es)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -200,11 +201,11 @@ func runIndexer(b *testing.B, brokers []string, topic, es string) run {
 // indexer's bulk size and number of concurrent bulk requests.
 func rawBulk(b *testing.B, client *elastic.Client, all [][]byte) run {
 	ctx := context.Background()
-	index := stack.UniqueName("bench-raw")
-	if err := sink.CreateIndex(ctx, client, index, []byte(mapping), nil); err != nil {
+	idx := stack.UniqueName("bench-raw")
+	if err := index.Create(ctx, client, idx, []byte(mapping), nil); err != nil {
 		b.Fatal(err)
 	}
-	defer drop(client, index)
+	defer drop(client, idx)
 	start := time.Now()
 	work := make(chan int)
 	var mu sync.Mutex
@@ -216,7 +217,7 @@ func rawBulk(b *testing.B, client *elastic.Client, all [][]byte) run {
 			for lo := range work {
 				buf.Reset()
 				for i := lo; i < min(lo+batchSize, len(all)); i++ {
-					fmt.Fprintf(&buf, `{"index":{"_index":%q,"_id":"doc-%07d","version":1,"version_type":"external"}}`+"\n", index, i)
+					fmt.Fprintf(&buf, `{"index":{"_index":%q,"_id":"doc-%07d","version":1,"version_type":"external"}}`+"\n", idx, i)
 					buf.Write(all[i])
 					buf.WriteByte('\n')
 				}

@@ -8,9 +8,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/reconcile"
-	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 // conflictIfUnsafe maps a refused move (and an unknown job) to exit 3.
@@ -18,7 +18,7 @@ func conflictIfUnsafe(err error) error {
 	if errors.Is(err, reconcile.ErrUnknownJob) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: fmt.Errorf("%w: run it once with batcher run --spec", err)}
 	}
-	if errors.Is(err, sink.ErrUnsafeMove) {
+	if errors.Is(err, index.ErrUnsafeMove) {
 		return &cli.ExitError{Code: cli.ExitConflict, Err: err}
 	}
 	return usageIfConfig(err)
@@ -54,7 +54,7 @@ func cutoverCommand(stdout io.Writer) cli.Command {
 			fs.String(&s.routes, "routes", "ROUTES", "", `as for indexer run: the job's aggregate type picks the alias that moves`)
 			fs.Bool(&allowUnversioned, "allow-unversioned", "", false, "cut over even though the live generation's documents without a processor version (application events) are not in the new one: searches stop finding them")
 			fs.Bool(&force, "force", "", false, "move even though the checks refuse (logged, and audited in checkpoint_audit)")
-			fs.Duration(&healthTimeout, "health-timeout", "", sink.DefaultHealthTimeout, "wait up to this long for the generation's shards to be allocated")
+			fs.Duration(&healthTimeout, "health-timeout", "", index.DefaultHealthTimeout, "wait up to this long for the generation's shards to be allocated")
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
@@ -121,7 +121,7 @@ func rollbackCommand(stdout io.Writer) cli.Command {
 			fs.String(&s.routes, "routes", "ROUTES", "", `as for indexer run: the job's aggregate type picks the alias`)
 			fs.Bool(&allowUnversioned, "allow-unversioned", "", false, "roll back even though documents without a processor version (application events) in the generation left are not in the target: searches stop finding them")
 			fs.Bool(&force, "force", "", false, "move even though the checks refuse (logged, and audited in checkpoint_audit)")
-			fs.Duration(&healthTimeout, "health-timeout", "", sink.DefaultHealthTimeout, "wait up to this long for the generation's shards to be allocated")
+			fs.Duration(&healthTimeout, "health-timeout", "", index.DefaultHealthTimeout, "wait up to this long for the generation's shards to be allocated")
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
@@ -154,27 +154,32 @@ func dropCommand(stdout io.Writer) cli.Command {
 		Summary: "delete an old index generation (never the live one)",
 		Run: func(ctx context.Context, args []string) error {
 			var s settings
-			var index string
+			var gen string
 			fs := cli.NewFlagSet("indexer generations drop", "Deletes a generation index of the alias that neither the read alias nor the write alias points\n"+
 				"at. A rollback to it is impossible afterwards. Refused with exit 3 for the live generation and for\n"+
 				"an index the indexer did not create as a generation of the alias.")
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
-			fs.String(&index, "index", "", "", "the generation index to delete, e.g. records_v1 (required)")
+			fs.String(&gen, "index", "", "", "the generation index to delete, e.g. records_v1 (required)")
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
-			if index == "" {
+			if gen == "" {
 				return cli.UsageError("--index is required")
 			}
 			s.noKafka = true
 			if _, err := s.load(ctx, true); err != nil {
 				return err
 			}
-			if err := sink.DropGeneration(ctx, s.cfg, index); err != nil {
+			cfg := s.cfg.WithDefaults()
+			client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
+			if err != nil {
+				return err
+			}
+			if err := index.Drop(ctx, client, cfg.Alias, cfg.WriteAlias, gen); err != nil {
 				return conflictIfUnsafe(err)
 			}
-			fmt.Fprintf(stdout, "dropped %s\n", index)
+			fmt.Fprintf(stdout, "dropped %s\n", gen)
 			return nil
 		},
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -19,7 +20,7 @@ func TestGenerationCommandsRefuse(t *testing.T) {
 	dbURL := stack.Database(t)
 	pool := stack.Pool(t, dbURL)
 	esURL := stack.ElasticsearchURL(t)
-	client, err := sink.NewClient(esURL)
+	client, err := index.NewClient(esURL)
 	require.NoError(t, err)
 	alias, other := stack.UniqueName("gens"), stack.UniqueName("gens-other")
 	t.Cleanup(func() {
@@ -27,15 +28,15 @@ func TestGenerationCommandsRefuse(t *testing.T) {
 	})
 	// The live generation as the indexer creates it at its start: no
 	// previous generation.
-	live, err := sink.EnsureIndex(ctx, client, alias, alias+"-write", sink.DefaultMapping)
+	live, err := index.Ensure(ctx, client, alias, alias+"-write", sink.DefaultMapping)
 	require.NoError(t, err)
 	// An index that only shares the alias's prefix (not made by the
 	// indexer), and another alias's generation.
 	foreign := alias + "_archive"
 	_, err = client.CreateIndex(foreign).Do(ctx)
 	require.NoError(t, err)
-	otherGen := sink.GenerationIndex(other, "v1")
-	require.NoError(t, sink.CreateIndex(ctx, client, otherGen, sink.DefaultMapping, nil))
+	otherGen := index.GenerationIndex(other, "v1")
+	require.NoError(t, index.Create(ctx, client, otherGen, sink.DefaultMapping, nil))
 
 	// Job j is at v2, whose generation no indexer has created yet.
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('j', '{"job":"j","processor_version":"v2","source_name":"src"}')`)
@@ -56,7 +57,7 @@ func TestGenerationCommandsRefuse(t *testing.T) {
 		want string
 	}{
 		{name: "cutover to a generation that does not exist", args: []string{"cutover", "--job", "j"},
-			want: "index " + sink.GenerationIndex(alias, "v2") + " does not exist yet (no indexer has seen an event of processor version v2)"},
+			want: "index " + index.GenerationIndex(alias, "v2") + " does not exist yet (no indexer has seen an event of processor version v2)"},
 		{name: "rollback without a previous generation", args: []string{"rollback", "--job", "j"},
 			want: "generation " + live + ", where the documents of job j are live, records no previous generation to roll back to"},
 		{name: "drop an index that does not exist", args: []string{"generations", "drop", "--index", alias + "_nothing"},
@@ -76,7 +77,7 @@ func TestGenerationCommandsRefuse(t *testing.T) {
 			require.Contains(t, stderr.String(), tt.want)
 		})
 	}
-	read, err := sink.AliasTargets(ctx, client, alias)
+	read, err := index.AliasTargets(ctx, client, alias)
 	require.NoError(t, err)
 	require.Equal(t, []string{live}, read, "the read alias did not move")
 	for _, index := range []string{live, foreign, otherGen} {

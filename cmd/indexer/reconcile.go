@@ -12,6 +12,7 @@ import (
 	"github.com/olivere/elastic/v7"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/esconn"
 	"github.com/outboxrelay/outboxrelay/reconcile"
@@ -88,7 +89,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 			if err := conn.Probe(ctx, logger); err != nil { // logs the unsafe settings too
 				return err
 			}
-			client, err := sink.NewClientWith(conn.URL, conn.HTTP)
+			client, err := index.NewClientWith(conn.URL, conn.HTTP)
 			if err != nil {
 				return cli.UsageError("ELASTICSEARCH_URL: %v", err)
 			}
@@ -113,7 +114,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 					return cli.UsageError("%v", err)
 				}
 				routed := sink.Config{Alias: alias, Routes: routes}.ForAggregateType(j.AggregateType)
-				if cfg.Index, err = sink.GenerationTarget(ctx, client, routed.Alias, j.ProcessorVersion); err != nil {
+				if cfg.Index, err = index.GenerationTarget(ctx, client, routed.Alias, j.ProcessorVersion); err != nil {
 					return err
 				}
 				if ok, err := indexExists(ctx, client, cfg.Index); err != nil {
@@ -121,7 +122,7 @@ func reconcileCommand(stdout io.Writer) cli.Command {
 				} else if !ok {
 					return &cli.ExitError{Code: cli.ExitConflict, Err: fmt.Errorf("job %s is at processor version %s, whose index generation %s does not exist yet (no indexer has seen its events)", job, j.ProcessorVersion, cfg.Index)}
 				}
-			} else if gens, err := sink.Generations(ctx, client, alias, cfg.Index); err == nil {
+			} else if gens, err := index.Generations(ctx, client, alias, cfg.Index); err == nil {
 				// The live generation's processor version is the expected one.
 				for _, g := range gens {
 					if g.Writes {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -27,13 +28,13 @@ func TestReconcileCommandOnAJobWhoseTableIsT(t *testing.T) {
 	dbURL := stack.Database(t)
 	pool := stack.Pool(t, dbURL)
 	esURL := stack.ElasticsearchURL(t)
-	client, err := sink.NewClient(esURL)
+	client, err := index.NewClient(esURL)
 	require.NoError(t, err)
 	alias := stack.UniqueName("records")
 	t.Cleanup(func() {
 		_, _ = client.PerformRequest(context.Background(), elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + alias + "_v1", IgnoreErrors: []int{404}})
 	})
-	_, err = sink.EnsureIndex(ctx, client, alias, alias+"-write", sink.DefaultMapping)
+	_, err = index.Ensure(ctx, client, alias, alias+"-write", sink.DefaultMapping)
 	require.NoError(t, err)
 	const n = 300
 	_, err = pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted)
@@ -93,13 +94,13 @@ func TestReconcileJobComparesTheLiveVersion(t *testing.T) {
 	dbURL := stack.Database(t)
 	pool := stack.Pool(t, dbURL)
 	esURL := stack.ElasticsearchURL(t)
-	client, err := sink.NewClient(esURL)
+	client, err := index.NewClient(esURL)
 	require.NoError(t, err)
 	alias := stack.UniqueName("records")
 	t.Cleanup(func() {
 		_, _ = client.PerformRequest(context.Background(), elastic.PerformRequestOptions{Method: http.MethodDelete, Path: "/" + alias + "_v1", IgnoreErrors: []int{404}})
 	})
-	live, err := sink.EnsureIndex(ctx, client, alias, alias+"-write", sink.DefaultMapping)
+	live, err := index.Ensure(ctx, client, alias, alias+"-write", sink.DefaultMapping)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('j', '{"job":"j","processor_version":"v2","source_name":"src"}')`)
 	require.NoError(t, err)

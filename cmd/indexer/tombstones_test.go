@@ -13,6 +13,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/sink"
@@ -32,11 +33,11 @@ func newPurgeFixture(t *testing.T) *purgeFixture {
 	ctx := context.Background()
 	f := &purgeFixture{brokers: stack.KafkaBrokers(t), esURL: stack.ElasticsearchURL(t)}
 	var err error
-	f.client, err = sink.NewClient(f.esURL)
+	f.client, err = index.NewClient(f.esURL)
 	require.NoError(t, err)
 	f.alias, f.topic = stack.UniqueName("purge"), stack.UniqueName("purge")
 	t.Cleanup(func() { _, _ = f.client.DeleteIndex(f.alias + "_*").Do(context.Background()) })
-	f.index, err = sink.EnsureIndex(ctx, f.client, f.alias, f.alias+"-write", sink.DefaultMapping)
+	f.index, err = index.Ensure(ctx, f.client, f.alias, f.alias+"-write", sink.DefaultMapping)
 	require.NoError(t, err)
 
 	kc := &kafka.Client{Addr: kafka.TCP(f.brokers...), Timeout: 30 * time.Second}

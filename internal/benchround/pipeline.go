@@ -10,9 +10,9 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
-	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 // Pipeline is what a whole-pipeline benchmark runs its binaries against:
@@ -40,7 +40,7 @@ func NewPipeline(tb testing.TB, name string, partitions int) *Pipeline {
 	p := &Pipeline{DatabaseURL: stack.Database(tb), Brokers: stack.KafkaBrokers(tb), SearchURL: stack.ElasticsearchURL(tb)}
 	p.Pool = stack.Pool(tb, p.DatabaseURL)
 	var err error
-	if p.Search, err = sink.NewClient(p.SearchURL); err != nil {
+	if p.Search, err = index.NewClient(p.SearchURL); err != nil {
 		tb.Fatal(err)
 	}
 	p.Topic, p.Alias = stack.UniqueName(name), stack.UniqueName(name)

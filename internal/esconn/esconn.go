@@ -9,7 +9,7 @@
 //	...
 //	conn, err := es.Build(rawURL) // user:password@ in the URL is accepted
 //	if err := conn.Probe(ctx, logger); err != nil { ... } // also logs Warnings
-//	client, err := sink.NewClientWith(conn.URL, conn.HTTP)
+//	client, err := index.NewClientWith(conn.URL, conn.HTTP)
 package esconn
 
 import (
@@ -76,7 +76,7 @@ func (s *Settings) Register(fs *cli.FlagSet) {
 // Conn is what the search engine client needs.
 type Conn struct {
 	// URL is ELASTICSEARCH_URL without its user info: one address, or
-	// several nodes' addresses comma-separated (sink.NewClient takes both).
+	// several nodes' addresses comma-separated (index.NewClient takes both).
 	URL string
 	// urls are URL's addresses.
 	urls []string

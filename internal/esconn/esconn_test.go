@@ -13,9 +13,9 @@ import (
 	"github.com/olivere/elastic/v7"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/internal/esconn"
 	"github.com/outboxrelay/outboxrelay/internal/stack"
-	"github.com/outboxrelay/outboxrelay/sink"
 )
 
 func TestMain(m *testing.M) { stack.Main(m) }
@@ -107,7 +107,7 @@ func TestSecuredSearchEndpoint(t *testing.T) {
 				require.NoError(t, err)
 				require.NotContains(t, conn.URL, pass)
 				require.NoError(t, conn.Probe(ctx, nil))
-				c, err := sink.NewClientWith(conn.URL, conn.HTTP)
+				c, err := index.NewClientWith(conn.URL, conn.HTTP)
 				require.NoError(t, err)
 				index := stack.UniqueName("esconn")
 				defer func() { _, _ = c.DeleteIndex(index).Do(context.Background()) }()
@@ -198,7 +198,7 @@ func TestBuildNodeList(t *testing.T) {
 	down := httptest.NewServer(http.NotFoundHandler())
 	downURL := down.URL
 	down.Close()
-	client, err := sink.NewClient(downURL + "," + ok.URL)
+	client, err := index.NewClient(downURL + "," + ok.URL)
 	require.NoError(t, err)
 	get := func() error {
 		_, err := client.PerformRequest(context.Background(), elastic.PerformRequestOptions{Method: http.MethodGet, Path: "/"})

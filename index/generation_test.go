@@ -1,4 +1,4 @@
-package sink
+package index
 
 import (
 	"strings"
@@ -38,5 +38,5 @@ func TestGenerationIndex(t *testing.T) {
 	long := GenerationIndex("records", strings.Repeat("x", 400))
 	require.LessOrEqual(t, len(long), maxIndexName)
 	require.NotEqual(t, long, GenerationIndex("records", strings.Repeat("x", 401)))
-	require.Equal(t, "records_v1-write", generationWriteAlias(GenerationIndex("records", "v1")))
+	require.Equal(t, "records_v1-write", GenerationWriteAlias(GenerationIndex("records", "v1")))
 }

@@ -1,27 +1,17 @@
-package sink
+package index
 
 import (
-	"bytes"
 	"context"
-	_ "embed"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
 	"slices"
-	"strconv"
 	"strings"
-	"time"
 
 	"github.com/olivere/elastic/v7"
 )
-
-// DefaultMapping is the create-index body used when none is configured:
-// one shard, dynamic mapping, and the tombstone marker field.
-//
-//go:embed mapping.json
-var DefaultMapping []byte
 
 // NewClient returns an olivere/elastic client for an engine address, or for
 // several nodes of one cluster as a comma-separated list
@@ -83,156 +73,14 @@ func IsRetryable(err error) bool {
 	return true
 }
 
-// retryableItemTypes are bulk item error types worth sending again even
-// when their status alone would not say so.
-var retryableItemTypes = map[string]bool{
-	"es_rejected_execution_exception":         true,
-	"cluster_block_exception":                 true, // read-only index (disk watermark): heals when an operator frees space
-	"index_not_found_exception":               true, // the write alias is missing (require_alias): heals when it comes back
-	"unavailable_shards_exception":            true,
-	"circuit_breaking_exception":              true,
-	"process_cluster_event_timeout_exception": true,
-}
-
-type itemOutcome int
-
-const (
-	outcomeIndexed itemOutcome = iota
-	outcomeConflict
-	outcomeRetry
-	outcomePermanent
-)
-
-type bulkItemResult struct {
-	Status int            `json:"status"`
-	Error  *bulkItemError `json:"error"`
-}
-
-type bulkItemError struct {
-	Type   string `json:"type"`
-	Reason string `json:"reason"`
-}
-
-func (r bulkItemResult) outcome() itemOutcome {
-	switch {
-	case r.Status >= 200 && r.Status < 300:
-		return outcomeIndexed
-	case r.Status == http.StatusConflict:
-		return outcomeConflict
-	case r.Status == http.StatusTooManyRequests || r.Status >= 500:
-		return outcomeRetry
-	case r.Error != nil && retryableItemTypes[r.Error.Type]:
-		return outcomeRetry
-	default:
-		return outcomePermanent
-	}
-}
-
-func (r bulkItemResult) itemError() *itemError {
-	e := &itemError{Status: r.Status, Code: "http_" + strconv.Itoa(r.Status)}
-	if r.Error != nil {
-		e.Code, e.Reason = r.Error.Type, r.Error.Reason
-	}
-	return e
-}
-
-type bulkResponse struct {
-	Errors bool       `json:"errors"`
-	Items  []bulkItem `json:"items"`
-}
-
-// bulkItem is one item of a bulk answer, keyed by its action: the indexer
-// only sends index actions. (A struct, not a map per item: decoding the
-// answers is a good part of the indexer's own CPU time.)
-type bulkItem struct {
-	Index bulkItemResult `json:"index"`
-}
-
-var bulkParams = url.Values{
-	// A missing write alias must fail the items, not auto-create an index
-	// named like the alias.
-	"require_alias": {"true"},
-	"filter_path":   {"errors,items.*.status,items.*.error.type,items.*.error.reason"},
-}
-
-// bulkHeaders turn off the compression of bulk answers, which the HTTP
-// client asks for by default: an answer is a few bytes per item, against
-// hundreds per item in the request (never compressed), and compressing it
-// costs the engine CPU time it would rather spend indexing.
-var bulkHeaders = http.Header{"Accept-Encoding": {"identity"}}
-
-// appendBulk appends one externally versioned index action and its body,
-// to the document's target alias.
-func appendBulk(buf *bytes.Buffer, d *doc) {
-	buf.WriteString(`{"index":{"_index":`)
-	appendJSONString(buf, d.target)
-	buf.WriteString(`,"_id":`)
-	appendJSONString(buf, d.id)
-	buf.WriteString(`,"version":`)
-	buf.WriteString(strconv.FormatInt(d.version, 10))
-	if d.versionFromIndex {
-		buf.WriteString(`,"version_type":"external_gte"}}` + "\n")
-	} else {
-		buf.WriteString(`,"version_type":"external"}}` + "\n")
-	}
-	buf.Write(appendDocument(buf.AvailableBuffer(), d))
-	buf.WriteByte('\n')
-}
-
-func appendJSONString(buf *bytes.Buffer, s string) {
-	plain := true
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; c < 0x20 || c >= 0x7f || c == '"' || c == '\\' {
-			plain = false
-			break
-		}
-	}
-	if plain {
-		buf.WriteByte('"')
-		buf.WriteString(s)
-		buf.WriteByte('"')
-		return
-	}
-	b, _ := json.Marshal(s) // a Go string always marshals
-	buf.Write(b)
-}
-
-// sendBulk sends docs in one bulk request and returns one result per doc,
-// in order. An error means no item result is known.
-func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
-	buf.Reset()
-	for _, d := range docs {
-		appendBulk(buf, d)
-	}
-	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
-		Method:      http.MethodPost,
-		Path:        "/_bulk",
-		Params:      bulkParams,
-		Headers:     bulkHeaders,
-		Body:        buf.String(),
-		ContentType: "application/x-ndjson",
-	})
-	if err != nil {
-		return nil, err
-	}
-	var br bulkResponse
-	if err := json.Unmarshal(res.Body, &br); err != nil {
-		return nil, fmt.Errorf("decode bulk response: %w", err)
-	}
-	out := make([]bulkItemResult, len(docs))
-	if len(br.Items) != len(docs) {
-		return nil, fmt.Errorf("bulk response has %d items for %d actions", len(br.Items), len(docs))
-	}
-	for i, it := range br.Items {
-		out[i] = it.Index
-	}
-	return out, nil
-}
-
 // notDeletedFilter is the read alias filter that hides tombstones.
 var notDeletedFilter = map[string]any{
 	"bool": map[string]any{"must_not": []any{map[string]any{"term": map[string]any{FieldDeleted: true}}}},
 }
+
+// NotDeletedFilter returns the read alias filter that hides tombstones
+// (of a read alias that spans one generation).
+func NotDeletedFilter() map[string]any { return notDeletedFilter }
 
 // AliasTargets returns the indices alias points at (none if it does not
 // exist).
@@ -260,10 +108,10 @@ func AliasTargets(ctx context.Context, client *elastic.Client, alias string) ([]
 }
 
 // ErrWriteAliasMissing: the read alias exists and the write alias does not.
-// [EnsureIndex] refuses to guess which index the writes belong to.
+// [Ensure] refuses to guess which index the writes belong to.
 var ErrWriteAliasMissing = errors.New("write alias missing")
 
-// EnsureIndex makes sure the write alias exists. When neither alias does,
+// Ensure makes sure the write alias exists. When neither alias does,
 // it creates "<alias>_v1" from mapping with both aliases in the same call,
 // so no reader ever sees one alias without the other. Several indexers may
 // race here; the loser finds the index created. When the read alias exists
@@ -277,7 +125,7 @@ var ErrWriteAliasMissing = errors.New("write alias missing")
 // first has its write alias by the second lookup, even when another
 // indexer created them in between. (The other order saw "no write alias"
 // before that indexer's create and "a read alias" after it, and refused.)
-func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias string, mapping []byte) (string, error) {
+func Ensure(ctx context.Context, client *elastic.Client, alias, writeAlias string, mapping []byte) (string, error) {
 	read, err := AliasTargets(ctx, client, alias)
 	if err != nil {
 		return "", err
@@ -296,7 +144,7 @@ func EnsureIndex(ctx context.Context, client *elastic.Client, alias, writeAlias 
 		return "", writeAliasMissing(alias, writeAlias, read)
 	}
 	index := alias + "_v1"
-	if err := CreateIndex(ctx, client, index, mapping, map[string]any{
+	if err := Create(ctx, client, index, mapping, map[string]any{
 		alias:      map[string]any{"filter": notDeletedFilter},
 		writeAlias: map[string]any{"is_write_index": true},
 	}); err != nil {
@@ -317,11 +165,11 @@ func writeAliasMissing(alias, writeAlias string, read []string) error {
 		ErrWriteAliasMissing, alias, read, writeAlias, fix)
 }
 
-// CreateIndex creates index from a create-index body (settings, mappings)
+// Create creates index from a create-index body (settings, mappings)
 // plus aliases, with FieldDeletedAt mapped as a date when the body does
 // not map it (a strict mapping would refuse every tombstone otherwise). An index that already exists is not an error; its aliases
 // are then added in one _aliases call.
-func CreateIndex(ctx context.Context, client *elastic.Client, index string, mapping []byte, aliases map[string]any) error {
+func Create(ctx context.Context, client *elastic.Client, index string, mapping []byte, aliases map[string]any) error {
 	var body map[string]any
 	if err := json.Unmarshal(mapping, &body); err != nil {
 		return fmt.Errorf("index mapping is not a JSON object: %w", err)
@@ -348,7 +196,7 @@ func CreateIndex(ctx context.Context, client *elastic.Client, index string, mapp
 		if len(actions) == 0 {
 			return nil
 		}
-		return updateAliases(ctx, client, actions)
+		return UpdateAliases(ctx, client, actions)
 	}
 	if err != nil {
 		return fmt.Errorf("create index %s: %w", index, err)
@@ -356,7 +204,7 @@ func CreateIndex(ctx context.Context, client *elastic.Client, index string, mapp
 	return nil
 }
 
-func updateAliases(ctx context.Context, client *elastic.Client, actions []any) error {
+func UpdateAliases(ctx context.Context, client *elastic.Client, actions []any) error {
 	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
 		Method: http.MethodPost,
 		Path:   "/_aliases",
@@ -368,7 +216,7 @@ func updateAliases(ctx context.Context, client *elastic.Client, actions []any) e
 	return nil
 }
 
-func refresh(ctx context.Context, client *elastic.Client, index string) error {
+func Refresh(ctx context.Context, client *elastic.Client, index string) error {
 	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/" + url.PathEscape(index) + "/_refresh"})
 	if err != nil {
 		return fmt.Errorf("refresh %s: %w", index, err)
@@ -376,17 +224,7 @@ func refresh(ctx context.Context, client *elastic.Client, index string) error {
 	return nil
 }
 
-// pingTimeout bounds the readiness check.
-const pingTimeout = 2 * time.Second
-
-func ping(ctx context.Context, client *elastic.Client) error {
-	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
-	defer cancel()
-	_, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodGet, Path: "/"})
-	return err
-}
-
-func deletedAtMapping() map[string]any {
+func DeletedAtMapping() map[string]any {
 	return map[string]any{"type": "date", "format": "epoch_millis"}
 }
 
@@ -410,6 +248,6 @@ func withDeletedAt(body map[string]any) {
 		mappings["properties"] = props
 	}
 	if _, mapped := props[FieldDeletedAt]; !mapped {
-		props[FieldDeletedAt] = deletedAtMapping()
+		props[FieldDeletedAt] = DeletedAtMapping()
 	}
 }
