@@ -164,7 +164,19 @@ func (ix *Indexer) ensureDeadLetterTopic(ctx context.Context) error {
 	for i, e := range want {
 		names[i] = e.ConfigName
 	}
-	have, err := topicConfigEntries(ctx, c, topic, names...)
+	// A topic created a moment ago may not be described yet by the broker
+	// asked (its metadata is still on its way): try a few times.
+	var have map[string]kafka.DescribeConfigResponseConfigEntry
+	var err error
+	for attempt := 1; ; attempt++ {
+		if have, err = topicConfigEntries(ctx, c, topic, names...); err == nil || attempt == 5 || ctx.Err() != nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Duration(attempt) * 200 * time.Millisecond):
+		}
+	}
 	if err != nil {
 		ix.log.Warn("cannot read the dead-letter topic's configs", slog.String("topic", topic), slog.String("error", err.Error()))
 		return nil
