@@ -22,12 +22,15 @@ import (
 // processor version built for one alias: GenerationIndex(alias, pv). The
 // indexer writes a document that carries a processor version (header
 // ce_processorversion) into its generation, creating the index from the
-// mapping the first time it sees the version; the read alias (what users
-// search) and the write alias (where documents without a processor
-// version go) point at one generation, the live one, and move to another
-// only by [Cutover] or [Rollback], in one _aliases call. So a new
-// normalizer builds its documents beside the live ones and searches never
-// see a half-built index.
+// mapping the first time it sees the version. The write alias (where
+// documents without a processor version go) points at one generation, the
+// base; the read alias (what users search) spans the generations the jobs
+// of the alias are live in, each with a filter on the jobs live there
+// ([AliasState], [PlanMove]). A job's documents move from one generation
+// to another only by [MoveJob] (package reconcile's Cutover and Rollback,
+// after their checks), in one _aliases call. So a new normalizer builds
+// its documents beside the live ones and searches never see a half-built
+// index.
 
 // metaKey is the key of the index mapping's _meta object this package
 // owns.
@@ -38,8 +41,8 @@ type GenerationMeta struct {
 	Alias            string `json:"alias"`
 	ProcessorVersion string `json:"processor_version"`
 	CreatedAt        string `json:"created_at,omitempty"`
-	// Previous is the generation the aliases left when they last moved to
-	// this one ([Rollback] goes back there); CutoverAt is when.
+	// Previous is the generation the aliases left when they last moved
+	// whole to this one (a rollback goes back there); CutoverAt is when.
 	// PreviousUUID is that index's uuid then: an index of the same name
 	// created again since (dropped, then re-created by an indexer that got
 	// a replayed event of its version) has another one.

@@ -187,12 +187,13 @@
 // mapping, with _meta.outboxrelay naming alias and version, the first time
 // it sees the version (several indexers may race; the losers find it
 // created), and trusts it for 30 s at a time. Events without a processor
-// version go to the write alias. The read and write aliases point at one
-// generation, the live one, and move only by package reconcile's Cutover
-// (indexer cutover, or AUTO_CUTOVER in indexer run: once the job's run at
-// that version succeeded, every normalized row carries it, the generation
-// reconciles clean and, if rows changed behind the rebuild, a catch-up run
-// followed) or [index.Rollback], each one _aliases call ([index.MoveAliases]). The
+// version go to the write alias. The read alias finds each job's documents
+// in the generation the job is live in; a job's documents move only by
+// package reconcile's Cutover (indexer cutover, or AUTO_CUTOVER in indexer
+// run: once the job's run at that version succeeded, every normalized row
+// carries it, the generation reconciles clean and, if rows changed behind
+// the rebuild, a catch-up run followed) or Rollback, each one _aliases call
+// ([index.MoveJob]). The
 // external version stays the source version within each generation, so
 // ordering, replays and tombstones work per generation exactly as above.
 //
