@@ -111,8 +111,12 @@ func checkLiveVersion(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions)
 }
 
 // refuseStale refuses work at s's processor version, outside a run
-// (quarantine retry), when the version was live before and is not now.
-func refuseStale(ctx context.Context, q querier, s Spec) error {
+// (quarantine retry), when the version was live before and is not now,
+// unless rebuild.
+func refuseStale(ctx context.Context, q querier, s Spec, rebuild bool) error {
+	if rebuild {
+		return nil
+	}
 	var live *string
 	var since *time.Time
 	var wasLive bool
