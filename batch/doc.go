@@ -52,8 +52,10 @@
 // unless the operator restarts or declares the version compatible.
 //
 // Each job has one live processor version, the one whose index generation
-// searches read (batch_processor_versions): its first run records it, and
-// an indexer cutover or rollback moves it ([SetLiveVersion]). A run at a
+// searches read (batch_processor_versions): its first run records it
+// (unless migration 016 registered another version of the job: then the
+// first cutover or rollback does), and an indexer cutover or rollback
+// moves it ([SetLiveVersion]). A run at a
 // version never live is the rebuild of that version's generation and runs;
 // a run at a version that was live before and is not now (an old schedule
 // after a cutover, the new one after a rollback) is refused with a

@@ -11,8 +11,10 @@ import (
 
 // The live processor version of a job (batch_processor_versions, migration
 // 016) is the one whose index generation searches read. The batcher
-// records a job's first version as live when it first runs; an indexer
-// cutover or rollback moves it ([SetLiveVersion]). A run at another version
+// records a job's first version as live when it first runs (unless another
+// version of the job is registered, by migration 016: then the first
+// cutover or rollback records it); an indexer cutover or rollback moves it
+// ([SetLiveVersion]). A run at another version
 // is a rebuild of that version's generation: allowed when the version has
 // never been live (the upgrade's rebuild), refused with a [LiveVersionError]
 // when it was live before (an old schedule still running after a cutover,
@@ -47,12 +49,15 @@ func (e *LiveVersionError) Message(rebuild string) string {
 func (e *LiveVersionError) Unwrap() error { return ErrNotLive }
 
 const (
-	// registerVersionSQL records that job $1 ran at processor version $2;
-	// live when the job has no live version yet (its first run).
-	registerVersionSQL = `
+	// firstRunSQL records processor version $2 as live for job $1 when
+	// the job has no live version and no other registered version (its
+	// first run). Migration 016 registers, none live, the versions jobs ran
+	// at before it: when another is registered, which one searches read is
+	// unknown here, and the next cutover or rollback records it.
+	firstRunSQL = `
 INSERT INTO batch_processor_versions AS v (job, processor_version, live, first_live_at, live_since)
 SELECT $1, $2, true, now(), now()
-WHERE NOT EXISTS (SELECT FROM batch_processor_versions WHERE job = $1 AND live)
+WHERE NOT EXISTS (SELECT FROM batch_processor_versions WHERE job = $1 AND (live OR processor_version <> $2))
 ON CONFLICT (job, processor_version) DO UPDATE SET
   live = true, first_live_at = coalesce(v.first_live_at, now()), live_since = now(), left_at = NULL`
 	registerRebuildSQL = `
@@ -73,11 +78,20 @@ VALUES ($1, $2, true, now(), now())
 ON CONFLICT (job, processor_version) DO UPDATE SET
   live = true, first_live_at = coalesce(v.first_live_at, now()), live_since = now(), left_at = NULL
 WHERE NOT v.live`
+	// leftSQL records that processor version $2 of job $1 was live until
+	// now (the generation the documents left), registering it if need be.
+	leftSQL = `
+INSERT INTO batch_processor_versions AS v (job, processor_version, first_live_at, left_at)
+VALUES ($1, $2, now(), now())
+ON CONFLICT (job, processor_version) DO UPDATE SET
+  first_live_at = coalesce(v.first_live_at, now()), left_at = coalesce(v.left_at, now())
+WHERE NOT v.live AND v.first_live_at IS NULL`
 	auditLiveMoveSQL = `INSERT INTO batch_live_version_moves (job, from_version, to_version, how, actor) VALUES ($1, $2, $3, $4, $5)`
 )
 
 // checkLiveVersion runs under the job lock in the transaction that prepares
-// a run: a job with no live version gets s.ProcessorVersion as its live one;
+// a run: a job with no live version and no other registered one gets
+// s.ProcessorVersion as its live one;
 // a version that was live before and is not now is refused unless
 // opts.Rebuild; any allowed version is registered.
 func checkLiveVersion(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions) error {
@@ -89,7 +103,7 @@ func checkLiveVersion(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions)
 	}
 	switch {
 	case live == nil:
-		tag, err := tx.Exec(ctx, registerVersionSQL, s.Job, s.ProcessorVersion)
+		tag, err := tx.Exec(ctx, firstRunSQL, s.Job, s.ProcessorVersion)
 		if err != nil {
 			return fmt.Errorf("record the live processor version of job %s: %w", s.Job, err)
 		}
@@ -97,8 +111,10 @@ func checkLiveVersion(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions)
 			if _, err := tx.Exec(ctx, auditLiveMoveSQL, s.Job, nil, s.ProcessorVersion, "first run", actor()); err != nil {
 				return fmt.Errorf("audit the live processor version of job %s: %w", s.Job, err)
 			}
+			return nil
 		}
-		return nil
+		// Another version is registered (by migration 016) and none is
+		// live: the run is allowed; a cutover or rollback records live.
 	case *live == s.ProcessorVersion:
 		return nil
 	case wasLive && !opts.Rebuild:
@@ -111,8 +127,12 @@ func checkLiveVersion(ctx context.Context, tx pgx.Tx, s Spec, opts StartOptions)
 }
 
 // refuseStale refuses work at s's processor version, outside a run
-// (quarantine retry), when the version was live before and is not now.
-func refuseStale(ctx context.Context, q querier, s Spec) error {
+// (quarantine retry), when the version was live before and is not now,
+// unless rebuild.
+func refuseStale(ctx context.Context, q querier, s Spec, rebuild bool) error {
+	if rebuild {
+		return nil
+	}
 	var live *string
 	var since *time.Time
 	var wasLive bool
@@ -166,7 +186,16 @@ const (
 // for job now (an indexer cutover or rollback moved the aliases to it), and
 // audits the move with how and the OS user. It returns the version that was
 // live before ("" when none was recorded, or pv was live already).
-func SetLiveVersion(ctx context.Context, db DB, job, pv, how string) (string, error) {
+//
+// left, optional, is the version whose generation the documents left (its
+// _meta processor version; v1 for the bootstrap <alias>_v1): it is recorded
+// as having been live, so that a run at it is refused from now on even
+// when nothing was recorded live before (a job whose first run after
+// migration 016 was already the rebuild).
+func SetLiveVersion(ctx context.Context, db DB, job, pv, how string, left ...string) (string, error) {
+	if len(left) > 1 {
+		return "", fmt.Errorf("record the live processor version of job %s: more than one version left (%v)", job, left)
+	}
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return "", err
@@ -179,14 +208,25 @@ func SetLiveVersion(ctx context.Context, db DB, job, pv, how string) (string, er
 	if err := tx.QueryRow(ctx, leaveLiveSQL, job, pv).Scan(&from); err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return "", fmt.Errorf("record the live processor version of job %s: %w", job, err)
 	}
+	for _, l := range left {
+		if l == "" || l == pv {
+			continue
+		}
+		if _, err := tx.Exec(ctx, leftSQL, job, l); err != nil {
+			return "", fmt.Errorf("record that processor version %s of job %s was live: %w", l, job, err)
+		}
+	}
 	tag, err := tx.Exec(ctx, enterLiveSQL, job, pv)
 	if err != nil {
 		return "", fmt.Errorf("record the live processor version of job %s: %w", job, err)
 	}
 	if tag.RowsAffected() == 1 {
 		var fromArg *string
-		if from != "" {
+		switch {
+		case from != "":
 			fromArg = &from
+		case len(left) == 1 && left[0] != "" && left[0] != pv:
+			fromArg = &left[0]
 		}
 		if _, err := tx.Exec(ctx, auditLiveMoveSQL, job, fromArg, pv, how, actor()); err != nil {
 			return "", fmt.Errorf("audit the live processor version of job %s: %w", job, err)

@@ -320,18 +320,28 @@ type RetryResult struct {
 	Retried, Resolved, StillBad int64
 }
 
+// RetryOptions are the choices of [RetryQuarantine].
+type RetryOptions struct {
+	// Rebuild declares a retry at a processor version that was live
+	// before and is not now (see [LiveVersionError]), as
+	// StartOptions.Rebuild does for a run.
+	Rebuild bool
+}
+
 // RetryQuarantine reprocesses the job's open quarantined rows from the
 // source table with spec (normally the job's stored spec, perhaps with a
 // fixed processor): rows that now normalize are upserted and enqueued in the
 // same transaction that marks them resolved; the others stay with attempts
-// incremented. No checkpoint moves. proc nil = built-in normalizer.
-func RetryQuarantine(ctx context.Context, db DB, spec Spec, proc Processor) (RetryResult, error) {
+// incremented. No checkpoint moves. proc nil = built-in normalizer. A spec
+// at a processor version that was live before and is not now is refused
+// with a [LiveVersionError] unless opts.Rebuild.
+func RetryQuarantine(ctx context.Context, db DB, spec Spec, proc Processor, opts RetryOptions) (RetryResult, error) {
 	var out RetryResult
 	spec = spec.withDefaults()
 	if err := spec.validate(); err != nil {
 		return out, err
 	}
-	if err := refuseStale(ctx, db, spec); err != nil {
+	if err := refuseStale(ctx, db, spec, opts.Rebuild); err != nil {
 		return out, err
 	}
 	c, err := compile(ctx, db, spec)

@@ -297,7 +297,7 @@ func TestBadRowPolicies(t *testing.T) {
 
 		_, err = pool.Exec(ctx, `UPDATE source_records SET payload = '{"title":"fixed"}' WHERE id = $1`, badTitle)
 		require.NoError(t, err)
-		res, err := batch.RetryQuarantine(ctx, pool, s, nil)
+		res, err := batch.RetryQuarantine(ctx, pool, s, nil, batch.RetryOptions{})
 		require.NoError(t, err)
 		require.Equal(t, batch.RetryResult{Retried: 2, Resolved: 1, StillBad: 1}, res)
 		rows, err = batch.ListQuarantine(ctx, pool, s.Job, false)

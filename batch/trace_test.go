@@ -35,7 +35,7 @@ func TestSweepAndQuarantineRetryEventsCarryATraceParent(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `UPDATE source_records SET payload = '{"title":"fixed"}' WHERE id = 21`)
 	require.NoError(t, err)
-	res, err := batch.RetryQuarantine(ctx, pool, s, nil)
+	res, err := batch.RetryQuarantine(ctx, pool, s, nil, batch.RetryOptions{})
 	require.NoError(t, err)
 	require.Zero(t, res.StillBad)
 

@@ -462,6 +462,7 @@ func quarantineListCommand(stdout io.Writer) cli.Command {
 
 func quarantineRetryCommand(stdout io.Writer) cli.Command {
 	var job, specFile string
+	var rebuild bool
 	return cli.DBCommand{
 		Name:    "quarantine retry",
 		Summary: "reprocess quarantined rows with the job's stored spec",
@@ -470,6 +471,7 @@ func quarantineRetryCommand(stdout io.Writer) cli.Command {
 		Flags: func(fs *cli.FlagSet) {
 			fs.String(&job, "job", "BATCH_JOB", "", "job name (required unless --spec)")
 			fs.String(&specFile, "spec", "BATCH_SPEC", "", "use this spec instead of the stored one (e.g. a fixed normalizer)")
+			fs.Bool(&rebuild, "rebuild", "", false, "retry at a processor version that was live before and is not now (a rebuild of its generation)")
 		},
 		Check: func() error {
 			if job == "" && specFile == "" {
@@ -482,7 +484,7 @@ func quarantineRetryCommand(stdout io.Writer) cli.Command {
 			if err != nil {
 				return err
 			}
-			res, err := batch.RetryQuarantine(ctx, db.Pool, spec, nil)
+			res, err := batch.RetryQuarantine(ctx, db.Pool, spec, nil, batch.RetryOptions{Rebuild: rebuild})
 			if err != nil {
 				return classify(err)
 			}
