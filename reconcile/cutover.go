@@ -55,6 +55,9 @@ type CutoverOptions struct {
 	// beforeMove, if set, runs between the count of documents without a
 	// processor version and the alias move (tests: a write in the window).
 	beforeMove func()
+	// afterMove, if set, runs right after the alias move; its error fails
+	// the move as a later step would (tests).
+	afterMove func() error
 	// auto: an AutoCutover round, recorded as an automatic cutover.
 	auto bool
 }
@@ -320,8 +323,10 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, opts)
 	res.Live, res.Unversioned, res.Copied = mr.Plan.From, mr.Hidden, mr.Copied
 	res.From, res.Already, res.Whole = mr.From, mr.Already, mr.Plan.Whole
-	if err == nil {
-		err = recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto))
+	if mr.Moved || err == nil {
+		// Searches read the generation now, even when a step after the
+		// _aliases call failed: record it as live.
+		err = errors.Join(err, recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto)))
 	}
 	return res, err
 }
@@ -344,7 +349,7 @@ func moveJob(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *ela
 	}
 	return index.MoveJob(ctx, client, db, cfg.Alias, cfg.WriteAlias,
 		index.JobMove{Type: j.AggregateType, Target: target, JobTypes: types, HealthTimeout: opts.HealthTimeout},
-		index.MoveOptions{Job: j.Name, AllowUnversioned: opts.AllowUnversioned, Locked: true, BeforeMove: opts.beforeMove, Logger: cfg.Logger})
+		index.MoveOptions{Job: j.Name, AllowUnversioned: opts.AllowUnversioned, Locked: true, BeforeMove: opts.beforeMove, AfterMove: opts.afterMove, Logger: cfg.Logger})
 }
 
 // Rollback moves job's documents back to the generation they were live in
