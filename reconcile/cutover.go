@@ -271,6 +271,7 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 	var res CutoverResult
 	cfg = cfg.ForAggregateType(j.AggregateType)
 	deadline := time.Now().Add(opts.Wait)
+	var forced string // the refusal --force moved past
 	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, err
@@ -301,11 +302,10 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 			if !opts.Force {
 				return res, fmt.Errorf("%w: %s (--force moves anyway)", index.ErrUnsafeMove, refusal)
 			}
-			if err := auditForced(ctx, opts.DB, j.Name, what, "--force past: "+refusal); err != nil {
-				return res, err
-			}
-			cmp.Or(opts.Logger, cfg.Logger).Warn(what+" forced past the checks (--force)", slog.String("job", j.Name), slog.String("alias", cfg.Alias),
-				slog.String("index", r.Index), slog.String("refused", strings.Join(r.Missing, "; ")))
+			// Audited and logged once the aliases moved: the move can
+			// still refuse (documents without a processor version, the
+			// health wait, the _aliases call).
+			forced = refusal
 			res.Forced = true
 			break
 		}
@@ -327,6 +327,11 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 		// Searches read the generation now, even when a step after the
 		// _aliases call failed: record it as live.
 		err = errors.Join(err, recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto)))
+	}
+	if mr.Moved && res.Forced {
+		cmp.Or(opts.Logger, cfg.Logger).Warn(what+" forced past the checks (--force)", slog.String("job", j.Name), slog.String("alias", cfg.Alias),
+			slog.String("index", res.Index), slog.String("refused", strings.Join(res.Missing, "; ")))
+		err = errors.Join(err, auditForced(context.WithoutCancel(ctx), opts.DB, j.Name, what, "--force past: "+forced))
 	}
 	return res, err
 }

@@ -138,3 +138,35 @@ func TestCutoverWhoseAliasCallFailsRecordsNoMove(t *testing.T) {
 	require.NotContains(t, gens[0].Meta.Sources, "src")
 	require.Equal(t, "v1", f.liveVersion(t))
 }
+
+// A forced cutover (the checks refused) that the move itself then refuses
+// (a document without a processor version it would hide) writes no
+// cutover-forced audit row (issue 27 review, item 6); the forced move that
+// goes through writes one.
+func TestForcedCutoverIsAuditedOnlyOnceMoved(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newMoveFixture(t)
+	// Not ready: 11 rows, 10 documents.
+	_, err := f.pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted) VALUES ('src', '11', '{}', 1, 'v2', false)`)
+	require.NoError(t, err)
+	_, err = f.client.Index().Index(f.live).Id("app-1").BodyJson(map[string]any{"title": "app", sink.FieldAggregateType: "src"}).Refresh("true").Do(ctx)
+	require.NoError(t, err)
+	audits := func() int {
+		var n int
+		require.NoError(t, f.pool.QueryRow(ctx, `SELECT count(*) FROM checkpoint_audit WHERE job = 'j' AND action = 'cutover-forced'`).Scan(&n))
+		return n
+	}
+
+	_, err = reconcile.Cutover(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "j", Force: true})
+	require.ErrorIs(t, err, index.ErrUnsafeMove)
+	require.ErrorContains(t, err, "without a processor version")
+	require.Equal(t, []string{f.live}, f.readAlias(t), "nothing moved")
+	require.Zero(t, audits(), "no audit row for a move that did not happen")
+
+	res, err := reconcile.Cutover(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "j", Force: true, AllowUnversioned: true})
+	require.NoError(t, err)
+	require.True(t, res.Forced)
+	require.Equal(t, []string{f.next}, f.readAlias(t))
+	require.Equal(t, 1, audits())
+}
