@@ -406,6 +406,13 @@ func Rollback(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutove
 				j.ProcessorVersion = pv
 			}
 		}
+		if j.ProcessorVersion == "" {
+			// Neither checked nor recorded as live without a version,
+			// --force or not.
+			return res, fmt.Errorf("%w: rollback of job %s to %s: its processor version is unknown (the generation records none in its _meta "+
+				"and no run of the job in batch_runs has that generation's name); move the aliases by hand if it must go live",
+				index.ErrUnsafeMove, j.Name, prev)
+		}
 	}
 	return moveChecked(ctx, cfg, opts, j, prev, "rollback")
 }

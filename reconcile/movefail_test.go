@@ -170,3 +170,21 @@ func TestForcedCutoverIsAuditedOnlyOnceMoved(t *testing.T) {
 	require.Equal(t, []string{f.next}, f.readAlias(t))
 	require.Equal(t, 1, audits())
 }
+
+// A rollback to a generation whose processor version is unknown (no
+// metadata, no run of that generation's name) is refused, --force or not
+// (issue 27 review, item 7): nothing moves and "" is never recorded live.
+func TestRollbackToAGenerationOfUnknownVersionIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newMoveFixture(t)
+	_, err := reconcile.Cutover(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "j"})
+	require.NoError(t, err)
+	require.Equal(t, "v2", f.liveVersion(t))
+
+	_, err = reconcile.Rollback(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: "j", Force: true})
+	require.ErrorIs(t, err, index.ErrUnsafeMove)
+	require.ErrorContains(t, err, "processor version is unknown")
+	require.Equal(t, []string{f.next}, f.readAlias(t), "nothing moved")
+	require.Equal(t, "v2", f.liveVersion(t))
+}
