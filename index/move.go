@@ -511,38 +511,48 @@ func indexHealth(ctx context.Context, client *elastic.Client, index string) (str
 }
 
 // ApplyMove ends the target's bulk-load mode, waits for its health (green
-// when the generation it replaces is green, else its primaries), records
-// where the job's documents came from in its _meta (for a rollback), and
-// makes the plan's one _aliases call.
-func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
+// when the generation it replaces is green, else its primaries), makes the
+// plan's one _aliases call, and then records where the job's documents came
+// from in the target's _meta (for a rollback). moved reports that the
+// _aliases call succeeded, also when recording the move failed after it.
+//
+// The record is written after the call, not before: a record of a move
+// that did not happen (the call failed, or the process died before it)
+// would make [WasLiveFor] true for a generation never live, and automatic
+// cutovers would leave it as rolled back from for good. If the process
+// dies between the call and the record, the aliases moved and nothing
+// records it: a rollback then refuses (no previous generation recorded)
+// instead of acting on a record of a move that never happened; that is
+// the safe side.
+func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) (moved bool, err error) {
 	m := p.Move
 	gens, err := ListGenerations(ctx, client, m.Target)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if len(gens) != 1 {
-		return fmt.Errorf("%w: index %s does not exist", ErrUnsafeMove, m.Target)
+		return false, fmt.Errorf("%w: index %s does not exist", ErrUnsafeMove, m.Target)
 	}
 	meta := gens[0].Meta
 	if meta.BulkLoad != nil {
 		// Still in bulk-load mode (refresh off): searches would not see
 		// what it holds, nor anything written to it later.
 		if err := restoreSettings(ctx, client, m.Target, *meta.BulkLoad); err != nil {
-			return err
+			return false, err
 		}
 		meta.BulkLoad = nil
 		if err := PutMeta(ctx, client, m.Target, meta); err != nil {
-			return err
+			return false, err
 		}
 	}
 	if p.Noop {
-		return nil
+		return false, nil
 	}
 	want := "yellow"
 	if p.From != "" {
 		st, err := indexHealth(ctx, client, p.From)
 		if err != nil {
-			return err
+			return false, err
 		}
 		if st == "green" {
 			want = "green"
@@ -553,14 +563,21 @@ func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
 		timeout = DefaultHealthTimeout
 	}
 	if err := WaitHealthy(ctx, client, m.Target, want, timeout); err != nil {
-		return err
+		return false, err
+	}
+	var uuid string
+	if p.From != "" && p.From != m.Target {
+		// Read before the call: the generation left may be dropped soon
+		// after it.
+		if uuid, err = UUID(ctx, client, p.From); err != nil {
+			return false, err
+		}
+	}
+	if err := UpdateAliases(ctx, client, p.actions); err != nil {
+		return false, fmt.Errorf("move the documents of aggregate type %q of alias %s to %s (someone else moved the aliases meanwhile?): %w", m.Type, p.Before.Alias, m.Target, err)
 	}
 	now := time.Now().UTC().Format(time.RFC3339)
 	if p.From != "" && p.From != m.Target {
-		uuid, err := UUID(ctx, client, p.From)
-		if err != nil {
-			return err
-		}
 		if p.Whole {
 			meta.Previous, meta.PreviousUUID = p.From, uuid
 		}
@@ -577,13 +594,11 @@ func ApplyMove(ctx context.Context, client *elastic.Client, p MovePlan) error {
 		meta.Sources[m.Type] = SourceMoveMeta{At: now}
 	}
 	meta.CutoverAt = now
-	if err := PutMeta(ctx, client, m.Target, meta); err != nil {
-		return err
+	// The aliases moved: record it even when ctx ended meanwhile.
+	if err := PutMeta(context.WithoutCancel(ctx), client, m.Target, meta); err != nil {
+		return true, fmt.Errorf("the documents of aggregate type %q of alias %s moved to %s, but recording the move in its _meta failed (a rollback will refuse: no previous generation recorded): %w", m.Type, p.Before.Alias, m.Target, err)
 	}
-	if err := UpdateAliases(ctx, client, p.actions); err != nil {
-		return fmt.Errorf("move the documents of aggregate type %q of alias %s to %s (someone else moved the aliases meanwhile?): %w", m.Type, p.Before.Alias, m.Target, err)
-	}
-	return nil
+	return true, nil
 }
 
 // SourceMoveMeta records, in a generation's _meta, the last move of one
@@ -628,8 +643,8 @@ func WasLiveFor(g Generation, typ string) bool {
 //     events) that the move takes out of searches and the target lacks (a
 //     tombstone in the target counts as having it: the row was deleted);
 //     refuse unless allowed;
-//  3. wait for the target's health, record the move in its _meta, make the
-//     call (ApplyMove);
+//  3. wait for the target's health, make the call, record the move in the
+//     target's _meta (ApplyMove);
 //  4. close the window between 2 and 3: documents without a processor
 //     version written into the generation left between the count and the
 //     call are copied into the target (at their external version).
@@ -647,6 +662,9 @@ type MoveOptions struct {
 	// BeforeMove, if set, runs between the count of documents without a
 	// processor version and the alias move (tests: a write in the window).
 	BeforeMove func()
+	// AfterMove, if set, runs right after the alias move; an error it
+	// returns fails the move as a step after the call would (tests).
+	AfterMove func() error
 	// Logger gets a line when documents are copied over; default
 	// slog.Default().
 	Logger *slog.Logger
@@ -658,6 +676,9 @@ type MoveResult struct {
 	Hidden  int64 // documents without a processor version the move hid (allowed)
 	Copied  int64 // written into the generation left during the move, copied over
 	Already bool
+	// Moved: the _aliases call was made, also when MoveJob fails at a
+	// later step (searches read the target then: record it as live).
+	Moved bool
 	// From lists the generation the job's documents left (empty: none).
 	From []string
 }
@@ -701,7 +722,8 @@ func MoveJob(ctx context.Context, client *elastic.Client, db *pgxpool.Pool, alia
 	}
 	if plan.Noop {
 		res.Already = true
-		return res, ApplyMove(ctx, client, plan) // ends a bulk load left over, nothing else
+		_, err := ApplyMove(ctx, client, plan) // ends a bulk load left over, nothing else
+		return res, err
 	}
 	if plan.Leaving != "" {
 		n, _, err := hiddenUnversioned(ctx, client, plan.Leaving, plan.LeavingQuery, target, false)
@@ -733,12 +755,20 @@ func MoveJob(ctx context.Context, client *elastic.Client, db *pgxpool.Pool, alia
 	if opts.BeforeMove != nil {
 		opts.BeforeMove()
 	}
-	if err := ApplyMove(ctx, client, plan); err != nil {
+	res.Moved, err = ApplyMove(ctx, client, plan)
+	if res.Moved {
+		res.From = []string{}
+		if plan.From != "" {
+			res.From = []string{plan.From}
+		}
+	}
+	if err != nil {
 		return res, err
 	}
-	res.From = []string{}
-	if plan.From != "" {
-		res.From = []string{plan.From}
+	if opts.AfterMove != nil {
+		if err := opts.AfterMove(); err != nil {
+			return res, err
+		}
 	}
 	if plan.Leaving != "" && !opts.AllowUnversioned {
 		// Written between the count and the call: copy them over.

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outboxrelay/outboxrelay/batch"
 	"github.com/outboxrelay/outboxrelay/index"
 	"github.com/outboxrelay/outboxrelay/sink"
 )
@@ -130,6 +131,9 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 		return res, alias, skipRolledBack, err
 	}
 	if skip, err := index.Candidate(ctx, client, cfg.Alias, cfg.WriteAlias, res.Index, j.AggregateType); skip != "" || err != nil {
+		if skip == skipLive && err == nil {
+			err = repairLive(ctx, db, j)
+		}
 		return res, alias, skip, err
 	}
 	unlock, locked, err := index.TryLockAlias(ctx, db, cfg.Alias)
@@ -142,6 +146,9 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 	defer unlock()
 	// Again under the lock: another indexer may have moved it meanwhile.
 	if skip, err := index.Candidate(ctx, client, cfg.Alias, cfg.WriteAlias, res.Index, j.AggregateType); skip != "" || err != nil {
+		if skip == skipLive && err == nil {
+			err = repairLive(ctx, db, j)
+		}
 		return res, alias, skip, err
 	}
 	res, err = Cutover(ctx, cfg, CutoverOptions{DB: db, Job: job, locked: true, auto: true})
@@ -149,4 +156,20 @@ func autoCutoverOnce(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, job
 		skip = skipLive
 	}
 	return res, alias, skip, err
+}
+
+// repairLive records j.ProcessorVersion as j's live version when its
+// generation is live for j's documents but PostgreSQL records another
+// version (or none): a move whose _aliases call succeeded and whose
+// recording failed, or a process that died in between.
+func repairLive(ctx context.Context, db *pgxpool.Pool, j Job) error {
+	live, err := batch.LoadLiveVersion(ctx, db, j.Name)
+	switch {
+	case errors.Is(err, batch.ErrNotFound):
+	case err != nil:
+		return err
+	case live.ProcessorVersion == j.ProcessorVersion:
+		return nil
+	}
+	return recordLive(ctx, db, j.Name, j.ProcessorVersion, batch.MovedByAutoCutover)
 }

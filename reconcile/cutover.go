@@ -55,6 +55,9 @@ type CutoverOptions struct {
 	// beforeMove, if set, runs between the count of documents without a
 	// processor version and the alias move (tests: a write in the window).
 	beforeMove func()
+	// afterMove, if set, runs right after the alias move; its error fails
+	// the move as a later step would (tests).
+	afterMove func() error
 	// auto: an AutoCutover round, recorded as an automatic cutover.
 	auto bool
 }
@@ -268,6 +271,7 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 	var res CutoverResult
 	cfg = cfg.ForAggregateType(j.AggregateType)
 	deadline := time.Now().Add(opts.Wait)
+	var forced string // the refusal --force moved past
 	client, err := index.NewClientWith(cfg.URL, cfg.HTTPClient)
 	if err != nil {
 		return res, err
@@ -298,11 +302,10 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 			if !opts.Force {
 				return res, fmt.Errorf("%w: %s (--force moves anyway)", index.ErrUnsafeMove, refusal)
 			}
-			if err := auditForced(ctx, opts.DB, j.Name, what, "--force past: "+refusal); err != nil {
-				return res, err
-			}
-			cmp.Or(opts.Logger, cfg.Logger).Warn(what+" forced past the checks (--force)", slog.String("job", j.Name), slog.String("alias", cfg.Alias),
-				slog.String("index", r.Index), slog.String("refused", strings.Join(r.Missing, "; ")))
+			// Audited and logged once the aliases moved: the move can
+			// still refuse (documents without a processor version, the
+			// health wait, the _aliases call).
+			forced = refusal
 			res.Forced = true
 			break
 		}
@@ -320,8 +323,15 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 	mr, err := moveJob(ctx, cfg, opts.DB, client, j, res.Index, opts)
 	res.Live, res.Unversioned, res.Copied = mr.Plan.From, mr.Hidden, mr.Copied
 	res.From, res.Already, res.Whole = mr.From, mr.Already, mr.Plan.Whole
-	if err == nil {
-		err = recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto))
+	if mr.Moved || err == nil {
+		// Searches read the generation now, even when a step after the
+		// _aliases call failed: record it as live.
+		err = errors.Join(err, recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto)))
+	}
+	if mr.Moved && res.Forced {
+		cmp.Or(opts.Logger, cfg.Logger).Warn(what+" forced past the checks (--force)", slog.String("job", j.Name), slog.String("alias", cfg.Alias),
+			slog.String("index", res.Index), slog.String("refused", strings.Join(res.Missing, "; ")))
+		err = errors.Join(err, auditForced(context.WithoutCancel(ctx), opts.DB, j.Name, what, "--force past: "+forced))
 	}
 	return res, err
 }
@@ -344,7 +354,7 @@ func moveJob(ctx context.Context, cfg sink.Config, db *pgxpool.Pool, client *ela
 	}
 	return index.MoveJob(ctx, client, db, cfg.Alias, cfg.WriteAlias,
 		index.JobMove{Type: j.AggregateType, Target: target, JobTypes: types, HealthTimeout: opts.HealthTimeout},
-		index.MoveOptions{Job: j.Name, AllowUnversioned: opts.AllowUnversioned, Locked: true, BeforeMove: opts.beforeMove, Logger: cfg.Logger})
+		index.MoveOptions{Job: j.Name, AllowUnversioned: opts.AllowUnversioned, Locked: true, BeforeMove: opts.beforeMove, AfterMove: opts.afterMove, Logger: cfg.Logger})
 }
 
 // Rollback moves job's documents back to the generation they were live in
@@ -395,6 +405,13 @@ func Rollback(ctx context.Context, cfg sink.Config, opts CutoverOptions) (Cutove
 			if index.GenerationIndex(cfg.Alias, pv) == prev {
 				j.ProcessorVersion = pv
 			}
+		}
+		if j.ProcessorVersion == "" {
+			// Neither checked nor recorded as live without a version,
+			// --force or not.
+			return res, fmt.Errorf("%w: rollback of job %s to %s: its processor version is unknown (the generation records none in its _meta "+
+				"and no run of the job in batch_runs has that generation's name); move the aliases by hand if it must go live",
+				index.ErrUnsafeMove, j.Name, prev)
 		}
 	}
 	return moveChecked(ctx, cfg, opts, j, prev, "rollback")

@@ -6,3 +6,10 @@ func WithBeforeMove(o CutoverOptions, f func()) CutoverOptions {
 	o.beforeMove = f
 	return o
 }
+
+// WithAfterMove returns o with a function that runs right after the alias
+// move; its error fails the move as a later step would.
+func WithAfterMove(o CutoverOptions, f func() error) CutoverOptions {
+	o.afterMove = f
+	return o
+}

@@ -39,7 +39,9 @@ func testRollbackRefusesToHideApplicationDocuments(t *testing.T, engineURL strin
 	require.NoError(t, index.Create(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('j', '{"job":"j","processor_version":"v2","source_name":"src","aggregate_type":"src"}')`)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('j', 'r2', 'succeeded', 'v2', 'h', '{}')`)
+	// The run at v1 that filled the bootstrap index (its generation name):
+	// a rollback resolves its processor version from it.
+	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('j', 'r1', 'succeeded', 'v1', 'h', '{}'), ('j', 'r2', 'succeeded', 'v2', 'h', '{}')`)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted)
 SELECT 'src', g::text, '{}'::jsonb, 1, 'v2', false FROM generate_series(1, 10) g`)
