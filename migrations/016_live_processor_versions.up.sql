@@ -23,8 +23,10 @@ CREATE UNIQUE INDEX batch_processor_versions_live ON batch_processor_versions (j
 
 -- The versions jobs ran at before this migration are registered (an
 -- indexer with DATABASE_URL keeps writing their events), none live: which
--- one searches read is in the search engine. The next run of each job
--- records its version as live; indexer cutover and rollback correct it.
+-- one searches read is in the search engine. The next run of a job
+-- records its version as live only when it is the job's only registered
+-- version; otherwise the next indexer cutover or rollback records the
+-- live version, and the one the documents left as having been live.
 INSERT INTO batch_processor_versions (job, processor_version)
 SELECT DISTINCT job, processor_version FROM batch_runs WHERE processor_version IS NOT NULL
 ON CONFLICT DO NOTHING;

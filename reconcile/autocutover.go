@@ -171,5 +171,5 @@ func repairLive(ctx context.Context, db *pgxpool.Pool, j Job) error {
 	case live.ProcessorVersion == j.ProcessorVersion:
 		return nil
 	}
-	return recordLive(ctx, db, j.Name, j.ProcessorVersion, batch.MovedByAutoCutover)
+	return recordLive(ctx, db, j.Name, j.ProcessorVersion, batch.MovedByAutoCutover, "")
 }

@@ -326,7 +326,14 @@ func moveChecked(ctx context.Context, cfg sink.Config, opts CutoverOptions, j Jo
 	if mr.Moved || err == nil {
 		// Searches read the generation now, even when a step after the
 		// _aliases call failed: record it as live.
-		err = errors.Join(err, recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto)))
+		// The version the documents left is recorded as having been live
+		// (unknown: none; a failed lookup must not keep the move unrecorded).
+		left, lerr := leftVersion(ctx, opts.DB, client, cfg.Alias, cfg.WriteAlias, res.Job, mr.Plan.From)
+		if lerr != nil {
+			cmp.Or(opts.Logger, cfg.Logger).Warn("the processor version the documents left is unknown; not recorded as having been live",
+				slog.String("job", j.Name), slog.String("from", mr.Plan.From), slog.String("error", lerr.Error()))
+		}
+		err = errors.Join(err, recordLive(ctx, opts.DB, res.Job, res.ProcessorVersion, moveKind(what, opts.auto), left))
 	}
 	if mr.Moved && res.Forced {
 		cmp.Or(opts.Logger, cfg.Logger).Warn(what+" forced past the checks (--force)", slog.String("job", j.Name), slog.String("alias", cfg.Alias),

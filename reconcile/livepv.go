@@ -5,9 +5,12 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/olivere/elastic/v7"
 
 	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/index"
 )
 
 // The live processor version of each job is recorded in PostgreSQL
@@ -30,14 +33,49 @@ func moveKind(what string, auto bool) string {
 
 // recordLive records pv as job's live processor version after a cutover
 // or rollback (how: [moveKind]) moved the job's documents to its
-// generation.
-func recordLive(ctx context.Context, db *pgxpool.Pool, job, pv, how string) error {
+// generation; left is the version of the generation they left ("":
+// unknown), recorded as having been live (a job upgraded since migration
+// 016 may have none recorded yet), so a run at it is refused afterwards.
+func recordLive(ctx context.Context, db *pgxpool.Pool, job, pv, how, left string) error {
 	// The aliases moved: record it even when ctx ended meanwhile.
-	if _, err := batch.SetLiveVersion(context.WithoutCancel(ctx), db, job, pv, how); err != nil {
+	if _, err := batch.SetLiveVersion(context.WithoutCancel(ctx), db, job, pv, how, left); err != nil {
 		return fmt.Errorf("the documents of job %s moved to processor version %s, but recording it as live failed "+
 			"(batcher runs at %s may be refused until it is: run indexer cutover --job %s again): %w", job, pv, pv, job, err)
 	}
 	return nil
+}
+
+// leftVersion is the processor version of generation from, where job's
+// documents were live before a move: its _meta's, else the version of the
+// job's whose generation name it is (the bootstrap <alias>_v1: v1); ""
+// when from is "" or none matches.
+func leftVersion(ctx context.Context, db *pgxpool.Pool, client *elastic.Client, alias, writeAlias, job, from string) (string, error) {
+	if from == "" {
+		return "", nil
+	}
+	gens, err := index.Generations(ctx, client, alias, writeAlias)
+	if err != nil {
+		return "", err
+	}
+	for _, g := range gens {
+		if g.Index == from && g.Meta.ProcessorVersion != "" {
+			return g.Meta.ProcessorVersion, nil
+		}
+	}
+	rows, err := db.Query(ctx, `SELECT processor_version FROM batch_processor_versions WHERE job = $1`, job)
+	if err != nil {
+		return "", fmt.Errorf("list the processor versions of job %s: %w", job, err)
+	}
+	pvs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "", fmt.Errorf("list the processor versions of job %s: %w", job, err)
+	}
+	for _, pv := range append(pvs, "v1") {
+		if index.GenerationIndex(alias, pv) == from {
+			return pv, nil
+		}
+	}
+	return "", nil
 }
 
 // rolledBackFrom reports whether job's processor version pv was live before

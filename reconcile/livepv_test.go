@@ -106,3 +106,31 @@ func TestLiveVersionFollowsCutoverAndRollback(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{"->v1 first run", "v1>v2 cutover", "v2>v1 rollback"}, moves)
 }
+
+// An upgraded deployment (issue 27, item 2): migration 016 registered v1,
+// the version the job ran at before it, with nothing live. The first run
+// after it is already the v2 rebuild, which records nothing live; the
+// cutover then records v2 live and v1, the version the documents left, as
+// having been live: the old schedule at v1 is refused afterwards.
+func TestCutoverAfterTheMigrationRecordsTheVersionLeft(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newRebuildFixture(t, 200)
+	require.NoError(t, f.runAt(t, "v1", batch.StartOptions{}))
+	f.indexInto(t, f.live)
+	// As the migration leaves a job that ran before it.
+	_, err := f.pool.Exec(ctx, `DELETE FROM batch_live_version_moves WHERE job = $1`, f.spec.Job)
+	require.NoError(t, err)
+	_, err = f.pool.Exec(ctx, `UPDATE batch_processor_versions SET live = false, first_live_at = NULL, live_since = NULL WHERE job = $1`, f.spec.Job)
+	require.NoError(t, err)
+
+	require.NoError(t, f.runAt(t, "v2", batch.StartOptions{}))
+	_, err = batch.LoadLiveVersion(ctx, f.pool, f.spec.Job)
+	require.ErrorIs(t, err, batch.ErrNotFound, "a rebuild after the migration records nothing live")
+	f.indexInto(t, f.next)
+	res, err := reconcile.Cutover(ctx, f.cfg, reconcile.CutoverOptions{DB: f.pool, Job: f.spec.Job})
+	require.NoError(t, err)
+	require.Equal(t, f.next, res.Index)
+	require.Equal(t, "v2", liveVersion(t, f))
+	require.ErrorIs(t, f.runAt(t, "v1", batch.StartOptions{}), batch.ErrNotLive, "the old schedule after the cutover")
+}
