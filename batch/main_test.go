@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -64,13 +65,19 @@ type counts struct {
 	States                                        string
 }
 
+// count reads the counts in one snapshot: a killed batcher's backend may
+// still be committing its last chunk while they are read, and separate
+// statements would see it half (rows before the commit, events after).
 func count(t *testing.T, pool *pgxpool.Pool, job string) counts {
 	t.Helper()
 	var c counts
 	ctx := context.Background()
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM normalized_records`).Scan(&c.Normalized))
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`).Scan(&c.Events, &c.DistinctEvents))
-	require.NoError(t, pool.QueryRow(ctx, `SELECT COALESCE(sum(processed_count), 0), COALESCE(string_agg(DISTINCT state, ','), '') FROM batch_runs WHERE job = $1 AND state <> 'superseded'
+	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM normalized_records`).Scan(&c.Normalized))
+	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`).Scan(&c.Events, &c.DistinctEvents))
+	require.NoError(t, tx.QueryRow(ctx, `SELECT COALESCE(sum(processed_count), 0), COALESCE(string_agg(DISTINCT state, ','), '') FROM batch_runs WHERE job = $1 AND state <> 'superseded'
 		AND logical_run_id = (SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1)`, job).Scan(&c.Processed, &c.States))
 	return c
 }
