@@ -107,6 +107,12 @@ func (s Settings) Build(rawURL string) (*Conn, error) {
 		if perr != nil || u.Scheme == "" || u.Host == "" {
 			return nil, cli.UsageError("ELASTICSEARCH_URL=%q: want a URL such as https://127.0.0.1:9200, or several nodes' URLs separated by commas", redact.URL(raw))
 		}
+		// A ',' in an unescaped password splits the list inside the user
+		// info: the piece after it is no node URL (and the pieces joined
+		// again would print the password).
+		if u.Scheme != "http" && u.Scheme != "https" {
+			return nil, cli.UsageError("ELASTICSEARCH_URL=%q: a node URL starts with http:// or https:// (percent-encode ',' in the user info, or set ELASTICSEARCH_USERNAME and ELASTICSEARCH_PASSWORD_FILE)", redact.URL(raw))
+		}
 		// An unescaped '#', '?' or '/' in the password makes url.Parse
 		// read "user:" as the host and the rest as a fragment, a query
 		// or a path: the URL would name another host and be printed
