@@ -177,7 +177,7 @@ func (d *run) main(ctx context.Context) error {
 	if err := d.startProc(ctx, "publisher", []string{"DATABASE_URL=" + d.dbURL, "KAFKA_BROKERS=" + d.brokers, "METRICS_ADDR=" + pubAddr, "LOG_FORMAT=json"}, "run"); err != nil {
 		return err
 	}
-	if err := d.startProc(ctx, "indexer", []string{"KAFKA_BROKERS=" + d.brokers, "ELASTICSEARCH_URL=" + d.searchURL, "TOPIC=" + d.topic,
+	if err := d.startProc(ctx, "indexer", []string{"DATABASE_URL=" + d.dbURL, "KAFKA_BROKERS=" + d.brokers, "ELASTICSEARCH_URL=" + d.searchURL, "TOPIC=" + d.topic,
 		"GROUP=outboxrelay-demo-" + stamp, "ALIAS=" + d.alias, "METRICS_ADDR=" + ixAddr, "LOG_FORMAT=json"}, "run"); err != nil {
 		return err
 	}
