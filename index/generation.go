@@ -396,27 +396,8 @@ func copyStragglers(ctx context.Context, client *elastic.Client, from, index str
 	if err != nil || n == 0 {
 		return err
 	}
-	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
-		Method: http.MethodPost,
-		Path:   "/_reindex",
-		Params: url.Values{"refresh": {"true"}},
-		Body: map[string]any{
-			"conflicts": "proceed",
-			"source":    map[string]any{"index": from},
-			"dest":      map[string]any{"index": index, "version_type": "external"},
-		},
-	})
-	if err != nil {
+	if err := reindexExternal(ctx, client, from, index, nil); err != nil {
 		return fmt.Errorf("copy the documents written into %s during the takeover to %s: %w", from, index, err)
-	}
-	var out struct {
-		Failures []json.RawMessage `json:"failures"`
-	}
-	if err := json.Unmarshal(res.Body, &out); err != nil {
-		return fmt.Errorf("copy %s to %s: decode answer: %w", from, index, err)
-	}
-	if len(out.Failures) > 0 {
-		return fmt.Errorf("copy %s to %s: %d failure(s), first: %s", from, index, len(out.Failures), out.Failures[0])
 	}
 	return nil
 }

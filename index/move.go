@@ -875,28 +875,42 @@ func CopyDocs(ctx context.Context, client *elastic.Client, from, index string, i
 	for len(ids) > 0 {
 		page := ids[:min(len(ids), 1000)]
 		ids = ids[len(page):]
-		res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
-			Method: http.MethodPost,
-			Path:   "/_reindex",
-			Params: url.Values{"refresh": {"true"}},
-			Body: map[string]any{
-				"conflicts": "proceed",
-				"source":    map[string]any{"index": from, "query": map[string]any{"ids": map[string]any{"values": page}}},
-				"dest":      map[string]any{"index": index, "version_type": "external"},
-			},
-		})
-		if err != nil {
+		if err := reindexExternal(ctx, client, from, index, map[string]any{"ids": map[string]any{"values": page}}); err != nil {
 			return fmt.Errorf("copy documents of %s to %s: %w", from, index, err)
 		}
-		var out struct {
-			Failures []json.RawMessage `json:"failures"`
-		}
-		if err := json.Unmarshal(res.Body, &out); err != nil {
-			return fmt.Errorf("copy documents of %s to %s: decode answer: %w", from, index, err)
-		}
-		if len(out.Failures) > 0 {
-			return fmt.Errorf("copy documents of %s to %s: %d failure(s), first: %s", from, index, len(out.Failures), out.Failures[0])
-		}
+	}
+	return nil
+}
+
+// reindexExternal copies the documents of from that query selects (nil:
+// all) into index at their external version (older ones than index holds
+// are skipped), refreshing index.
+func reindexExternal(ctx context.Context, client *elastic.Client, from, index string, query map[string]any) error {
+	source := map[string]any{"index": from}
+	if query != nil {
+		source["query"] = query
+	}
+	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
+		Method: http.MethodPost,
+		Path:   "/_reindex",
+		Params: url.Values{"refresh": {"true"}},
+		Body: map[string]any{
+			"conflicts": "proceed",
+			"source":    source,
+			"dest":      map[string]any{"index": index, "version_type": "external"},
+		},
+	})
+	if err != nil {
+		return err
+	}
+	var out struct {
+		Failures []json.RawMessage `json:"failures"`
+	}
+	if err := json.Unmarshal(res.Body, &out); err != nil {
+		return fmt.Errorf("decode answer: %w", err)
+	}
+	if len(out.Failures) > 0 {
+		return fmt.Errorf("%d failure(s), first: %s", len(out.Failures), out.Failures[0])
 	}
 	return nil
 }
