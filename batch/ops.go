@@ -390,6 +390,12 @@ func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []str
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	a := &args{IDs: ids, PKey: key, Job: r.spec.Job, Run: run, Source: r.spec.SourceName, PV: r.spec.ProcessorVersion, TP: tracing.Arg(ctx)}
+	if len(r.c.rels) > 0 {
+		// No chunk of the job rebuilds these roots meanwhile.
+		if _, err := tx.Exec(ctx, relLockSQL, r.spec.Job); err != nil {
+			return 0, 0, err
+		}
+	}
 	var n int
 	var resolved int64
 	if r.cfg.Processor == nil {

@@ -637,6 +637,13 @@ d AS (DELETE FROM batch_relation_work x USING w WHERE x.job = $1 AND x.root_id =
 SELECT COALESCE(array_agg(root_id ORDER BY root_id), '{}') FROM d`
 
 const (
+	// relLockSharedSQL is taken by every chunk of a relation job that
+	// writes documents, before its statement reads anything, and
+	// relLockSQL by a quarantine retry: the retry waits for the chunks in
+	// flight and the chunks after it read its commit, so rebuilds of one
+	// root never overlap (see the top of this file).
+	relLockSharedSQL = `SELECT pg_advisory_xact_lock_shared(hashtextextended('outboxrelay.rebuild:' || $1, 0))`
+	relLockSQL       = `SELECT pg_advisory_xact_lock(hashtextextended('outboxrelay.rebuild:' || $1, 0))`
 	// relPendingSQL: whether job $1 has captures or work left.
 	relPendingSQL = `SELECT EXISTS (SELECT FROM batch_relation_changes WHERE job = $1) OR EXISTS (SELECT FROM batch_relation_work WHERE job = $1)`
 	// relForgetSQL: a full run rebuilds every root, so the captures and

@@ -325,11 +325,14 @@ type SweepStatus struct {
 	// Swept counts the rows checked (live rows, and soft-deleted ones not
 	// yet marked vanished), Deleted the tombstones written.
 	Swept, Deleted int64
-	Attempt        int
-	LeaseOwner     *string
-	Error          *string
-	CheckpointAt   *time.Time
-	FinishedAt     *time.Time
+	// Rebuilt counts the roots a relation job's sweep phase rebuilt for
+	// related changes, RebuiltChanged those whose document changed.
+	Rebuilt, RebuiltChanged int64
+	Attempt                 int
+	LeaseOwner              *string
+	Error                   *string
+	CheckpointAt            *time.Time
+	FinishedAt              *time.Time
 }
 
 // Sweeps lists the sweeps of the newest runs (at most runs per job; job ""
@@ -341,7 +344,7 @@ func Sweeps(ctx context.Context, db DB, job string, runs int) ([]SweepStatus, er
 	}
 	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (SweepStatus, error) {
 		var s SweepStatus
-		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
+		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Rebuilt, &s.RebuiltChanged, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
 		return s, err
 	})
 }
