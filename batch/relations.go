@@ -492,6 +492,10 @@ func (c *compiled) relTables() []*relTable {
 	return out
 }
 
+// relTruncated is the node (and key) of a TRUNCATE's capture: every root
+// of the job is rebuilt.
+const relTruncated = "*"
+
 // relFunction names job's capture function and triggers on a table.
 func relFunction(job, schema, table string) string {
 	h := sha256.Sum256([]byte(job + "\x00" + schema + "\x00" + table))
@@ -505,7 +509,8 @@ func sqlLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''")
 // job, the follow NOTIFY and the capture triggers: statement-level AFTER
 // INSERT, UPDATE and DELETE triggers that copy, with one INSERT … SELECT
 // per statement, the distinct join values of the changed rows (old and
-// new) into batch_relation_changes. As the delete capture's, each function
+// new) into batch_relation_changes, and an AFTER TRUNCATE one whose
+// capture makes the next run rebuild every root in scope. As the delete capture's, each function
 // is the table's own (static SQL, a cached plan) and runs as its owner
 // (SECURITY DEFINER with the installer's search_path). Its body carries the
 // document's hash: a run refuses a function installed for another document.
@@ -522,10 +527,12 @@ func (c *compiled) relationTriggerSQL() string {
 			}
 			return "SELECT DISTINCT " + sqlLiteral(c.spec.Job) + ", v.node, v.key FROM " + x + " CROSS JOIN LATERAL (VALUES " + strings.Join(v, ", ") + ") v(node, key) WHERE v.key IS NOT NULL"
 		}
-		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $outboxrelay_rel$
 BEGIN
-    -- outboxrelay relation capture of job ` + strings.ReplaceAll(c.spec.Job, "\n", " ") + `, document ` + hash + `
-    IF TG_OP = 'INSERT' THEN
+    -- outboxrelay relation capture, document ` + hash + `
+    IF TG_OP = 'TRUNCATE' THEN
+        INSERT INTO batch_relation_changes (job, node, key) VALUES (` + sqlLiteral(c.spec.Job) + `, '` + relTruncated + `', '` + relTruncated + `');
+    ELSIF TG_OP = 'INSERT' THEN
         INSERT INTO batch_relation_changes (job, node, key) ` + vals("outboxrelay_new") + `;
     ELSIF TG_OP = 'DELETE' THEN
         INSERT INTO batch_relation_changes (job, node, key) ` + vals("outboxrelay_old") + `;
@@ -533,13 +540,15 @@ BEGIN
         INSERT INTO batch_relation_changes (job, node, key) SELECT DISTINCT * FROM (` + vals("outboxrelay_old") + ` UNION ALL ` + vals("outboxrelay_new") + `) u;
     END IF;
     RETURN NULL;
-END $$;
+END $outboxrelay_rel$;
 CREATE OR REPLACE TRIGGER ` + q(fn+"_ins") + ` AFTER INSERT ON ` + table + `
     REFERENCING NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER ` + q(fn+"_upd") + ` AFTER UPDATE ON ` + table + `
     REFERENCING OLD TABLE AS outboxrelay_old NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER ` + q(fn+"_del") + ` AFTER DELETE ON ` + table + `
     REFERENCING OLD TABLE AS outboxrelay_old FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
+CREATE OR REPLACE TRIGGER ` + q(fn+"_trunc") + ` AFTER TRUNCATE ON ` + table + `
+    FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + table + `
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify();
 `)
@@ -559,7 +568,7 @@ func (c *compiled) checkRelationTriggers(ctx context.Context, db querier) error 
 	hash := c.spec.Document.Hash()
 	for _, t := range c.relTables() {
 		fn := relFunction(c.spec.Job, t.schema, t.table)
-		for _, suffix := range []string{"_ins", "_upd", "_del"} {
+		for _, suffix := range []string{"_ins", "_upd", "_del", "_trunc"} {
 			var missing bool
 			if err := db.QueryRow(ctx, relTriggerMissingSQL, q(t.schema, t.table), fn+suffix, hash).Scan(&missing); err != nil {
 				return fmt.Errorf("job %s: read the capture triggers of %s.%s: %w", c.spec.Job, t.schema, t.table, err)
@@ -596,6 +605,8 @@ func (c *compiled) resolveSQL() stmt {
 		}
 	}
 	walk(c.rels)
+	// A related table truncated: every root in scope.
+	parts = append(parts, "SELECT s."+q(c.spec.Source.ID)+"::text AS k FROM "+c.table+" s WHERE EXISTS (SELECT FROM cap WHERE cap.node = '"+relTruncated+"')")
 	return b.stmt(`
 WITH cap AS MATERIALIZED (DELETE FROM batch_relation_changes WHERE job = ` + job + ` RETURNING node, key),
 roots AS (` + strings.Join(parts, "\nUNION\n") + `),

@@ -206,3 +206,25 @@ func field(t *testing.T, doc, k string) string {
 	require.True(t, ok, "%s has no %s", doc, k)
 	return string(v)
 }
+
+func TestRelationsTruncatedChildRebuildsEveryRoot(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	s := catalogSpec(batch.ModeIncremental)
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `TRUNCATE prices`)
+	require.NoError(t, err)
+	sum, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	d := relDocs(t, pool)
+	jsonEq(t, `[{"sku":"A-L","prices":[]},{"sku":"A-S","prices":[]}]`, field(t, d["10"], "variants"), "variants of 10")
+	jsonEq(t, `[{"sku":"R-1","prices":[]}]`, field(t, d["11"], "variants"), "variants of 11")
+	v12, _ := relEvents(t, pool, "12")
+	require.Equal(t, []int64{1}, v12, "product 12 was rebuilt, unchanged: no event")
+}
