@@ -328,7 +328,7 @@ func (n *relNode) orderBy(a string) string {
 	return strings.Join(terms, ", ")
 }
 
-// fieldExpr is a related row's field as jsonb, transforms applied.
+// relFieldExpr is a related row's field as jsonb, transforms applied.
 func relFieldExpr(b *builder, a string, types map[string]string, f Field) string {
 	col, path, hasPath := strings.Cut(f.From, ".")
 	v := "to_jsonb(" + a + "." + q(col) + ")"
@@ -353,12 +353,12 @@ func (n *relNode) value(b *builder, pa string, d int) string {
 	if n.rel.Type == OneToOne {
 		return "(SELECT " + elem + n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + " LIMIT 1)"
 	}
-	limit := ""
-	if n.rel.Limit > 0 {
-		limit = " LIMIT " + strconv.Itoa(n.rel.Limit)
+	if n.rel.Limit == 0 {
+		return "(SELECT COALESCE(jsonb_agg(" + elem + " ORDER BY " + n.orderBy(a) + "), '[]'::jsonb)" + n.relFrom(pa, a) + ")"
 	}
+	// The first Limit rows in order, aggregated in that order.
 	return "(SELECT COALESCE(jsonb_agg(z.v ORDER BY z.i), '[]'::jsonb) FROM (SELECT " + elem + " AS v, row_number() OVER (ORDER BY " + n.orderBy(a) + ") AS i" +
-		n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + limit + ") z)"
+		n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit) + ") z)"
 }
 
 // element is one related row (alias a, depth d) as it appears in the
@@ -369,7 +369,14 @@ func (n *relNode) element(b *builder, a string, d int) string {
 	}
 	var pairs, merges []string
 	for _, f := range n.rel.Fields {
-		pairs = append(pairs, b.c(f.Name, "text"), relFieldExpr(b, a, n.types, f))
+		v := relFieldExpr(b, a, n.types, f)
+		if !strings.Contains(f.From, ".") && len(f.Transforms) == 0 {
+			// A plain column: jsonb_build_object converts it as to_jsonb
+			// would, without a jsonb datum built and taken apart (as the
+			// root's fields, compile.go).
+			v = a + "." + q(f.From)
+		}
+		pairs = append(pairs, b.c(f.Name, "text"), v)
 	}
 	for _, ch := range n.children {
 		if ch.rel.Variant == VariantFlatten {
