@@ -503,6 +503,19 @@ func (c *compiled) relTables() []*relTable {
 // of the job is rebuilt.
 const relTruncated = "*"
 
+// captureHash identifies what a table's capture trigger records: the
+// nodes the table feeds and their columns. A trigger installed for another
+// hash records the wrong nodes or columns; a change of fields, transforms
+// or order does not change it.
+func (t *relTable) captureHash() string {
+	h := sha256.New()
+	fmt.Fprintf(h, "%q.%q", t.schema, t.table)
+	for _, n := range t.nodes {
+		fmt.Fprintf(h, " %q:%q", n.node, n.col)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
 // relFunction names job's capture function and triggers on a table.
 func relFunction(job, schema, table string) string {
 	h := sha256.Sum256([]byte(job + "\x00" + schema + "\x00" + table))
@@ -520,11 +533,11 @@ func sqlLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''")
 // capture makes the next run rebuild every root in scope. As the delete capture's, each function
 // is the table's own (static SQL, a cached plan) and runs as its owner
 // (SECURITY DEFINER with the installer's search_path). Its body carries the
-// document's hash: a run refuses a function installed for another document.
+// capture hash: a run refuses a function installed for other relations.
 func (c *compiled) relationTriggerSQL() string {
 	var sb strings.Builder
-	hash := c.spec.Document.Hash()
 	for _, t := range c.relTables() {
+		hash := t.captureHash()
 		fn := relFunction(c.spec.Job, t.schema, t.table)
 		table := q(t.schema, t.table)
 		vals := func(x string) string {
@@ -536,7 +549,7 @@ func (c *compiled) relationTriggerSQL() string {
 		}
 		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $outboxrelay_rel$
 BEGIN
-    -- outboxrelay relation capture, document ` + hash + `
+    -- outboxrelay relation capture ` + hash + `
     IF TG_OP = 'TRUNCATE' THEN
         INSERT INTO batch_relation_changes (job, node, key) VALUES (` + sqlLiteral(c.spec.Job) + `, '` + relTruncated + `', '` + relTruncated + `');
     ELSIF TG_OP = 'INSERT' THEN
@@ -564,7 +577,7 @@ CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR
 }
 
 // relTriggerMissingSQL: whether table $1 lacks an enabled trigger $2 whose
-// function's body carries the document hash $3.
+// function's body carries the capture hash $3.
 const relTriggerMissingSQL = `SELECT NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
 WHERE tg.tgrelid = to_regclass($1) AND tg.tgname = $2 AND tg.tgenabled <> 'D' AND strpos(p.prosrc, $3) > 0)`
 
@@ -572,8 +585,8 @@ WHERE tg.tgrelid = to_regclass($1) AND tg.tgname = $2 AND tg.tgenabled <> 'D' AN
 // triggers are missing, disabled or were installed for another document:
 // its related changes would never reach the index.
 func (c *compiled) checkRelationTriggers(ctx context.Context, db querier) error {
-	hash := c.spec.Document.Hash()
 	for _, t := range c.relTables() {
+		hash := t.captureHash()
 		fn := relFunction(c.spec.Job, t.schema, t.table)
 		for _, suffix := range []string{"_ins", "_upd", "_del", "_trunc"} {
 			var missing bool
@@ -582,8 +595,8 @@ func (c *compiled) checkRelationTriggers(ctx context.Context, db querier) error 
 			}
 			if missing {
 				return fmt.Errorf("%w: incremental job %s builds documents from %s.%s, but its capture trigger %s is not installed there for this document "+
-					"(missing, disabled, or installed for an earlier document section): changes of that table would never reach the index; "+
-					"run `batcher follow-trigger --install --spec <this spec>` (again after every change of document.relations), or use full mode",
+					"(missing, disabled, or installed for other relations): changes of that table would never reach the index; "+
+					"run `batcher follow-trigger --install --spec <this spec>` (again after a change of the relations' tables, names or joins), or use full mode",
 					ErrSpec, c.spec.Job, t.schema, t.table, fn+suffix)
 			}
 		}

@@ -228,3 +228,32 @@ func TestRelationsTruncatedChildRebuildsEveryRoot(t *testing.T) {
 	v12, _ := relEvents(t, pool, "12")
 	require.Equal(t, []int64{1}, v12, "product 12 was rebuilt, unchanged: no event")
 }
+
+func TestRelationsCaptureTriggersMatchTheRelations(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	s := catalogSpec(batch.ModeIncremental)
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+
+	// Another transform and processor version: the same captures.
+	v2 := catalogSpec(batch.ModeIncremental)
+	v2.ProcessorVersion = "v2"
+	v2.Document.Relations[0].Fields[0].Transforms = []string{"lower"}
+	_, err = run(t, pool, v2, batch.Config{})
+	require.NoError(t, err)
+
+	// A relation joined on another column: the installed capture records
+	// the old one, and the run says so.
+	v3 := catalogSpec(batch.ModeIncremental)
+	v3.ProcessorVersion = "v3"
+	v3.Document.Relations[1].Relations[0].Name = "price_list"
+	_, err = run(t, pool, v3, batch.Config{})
+	require.ErrorIs(t, err, batch.ErrSpec)
+	require.ErrorContains(t, err, "public.prices")
+	require.ErrorContains(t, err, "installed for other relations")
+}
