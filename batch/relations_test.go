@@ -257,3 +257,29 @@ func TestRelationsCaptureTriggersMatchTheRelations(t *testing.T) {
 	require.ErrorContains(t, err, "public.prices")
 	require.ErrorContains(t, err, "installed for other relations")
 }
+
+func TestRelationSpecErrorsNameTheSetting(t *testing.T) {
+	base := `job: j
+source: {table: products, version: version}
+processor_version: v1
+document:
+  fields: [{name: id}]
+  relations:
+`
+	for _, tc := range []struct{ rel, want string }{
+		{`    - {name: v, table: variants, type: many, fields: [{name: sku}]}`, `document.relations[v].type "many": want one_to_one`},
+		{`    - {name: v, table: variants, type: one_to_many, variant: flatten, fields: [{name: sku}]}`, `variant flatten needs type one_to_one`},
+		{`    - {name: v, table: variants, type: one_to_many, variant: scalar, fields: [{name: sku}, {name: id}]}`, `variant scalar needs exactly one field, has 2`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: []}`, `document.relations[v].fields: at least one field is required`},
+		{`    - {name: id, table: variants, type: one_to_many, fields: [{name: sku}]}`, `the key "id" appears twice`},
+		{`    - {name: v, table: variants, type: one_to_one, limit: 3, fields: [{name: sku}]}`, `only a one_to_many relation has a limit`},
+		{`    - {name: v, table: variants, type: one_to_many, order_by: ["id sideways"], fields: [{name: sku}]}`, `order_by "id sideways"`},
+		{`    - {name: v, table: variants, type: one_to_many, foreign_key: {parent: id}, fields: [{name: sku}]}`, `foreign_key needs both parent and child`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: [{name: sku, transforms: [shout]}]}`, `document.relations[v].fields[0] (sku): transform "shout"`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: [{name: sku}], relations: [{name: p, table: prices, type: one_to_many, fields: [{name: a}], relations: [{name: q, table: q, type: one_to_one, fields: [{name: a}], relations: [{name: r, table: r, type: one_to_one, fields: [{name: a}], relations: [{name: s, table: s, type: one_to_one, fields: [{name: a}]}]}]}]}]}`, `relations nest 5 deep; at most 4`},
+		{`    - {name: b, table: brands, type: one_to_one, variant: flatten, fields: [{name: id}]}`, `flattened key "id" is already in the parent object`},
+	} {
+		_, err := batch.ParseSpec([]byte(base+tc.rel), ".yaml")
+		require.ErrorContains(t, err, tc.want, tc.rel)
+	}
+}
