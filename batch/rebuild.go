@@ -148,5 +148,6 @@ func (r *Runner) relChunk(ctx context.Context, token string, size int) (n, chang
 	}
 	hit(failpointRelAfterCommit)
 	r.changed.Add(changed)
+	r.bad.Add(bad)
 	return int64(len(ids)), changed, nil
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -30,11 +31,13 @@ import (
 // rebuilt document that differs from the stored one at the same root
 // version (and processor version) is written at the stored version + 1,
 // the difference kept in version_offset like a return over a tombstone's
-// (upsertTail). Rebuilds of one root never run at once: a run's chunks
-// cover disjoint roots, its relation phase runs after every partition
-// committed, and the next run starts after that; so each rebuild reads a
-// snapshot taken after the previous one committed, and "differs" always
-// means "newer".
+// (upsertTail). Rebuilds of one root never run at once: a relation job is
+// the only writer of its source name (checkSharedSourceName), a run's
+// chunks cover disjoint roots, its relation phase runs after every
+// partition committed, the next run starts after that, and a quarantine
+// retry takes the job's lock exclusively (relLockSQL); so each rebuild
+// reads a snapshot taken after the previous one committed, and "differs"
+// always means "newer".
 //
 // Propagation: full runs rebuild every root. For incremental and follow
 // runs, the capture triggers (relationTriggerSQL) record which related
@@ -264,6 +267,7 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 			}
 			orderBy = pk
 		}
+		ordered := map[string]bool{}
 		for j, o := range orderBy {
 			col, dir, _ := strings.Cut(strings.TrimSpace(o), " ")
 			if err := need(fmt.Sprintf("%s.order_by[%d]", here, j), n.name, n.types, col); err != nil {
@@ -274,6 +278,15 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 				term += " DESC"
 			}
 			n.order = append(n.order, term)
+			ordered[col] = true
+		}
+		// Ties are broken by the primary key: an order that can change
+		// between two rebuilds of the same rows would change the document
+		// (a new version and event each time).
+		for _, col := range pk {
+			if !ordered[col] {
+				n.order = append(n.order, q(col))
+			}
 		}
 		if n.children, err = c.relNodes(ctx, db, n, r.Relations, n.path+".", here+".relations"); err != nil {
 			return nil, err
@@ -284,6 +297,59 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 		out = append(out, n)
 	}
 	return out, nil
+}
+
+// indexedSQL: whether an index of table $1 leads with column $2.
+const indexedSQL = `SELECT EXISTS (SELECT FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+WHERE i.indrelid = to_regclass($1) AND a.attname = $2 AND i.indisvalid)`
+
+// unindexedJoins lists the join columns without an index that leads with
+// them: each is a scan of its table per root rebuilt (the child's side)
+// or per run that resolves captures (the parent's side).
+func (c *compiled) unindexedJoins(ctx context.Context, db querier) ([]string, error) {
+	var out []string
+	check := func(table, name, col, use string) error {
+		var ok bool
+		if err := db.QueryRow(ctx, indexedSQL, table, col).Scan(&ok); err != nil {
+			return fmt.Errorf("read the indexes of %s: %w", name, err)
+		}
+		if !ok {
+			out = append(out, fmt.Sprintf("%s.%s (%s): CREATE INDEX ON %s (%s)", name, col, use, table, q(col)))
+		}
+		return nil
+	}
+	var walk func(parent *relNode, ns []*relNode) error
+	walk = func(parent *relNode, ns []*relNode) error {
+		ptable, pname := c.table, c.spec.Source.Schema+"."+c.spec.Source.Table
+		if parent != nil {
+			ptable, pname = parent.table, parent.name
+		}
+		for _, n := range ns {
+			if n.through == nil {
+				if err := check(n.table, n.name, n.childCol, "read for every document"); err != nil {
+					return err
+				}
+			} else {
+				if err := check(n.through.table, n.through.name, n.through.thParent, "read for every document"); err != nil {
+					return err
+				}
+				if err := check(n.through.table, n.through.name, n.through.thChild, "read to find the documents of a changed "+n.name+" row"); err != nil {
+					return err
+				}
+				if err := check(n.table, n.name, n.childCol, "read for every document"); err != nil {
+					return err
+				}
+			}
+			if err := check(ptable, pname, n.parentCol, "read to find the documents of a changed "+n.name+" row"); err != nil {
+				return err
+			}
+			if err := walk(n, n.children); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return out, walk(nil, c.rels)
 }
 
 // checkComparable refuses a join of two columns PostgreSQL cannot compare.
@@ -424,7 +490,16 @@ func (n *relNode) problem(b *builder, pa string, d int) string {
 			terms = append(terms, ch.problem(b, a, d+1))
 		}
 	}
-	return "(SELECT z.p FROM (SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + n.relFrom(pa, a) + ") z WHERE z.p IS NOT NULL LIMIT 1)"
+	// Only the rows the document holds: the first in order of a
+	// one_to_one, the first limit of a one_to_many.
+	rows := n.relFrom(pa, a)
+	switch {
+	case n.rel.Type == OneToOne:
+		rows = " FROM (SELECT " + a + ".*" + rows + " ORDER BY " + n.orderBy(a) + " LIMIT 1) " + a
+	case n.rel.Limit > 0:
+		rows = " FROM (SELECT " + a + ".*" + rows + " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit) + ") " + a
+	}
+	return "(SELECT z.p FROM (SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + rows + ") z WHERE z.p IS NOT NULL LIMIT 1)"
 }
 
 // relationColumns are the root's relation values (r1..rn) and problems
@@ -465,10 +540,27 @@ const relUpsertTail = `
      OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
 
+//
+// A document of another processor version is written one above the stored
+// version too: one root version may carry different related rows, so the
+// generation it goes to (a rollback's old one) may hold that version with
+// other content, and would refuse the same version as a conflict.
 const relReturnedVersion = `greatest(EXCLUDED.source_version + n.version_offset,
       CASE WHEN n.vanished AND NOT EXCLUDED.deleted THEN n.source_version + 1 END,
-      CASE WHEN n.source_version = EXCLUDED.source_version + n.version_offset AND n.processor_version = EXCLUDED.processor_version
-                AND (n.deleted <> EXCLUDED.deleted OR n.document IS DISTINCT FROM EXCLUDED.document) THEN n.source_version + 1 END)`
+      CASE WHEN n.source_version = EXCLUDED.source_version + n.version_offset
+                AND (n.processor_version <> EXCLUDED.processor_version OR n.deleted <> EXCLUDED.deleted OR n.document IS DISTINCT FROM EXCLUDED.document)
+           THEN n.source_version + 1 END)`
+
+// unpartitioned is c for statements over every partition of the job: no
+// single-partition term; a listed partition set becomes a filter term.
+func (c *compiled) unpartitioned() *compiled {
+	all := *c
+	all.spec.Source.Partition = ""
+	if p := c.spec.Source.Partition; p != "" && len(c.spec.Source.Partitions) > 0 {
+		all.spec.Source.Filter = append(slices.Clone(c.spec.Source.Filter), Condition{Column: p, Op: "in", Values: c.spec.Source.Partitions})
+	}
+	return &all
+}
 
 // relTables lists the related and join tables with the capture nodes each
 // feeds, in spec order.
@@ -616,17 +708,18 @@ func (c *compiled) resolveSQL() stmt {
 	walk = func(ns []*relNode) {
 		for _, n := range ns {
 			keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path, "text")
-			parts = append(parts, c.rootsOf(n, n.parentKeysOfRows(keys)))
+			parts = append(parts, c.rootsOf(b, n, n.parentKeysOfRows(keys)))
 			if n.through != nil {
 				keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path+"#through", "text")
-				parts = append(parts, c.rootsOf(n, keys))
+				parts = append(parts, c.rootsOf(b, n, keys))
 			}
 			walk(n.children)
 		}
 	}
 	walk(c.rels)
 	// A related table truncated: every root in scope.
-	parts = append(parts, "SELECT s."+q(c.spec.Source.ID)+"::text AS k FROM "+c.table+" s WHERE EXISTS (SELECT FROM cap WHERE cap.node = '"+relTruncated+"')")
+	parts = append(parts, "SELECT s."+q(c.spec.Source.ID)+"::text AS k FROM "+c.table+" s WHERE "+c.unpartitioned().scopeWhere(b)+
+		" AND EXISTS (SELECT FROM cap WHERE cap.node = '"+relTruncated+"')")
 	return b.stmt(`
 WITH cap AS MATERIALIZED (DELETE FROM batch_relation_changes WHERE job = ` + job + ` RETURNING node, key),
 roots AS (` + strings.Join(parts, "\nUNION\n") + `),
@@ -646,16 +739,16 @@ func (n *relNode) parentKeysOfRows(keys string) string {
 
 // rootsOf maps values of n.parentCol (keys, a select of text column k) to
 // the root ids whose documents hold them, one join per level.
-func (c *compiled) rootsOf(n *relNode, keys string) string {
+func (c *compiled) rootsOf(b *builder, n *relNode, keys string) string {
 	p := n.parent
 	if p == nil {
 		return "SELECT s." + q(c.spec.Source.ID) + "::text AS k FROM " + c.table + " s WHERE s." + q(n.parentCol) +
-			" IN (SELECT z.k::" + c.types[n.parentCol] + " FROM (" + keys + ") z)"
+			" IN (SELECT z.k::" + c.types[n.parentCol] + " FROM (" + keys + ") z) AND " + c.unpartitioned().scopeWhere(b)
 	}
 	// The parent's rows with these values, as values of its own join column.
 	own := "SELECT p." + q(p.childCol) + "::text AS k FROM " + p.table + " p WHERE p." + q(n.parentCol) +
 		" IN (SELECT z.k::" + p.types[n.parentCol] + " FROM (" + keys + ") z)"
-	return c.rootsOf(p, p.parentKeysOfRows(own))
+	return c.rootsOf(b, p, p.parentKeysOfRows(own))
 }
 
 // relWorkSQL takes up to $2 roots of job $1's work, deleting them, and
