@@ -540,7 +540,6 @@ const relUpsertTail = `
      OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
 
-//
 // A document of another processor version is written one above the stored
 // version too: one root version may carry different related rows, so the
 // generation it goes to (a rollback's old one) may hold that version with
