@@ -525,9 +525,9 @@ func (c *compiled) relationColumns(b *builder) (cols []string, pairs []string, m
 }
 
 // relUpsertTail is upsertTail for a relation job: a document that differs
-// from the stored one at the same index version (and processor version)
-// is a change too, written at the stored version + 1 (see the top of this
-// file).
+// from the stored one at the same index version, or comes from another
+// processor version, is written at the stored version + 1
+// (relReturnedVersion; see the top of this file).
 const relUpsertTail = `
   ON CONFLICT (source, source_id) DO UPDATE SET
     document = EXCLUDED.document,
@@ -540,10 +540,13 @@ const relUpsertTail = `
      OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
 
-// A document of another processor version is written one above the stored
-// version too: one root version may carry different related rows, so the
-// generation it goes to (a rollback's old one) may hold that version with
-// other content, and would refuse the same version as a conflict.
+// relReturnedVersion is the index version a relation job's upsert writes:
+// upsertTail's, or the stored version + 1 for a document that differs at
+// the same version. A document of another processor version is written one
+// above the stored version too: one root version may carry different
+// related rows, so the generation it goes to (a rollback's old one) may
+// hold that version with other content, and would refuse the same version
+// as a conflict.
 const relReturnedVersion = `greatest(EXCLUDED.source_version + n.version_offset,
       CASE WHEN n.vanished AND NOT EXCLUDED.deleted THEN n.source_version + 1 END,
       CASE WHEN n.source_version = EXCLUDED.source_version + n.version_offset
