@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
@@ -141,13 +142,14 @@ func TestRelationsChangesAnywhereReachTheirRoots(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, sql)
 	require.NoError(t, err)
+	m := batch.NewMetrics(nil, pool)
 	step := func(name, change string) map[string]string {
 		t.Helper()
 		if change != "" {
 			_, err := pool.Exec(ctx, change)
 			require.NoError(t, err, name)
 		}
-		sum, err := run(t, pool, s, batch.Config{})
+		sum, err := run(t, pool, s, batch.Config{Metrics: m})
 		require.NoError(t, err, name)
 		require.True(t, sum.Done, name)
 		return relDocs(t, pool)
@@ -164,6 +166,8 @@ func TestRelationsChangesAnywhereReachTheirRoots(t *testing.T) {
 	require.Equal(t, []int64{1, 2}, v10, "one event at version 2: the product row's version did not change")
 	v12, _ := relEvents(t, pool, "12")
 	require.Equal(t, []int64{1}, v12, "product 12 has no brand")
+	require.Equal(t, 2.0, testutil.ToFloat64(m.RelationRoots.WithLabelValues(s.Job, "queued")), "batch_relation_roots_total{status=queued}")
+	require.Equal(t, 2.0, testutil.ToFloat64(m.RelationRoots.WithLabelValues(s.Job, "changed")), "batch_relation_roots_total{status=changed}")
 
 	d = step("child moved to another root", `UPDATE variants SET product_id = 11 WHERE id = 101`)
 	jsonEq(t, `[{"sku":"A-S","prices":[{"currency":"EUR","amount":9.5},{"currency":"USD","amount":10}]}]`, field(t, d["10"], "variants"), "variants of 10")
