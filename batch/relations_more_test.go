@@ -1,0 +1,526 @@
+package batch_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/failpoint"
+	"github.com/outboxrelay/outboxrelay/internal/testproc"
+)
+
+// More tests of document.relations (issue #32) on the catalog of
+// relations_test.go: each reads what a user would check, over the pool.
+
+// relRun runs s once and returns the error of the start or of the run.
+func relRun(t *testing.T, pool *pgxpool.Pool, s batch.Spec) (*batch.Summary, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	r, err := batch.NewRunner(pool, s, batch.Config{})
+	if err != nil {
+		return nil, err
+	}
+	return r.Run(ctx, ctx)
+}
+
+// relDocsOf reads the live documents of source over a new connection.
+func relDocsOf(t *testing.T, pool *pgxpool.Pool, source string) map[string]string {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT source_id, document::text FROM normalized_records WHERE source = $1 AND NOT deleted ORDER BY 1`, source)
+	require.NoError(t, err)
+	out := map[string]string{}
+	for rows.Next() {
+		var id, doc string
+		require.NoError(t, rows.Scan(&id, &doc))
+		out[id] = doc
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+// installCapture installs the follow and capture triggers of s.
+func installCapture(t *testing.T, pool *pgxpool.Pool, s batch.Spec) {
+	t.Helper()
+	ctx := context.Background()
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+}
+
+func mustExec(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) {
+	t.Helper()
+	_, err := pool.Exec(context.Background(), sql, args...)
+	require.NoError(t, err, sql)
+}
+
+func mustRun(t *testing.T, pool *pgxpool.Pool, s batch.Spec, what string) *batch.Summary {
+	t.Helper()
+	sum, err := relRun(t, pool, s)
+	require.NoError(t, err, what)
+	require.True(t, sum.Done, what)
+	return sum
+}
+
+// A flattened one_to_one relation merges its fields into the root (nulls
+// when there is no row), a scalar one_to_one is the field's value, a key
+// from the catalog and the same key given explicitly join the same rows, a
+// join with no key in the catalog works when given explicitly, and a
+// one_to_many array keeps order_by desc and its limit.
+func TestRelFlattenScalarKeysOrderAndLimit(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	mustExec(t, pool, `
+CREATE TABLE product_details (product_id int PRIMARY KEY, color text, weight int); -- no foreign key in the catalog
+INSERT INTO product_details VALUES (10, 'red', 5), (11, 'blue', NULL);
+INSERT INTO variants VALUES (104, 10, 'A-M', 5, NULL);`)
+	s := catalogSpec(batch.ModeFull)
+	s.Document.Relations = []batch.Relation{
+		{Name: "brand", Table: "brands", Type: batch.OneToOne, Fields: []batch.Field{{Name: "name"}}},
+		{Name: "brand_name", Table: "brands", Type: batch.OneToOne, Variant: batch.VariantScalar,
+			ForeignKey: &batch.KeyPair{Parent: "brand_id", Child: "id"}, Fields: []batch.Field{{Name: "name", Transforms: []string{"lower"}}}},
+		{Table: "product_details", Type: batch.OneToOne, Variant: batch.VariantFlatten,
+			ForeignKey: &batch.KeyPair{Parent: "id", Child: "product_id"}, Fields: []batch.Field{{Name: "color"}, {Name: "weight"}}},
+		{Name: "top_skus", Table: "variants", Type: batch.OneToMany, Variant: batch.VariantScalar, Deleted: "deleted_at",
+			OrderBy: []string{"position desc"}, Limit: 2, Fields: []batch.Field{{Name: "sku"}}},
+		{Name: "variants", Table: "variants", Type: batch.OneToMany, OrderBy: []string{"position DESC", "id"},
+			Fields: []batch.Field{{Name: "sku"}, {Name: "position"}}},
+	}
+	mustRun(t, pool, s, "full run")
+	d := relDocs(t, pool)
+	require.Len(t, d, 3)
+	// Variants of 10: 100 (position 2), 101 (1), 103 (3, soft-deleted:
+	// only the relation with deleted leaves it out), 104 (5).
+	jsonEq(t, `{"id":10,"name":"Anvil","brand":{"name":"Acme"},"brand_name":"acme","color":"red","weight":5,"top_skus":["A-M","A-S"],
+	  "variants":[{"sku":"A-M","position":5},{"sku":"A-X","position":3},{"sku":"A-S","position":2},{"sku":"A-L","position":1}]}`, d["10"], "product 10")
+	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"Acme"},"brand_name":"acme","color":"blue","weight":null,"top_skus":["R-1"],
+	  "variants":[{"sku":"R-1","position":0}]}`, d["11"], "product 11")
+	jsonEq(t, `{"id":12,"name":"Nut","brand":null,"brand_name":null,"color":null,"weight":null,"top_skus":[],"variants":[]}`, d["12"], "product 12: no brand, no details, no variants")
+
+	// drop_nulls: the flattened keys of a missing row and a null scalar
+	// are absent, nested nulls too.
+	s.Document.DropNulls = true
+	s.ProcessorVersion = "v2"
+	mustRun(t, pool, s, "full run, drop_nulls")
+	d = relDocs(t, pool)
+	jsonEq(t, `{"id":12,"name":"Nut","top_skus":[],"variants":[]}`, d["12"], "product 12, drop_nulls")
+	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"Acme"},"brand_name":"acme","color":"blue","top_skus":["R-1"],"variants":[{"sku":"R-1","position":0}]}`, d["11"], "product 11, drop_nulls")
+}
+
+// A relation naming a missing table, column or key, or joining columns of
+// types that cannot be compared, fails at start naming it, and nothing is
+// written.
+func TestRelErrorsAtStartNameWhatIsMissing(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	mustExec(t, pool, `CREATE TABLE product_details (product_id int PRIMARY KEY, color text)`)
+	with := func(r batch.Relation) batch.Spec {
+		s := catalogSpec(batch.ModeFull)
+		s.Document.Relations = []batch.Relation{r}
+		return s
+	}
+	brand := func(fk *batch.KeyPair) batch.Relation {
+		return batch.Relation{Name: "brand", Table: "brands", Type: batch.OneToOne, ForeignKey: fk, Fields: []batch.Field{{Name: "name"}}}
+	}
+	cases := []struct {
+		name  string
+		spec  batch.Spec
+		wants []string
+	}{
+		{"missing table", with(batch.Relation{Name: "maker", Table: "makers", Type: batch.OneToOne, Fields: []batch.Field{{Name: "name"}}}),
+			[]string{"document.relations[maker]", "public.makers", "does not exist"}},
+		{"missing child column", with(brand(&batch.KeyPair{Parent: "brand_id", Child: "brand_key"})),
+			[]string{"document.relations[brand].foreign_key.child", `"brand_key"`, "public.brands"}},
+		{"missing parent column", with(brand(&batch.KeyPair{Parent: "maker_id", Child: "id"})),
+			[]string{"document.relations[brand].foreign_key.parent", `"maker_id"`, "public.products"}},
+		{"missing field column", with(batch.Relation{Name: "brand", Table: "brands", Type: batch.OneToOne, Fields: []batch.Field{{Name: "slug"}}}),
+			[]string{"document.relations[brand].fields[0].from", `"slug"`, "public.brands"}},
+		{"missing through table", with(batch.Relation{Name: "categories", Table: "categories", Type: batch.OneToMany,
+			Through: &batch.Through{Table: "product_tags"}, Fields: []batch.Field{{Name: "name"}}}),
+			[]string{"document.relations[categories].through.table", "public.product_tags", "does not exist"}},
+		{"no key in the catalog", with(batch.Relation{Name: "details", Table: "product_details", Type: batch.OneToOne, Fields: []batch.Field{{Name: "color"}}}),
+			[]string{"document.relations[details]", "0 single-column foreign keys between public.products and public.product_details", "foreign_key"}},
+		{"incomparable types", with(brand(&batch.KeyPair{Parent: "name", Child: "id"})),
+			[]string{"document.relations[brand]", "cannot join public.products.name (text) with public.brands.id (integer)"}},
+		{"missing nested table", with(batch.Relation{Name: "variants", Table: "variants", Type: batch.OneToMany, Fields: []batch.Field{{Name: "sku"}},
+			Relations: []batch.Relation{{Name: "stock", Table: "stock", Type: batch.OneToMany, Fields: []batch.Field{{Name: "qty"}}}}}),
+			[]string{"document.relations[variants].relations[stock]", "public.stock", "does not exist"}},
+	}
+	check := func(t *testing.T, s batch.Spec, wants []string) {
+		t.Helper()
+		_, err := relRun(t, pool, s)
+		require.ErrorIs(t, err, batch.ErrSpec)
+		for _, w := range wants {
+			require.ErrorContains(t, err, w)
+		}
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) { check(t, tc.spec, tc.wants) })
+	}
+
+	// A second foreign key between products and brands: the catalog no
+	// longer says which one; an explicit key still joins.
+	mustExec(t, pool, `ALTER TABLE products ADD COLUMN maker_id int REFERENCES brands`)
+	t.Run("two keys in the catalog", func(t *testing.T) {
+		check(t, with(brand(nil)), []string{"document.relations[brand]", "2 single-column foreign keys between public.products and public.brands",
+			"foreign_key: {parent: <column of public.products>, child: <column of public.brands>}"})
+	})
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM normalized_records`), "nothing written by a refused start")
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "nothing written by a refused start")
+
+	mustExec(t, pool, `UPDATE products SET maker_id = 2 WHERE id = 10`)
+	mustRun(t, pool, with(brand(&batch.KeyPair{Parent: "maker_id", Child: "id"})), "explicit key among two")
+	d := relDocs(t, pool)
+	jsonEq(t, `{"name":"Bolt"}`, field(t, d["10"], "brand"), "10 joined on maker_id")
+	jsonEq(t, `null`, field(t, d["11"], "brand"), "11 has no maker")
+}
+
+// quarantineSpec is the catalog with checks on the related rows: a
+// required variant sku and a string price tier from a jsonb column.
+func quarantineSpec(mode, policy string) batch.Spec {
+	s := catalogSpec(mode)
+	s.Errors.Policy = policy
+	v := &s.Document.Relations[1]
+	v.Fields = []batch.Field{{Name: "sku", Required: true, Type: "string"}}
+	v.Relations = []batch.Relation{{Name: "prices", Table: "prices", Type: batch.OneToMany, OrderBy: []string{"currency"},
+		Fields: []batch.Field{{Name: "currency"}, {Name: "tier", From: "meta.tier", Type: "string"}}}}
+	return s
+}
+
+func openQuarantine(t *testing.T, pool *pgxpool.Pool) map[string]string {
+	t.Helper()
+	rows, err := batch.ListQuarantine(context.Background(), pool, "products", false)
+	require.NoError(t, err)
+	out := map[string]string{}
+	for _, r := range rows {
+		out[r.SourceID] = r.Code + ": " + r.Message
+	}
+	return out
+}
+
+// A bad related row quarantines its root with a message naming the
+// relation and the row (two levels; a soft-deleted bad row is left out
+// with its row); once fixed, a quarantine retry indexes the root.
+func TestRelQuarantineNamesTheChildAndRetryIndexes(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	ctx := context.Background()
+	mustExec(t, pool, `ALTER TABLE prices ADD COLUMN meta jsonb;
+UPDATE variants SET sku = NULL WHERE id IN (101, 103); -- 103 is soft-deleted
+UPDATE prices SET meta = '{"tier": 1}' WHERE id = 1002;  -- variant 102 of product 11`)
+	s := quarantineSpec(batch.ModeFull, batch.PolicyQuarantine)
+	mustRun(t, pool, s, "full run")
+	q := openQuarantine(t, pool)
+	require.Len(t, q, 2, "%v", q)
+	require.Equal(t, "related_row: variants [id=101] field sku (sku) is missing", q["10"])
+	require.Equal(t, "related_row: variants.prices [id=1002] field tier (meta.tier): want string, got number", q["11"])
+	d := relDocs(t, pool)
+	require.Equal(t, []string{"12"}, keys(d), "only the good root is indexed")
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_id IN ('10', '11')`))
+
+	mustExec(t, pool, `UPDATE variants SET sku = 'A-L' WHERE id = 101; UPDATE prices SET meta = '{"tier": "gold"}' WHERE id = 1002`)
+	res, err := batch.RetryQuarantine(ctx, pool, s, nil, batch.RetryOptions{})
+	require.NoError(t, err)
+	require.Equal(t, batch.RetryResult{Retried: 2, Resolved: 2}, res)
+	require.Empty(t, openQuarantine(t, pool))
+	d = relDocs(t, pool)
+	jsonEq(t, `[{"sku":"A-L","prices":[]},{"sku":"A-S","prices":[{"currency":"EUR","tier":null},{"currency":"USD","tier":null}]}]`, field(t, d["10"], "variants"), "variants of 10")
+	jsonEq(t, `[{"sku":"R-1","prices":[{"currency":"EUR","tier":"gold"}]}]`, field(t, d["11"], "variants"), "variants of 11")
+	for _, id := range []string{"10", "11"} {
+		v, typ := relEvents(t, pool, id)
+		require.Equal(t, []int64{1}, v, id)
+		require.Equal(t, []string{"upsert"}, typ, id)
+	}
+}
+
+// In an incremental run, a child change that makes its root bad is found
+// by the relation phase: quarantine keeps the root's last good document
+// and names the child; the fix reaches the index on the next run.
+// Strict fails the run naming the root, the relation and the child, keeps
+// the work, and the run after the fix indexes it.
+func TestRelQuarantineInTheRelationPhase(t *testing.T) {
+	t.Parallel()
+	for _, policy := range []string{batch.PolicyQuarantine, batch.PolicyStrict} {
+		t.Run(policy, func(t *testing.T) {
+			t.Parallel()
+			pool := newCatalog(t)
+			ctx := context.Background()
+			mustExec(t, pool, `ALTER TABLE prices ADD COLUMN meta jsonb`)
+			s := quarantineSpec(batch.ModeIncremental, policy)
+			installCapture(t, pool, s)
+			mustRun(t, pool, s, "first run")
+			before := relDocs(t, pool)
+			require.Len(t, before, 3)
+
+			mustExec(t, pool, `UPDATE variants SET sku = NULL WHERE id = 102`) // product 11
+			sum, err := relRun(t, pool, s)
+			if policy == batch.PolicyStrict {
+				require.ErrorIs(t, err, batch.ErrBadRow)
+				require.ErrorContains(t, err, "row id=11: related_row: variants [id=102] field sku (sku) is missing")
+				require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM batch_relation_work WHERE job = 'products' AND root_id = '11'`), "the work stays")
+				require.Empty(t, openQuarantine(t, pool), "strict quarantines nothing")
+			} else {
+				require.NoError(t, err)
+				require.True(t, sum.Done)
+				require.Equal(t, map[string]string{"11": "related_row: variants [id=102] field sku (sku) is missing"}, openQuarantine(t, pool))
+				require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM batch_relation_work`), "the quarantined root's work is consumed")
+			}
+			require.Equal(t, before, relDocs(t, pool), "the last good documents stay")
+			v11, _ := relEvents(t, pool, "11")
+			require.Equal(t, []int64{1}, v11, "no event for the bad root")
+
+			mustExec(t, pool, `UPDATE variants SET sku = 'R-9' WHERE id = 102`)
+			mustRun(t, pool, s, "run after the fix")
+			d := relDocs(t, pool)
+			jsonEq(t, `[{"sku":"R-9","prices":[{"currency":"EUR","tier":null}]}]`, field(t, d["11"], "variants"), "variants of 11")
+			v11, _ = relEvents(t, pool, "11")
+			require.Equal(t, []int64{1, 2}, v11, "one event for the fix")
+			require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM batch_relation_work`))
+			if policy == batch.PolicyQuarantine {
+				// The row stays listed until a retry finds it good; the
+				// retry writes nothing new for an indexed document.
+				res, err := batch.RetryQuarantine(ctx, pool, s, nil, batch.RetryOptions{})
+				require.NoError(t, err)
+				require.Equal(t, batch.RetryResult{Retried: 1, Resolved: 1}, res)
+				require.Empty(t, openQuarantine(t, pool))
+				v11, _ = relEvents(t, pool, "11")
+				require.Equal(t, []int64{1, 2}, v11, "the retry of an indexed document emits nothing")
+			}
+		})
+	}
+}
+
+func keys(m map[string]string) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
+
+// sharedBrandSQL adds n products (ids from 1000) of one new brand 3.
+func sharedBrandSQL(n int) string {
+	return fmt.Sprintf(`INSERT INTO brands VALUES (3, 'Crate');
+INSERT INTO products (id, name, brand_id) SELECT g, 'p' || g, 3 FROM generate_series(1000, %d) g;
+INSERT INTO variants (id, product_id, sku) SELECT g + 100000, g, 's' || g FROM generate_series(1000, %d) g;
+ANALYZE`, 999+n, 999+n)
+}
+
+// A parent shared by 5,000 roots renamed: the next incremental run
+// re-emits exactly those 5,000 documents at version + 1, in 10 chunks of
+// 500, and every one holds the new name.
+func TestRelSharedParentRenamedRebuildsInChunks(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	const n = 5000
+	mustExec(t, pool, sharedBrandSQL(n))
+	s := catalogSpec(batch.ModeIncremental)
+	s.Chunk = batch.ChunkSettings{Size: 500, Min: 500, Max: 500}
+	installCapture(t, pool, s)
+	mustRun(t, pool, s, "first run")
+	require.Equal(t, int64(n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_events`))
+
+	mustExec(t, pool, `UPDATE brands SET name = 'Crate & Barrel' WHERE id = 3`)
+	start := time.Now()
+	sum := mustRun(t, pool, s, "run after the rename")
+	t.Logf("a brand shared by %d products renamed: the incremental run took %s (chunk.size 500)", n, time.Since(start))
+
+	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 2`))
+	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_events e JOIN products p ON p.id::text = e.aggregate_id
+		WHERE e.aggregate_version = 2 AND e.event_type = 'upsert' AND p.brand_id = 3 AND e.payload->'brand'->>'name' = 'CRATE & BARREL'`),
+		"one upsert at version 2 per product of the brand, with the new name")
+	require.Equal(t, int64(2*n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "nothing else")
+	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE document->'brand'->>'name' = 'CRATE & BARREL' AND source_version = 2`))
+	var chunks, rebuilt, changed int64
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT chunks, rebuilt_count, rebuilt_changed FROM batch_sweeps WHERE job = 'products' AND logical_run_id = $1`, sum.RunID).
+		Scan(&chunks, &rebuilt, &changed))
+	require.Equal(t, []int64{10, n, n}, []int64{chunks, rebuilt, changed}, "chunks, rebuilt, changed")
+	require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))
+}
+
+// Full mode needs no capture triggers: a child change reaches its root on
+// the next full run at version + 1 (the root row's own version did not
+// change), and the roots whose documents did not change get no event.
+func TestRelFullModeWithoutTriggers(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	s := catalogSpec(batch.ModeFull)
+	mustRun(t, pool, s, "first run")
+	mustRun(t, pool, s, "a run with nothing changed")
+	for _, id := range []string{"10", "11", "12"} {
+		v, _ := relEvents(t, pool, id)
+		require.Equal(t, []int64{1}, v, "an unchanged document emits nothing: %s", id)
+	}
+
+	mustExec(t, pool, `UPDATE prices SET amount = 7 WHERE id = 1002`) // variant 102 of product 11
+	mustRun(t, pool, s, "run after the child change")
+	d := relDocs(t, pool)
+	jsonEq(t, `[{"sku":"R-1","prices":[{"currency":"EUR","amount":7}]}]`, field(t, d["11"], "variants"), "variants of 11")
+	v11, t11 := relEvents(t, pool, "11")
+	require.Equal(t, []int64{1, 2}, v11)
+	require.Equal(t, []string{"upsert", "upsert"}, t11)
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT version FROM products WHERE id = 11`), "the root row did not change")
+	require.Equal(t, int64(2), queryInt(t, pool, `SELECT source_version FROM normalized_records WHERE source_id = '11'`))
+	for _, id := range []string{"10", "12"} {
+		v, _ := relEvents(t, pool, id)
+		require.Equal(t, []int64{1}, v, "root %s did not change", id)
+	}
+
+	// The root row itself changes afterwards: its version 2 plus the
+	// offset, above the version the child change took.
+	mustExec(t, pool, `UPDATE products SET name = 'Rocket 2' WHERE id = 11`)
+	mustRun(t, pool, s, "run after the root change")
+	v11, _ = relEvents(t, pool, "11")
+	require.Equal(t, []int64{1, 2, 3}, v11)
+	jsonEq(t, `"Rocket 2"`, field(t, relDocs(t, pool)["11"], "name"), "name of 11")
+}
+
+// The chunk statement reads the related rows through the indexes on the
+// child keys, and the resolution of captures through the join table's
+// index, as the planner picks them for a catalog of realistic size.
+func TestRelPlansUseTheChildKeyIndexes(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	ctx := context.Background()
+	mustExec(t, pool, `
+INSERT INTO brands SELECT g, 'b' || g FROM generate_series(3, 200) g;
+INSERT INTO categories SELECT g, 'c' || g FROM generate_series(3, 500) g;
+INSERT INTO products (id, name, brand_id) SELECT g, 'p' || g, 1 + g % 200 FROM generate_series(1000, 10999) g;
+INSERT INTO variants (id, product_id, sku, position) SELECT 100000 + g, 1000 + g / 2, 's' || g, g % 2 FROM generate_series(0, 19999) g;
+INSERT INTO prices SELECT 200000 + g, 100000 + g / 2, CASE WHEN g % 2 = 0 THEN 'EUR' ELSE 'USD' END, g FROM generate_series(0, 39999) g;
+INSERT INTO product_categories SELECT 1000 + g / 2, 1 + (g * 7) % 500 FROM generate_series(0, 19999) g ON CONFLICT DO NOTHING;
+ANALYZE`)
+	s := catalogSpec(batch.ModeIncremental)
+	s.Chunk = batch.ChunkSettings{Size: 500, Min: 500, Max: 500}
+	installCapture(t, pool, s)
+	// A few captures, as a run finds them: a renamed category.
+	mustExec(t, pool, `UPDATE categories SET name = name || '!' WHERE id IN (7, 8); ANALYZE batch_relation_changes`)
+
+	plans, err := batch.RelationPlans(ctx, pool, s)
+	require.NoError(t, err)
+	want := func(what string, index ...string) {
+		t.Helper()
+		used := batch.PlanIndexes(t, plans[what])
+		for _, ix := range index {
+			if !slices.Contains(used, ix) {
+				t.Fatalf("%s: no index scan of %s; indexes scanned: %v; plan:\n%s", what, ix, used, plans[what])
+			}
+		}
+	}
+	want("chunk", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
+	want("work", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
+	want("resolve", "product_categories_category_id_idx")
+}
+
+// A kill -9 in the relation phase (after a chunk's documents and events
+// are written but not committed, or right after a commit) loses nothing
+// and duplicates nothing: the rerun rebuilds the roots still queued, each
+// root has exactly one event for the change, and no work is left.
+func TestRelKilledInTheRelationPhase(t *testing.T) {
+	t.Parallel()
+	bin := testproc.Build(t, "batcher")
+	for _, point := range []string{"batch.relations_after_upsert", "batch.relations_after_commit"} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			pool := newCatalog(t)
+			url := pool.Config().ConnString()
+			const n = 2000
+			mustExec(t, pool, sharedBrandSQL(n))
+			s := catalogSpec(batch.ModeIncremental)
+			s.Chunk = batch.ChunkSettings{Size: 500, Min: 500, Max: 500}
+			installCapture(t, pool, s)
+			mustRun(t, pool, s, "first run")
+			mustExec(t, pool, `UPDATE brands SET name = 'Crate & Barrel' WHERE id = 3`)
+
+			specFile := writeSpec(t, s)
+			p := testproc.Run(t, 2*time.Minute, bin, env(url, failpoint.EnvVar+"="+point+"@2", crashLease), "run", "--spec", specFile)
+			require.True(t, p.Killed(), "killed at %s; stderr:\n%s", point, p.Stderr())
+			require.Contains(t, p.Stderr(), "failpoint "+point)
+			committed := int64(500) // the first chunk; the second's commit is lost or made
+			if point == "batch.relations_after_commit" {
+				committed = 1000
+			}
+			require.Equal(t, committed, queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 2`), "events of the committed chunks")
+			require.Equal(t, n-committed, queryInt(t, pool, `SELECT count(*) FROM batch_relation_work`), "work of the chunks not committed")
+			require.Equal(t, committed, queryInt(t, pool, `SELECT rebuilt_count FROM batch_sweeps WHERE job = 'products'`))
+
+			p = testproc.Run(t, 2*time.Minute, bin, env(url, crashLease), "run", "--spec", specFile)
+			require.Equal(t, 0, p.ExitCode(), p.Stderr())
+
+			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 2`), "one event per root for the change")
+			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(DISTINCT aggregate_id) FROM outbox_events WHERE aggregate_version = 2 AND event_type = 'upsert'
+				AND payload->'brand'->>'name' = 'CRATE & BARREL'`))
+			require.Equal(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events`), queryInt(t, pool, `SELECT count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`), "no duplicate event")
+			require.Equal(t, int64(n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 1`))
+			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE document->'brand'->>'name' = 'CRATE & BARREL' AND source_version = 2`))
+			require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))
+			require.Equal(t, int64(n), queryInt(t, pool, `SELECT sum(rebuilt_count) FROM batch_sweeps WHERE job = 'products'`), "every root rebuilt once")
+		})
+	}
+}
+
+// Two jobs over the same tables, each with its own source name and
+// capture triggers: each job's runs see every change (the captures are
+// per job; one job's run does not consume the other's).
+func TestRelTwoJobsOnTheSameTables(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	a := catalogSpec(batch.ModeIncremental)
+	b := catalogSpec(batch.ModeIncremental)
+	b.Job, b.SourceName = "products_b", "products_b"
+	b.Document.Relations = b.Document.Relations[:2] // brand and variants
+	installCapture(t, pool, a)
+	installCapture(t, pool, b)
+	mustRun(t, pool, a, "first run of a")
+	mustRun(t, pool, b, "first run of b")
+
+	mustExec(t, pool, `UPDATE brands SET name = 'Acme Corp' WHERE id = 1; UPDATE prices SET amount = 1 WHERE id = 1002`)
+	require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(DISTINCT job) FROM batch_relation_changes`), "one capture per job")
+	mustRun(t, pool, a, "a after the change")
+	mustExec(t, pool, `UPDATE categories SET name = 'Hardware' WHERE id = 1`) // a's only
+	mustRun(t, pool, b, "b after the change")
+	mustRun(t, pool, a, "a after the category change")
+
+	for _, src := range []string{"products", "products_b"} {
+		d := relDocsOf(t, pool, src)
+		require.Len(t, d, 3, src)
+		jsonEq(t, `{"name":"ACME CORP"}`, field(t, d["10"], "brand"), src+": brand of 10")
+		jsonEq(t, `{"name":"ACME CORP"}`, field(t, d["11"], "brand"), src+": brand of 11")
+		jsonEq(t, `[{"sku":"R-1","prices":[{"currency":"EUR","amount":1}]}]`, field(t, d["11"], "variants"), src+": variants of 11")
+	}
+	jsonEq(t, `["Hardware"]`, field(t, relDocsOf(t, pool, "products")["11"], "categories"), "categories of 11")
+	require.NotContains(t, relDocsOf(t, pool, "products_b")["11"], "categories")
+	// Per job: 10 and 11 changed once (brand, then the category for a),
+	// 12 never.
+	vers := func(src, id string) []int64 {
+		rows, err := pool.Query(context.Background(), `SELECT source_version FROM normalized_records WHERE source = $1 AND source_id = $2`, src, id)
+		require.NoError(t, err)
+		var out []int64
+		for rows.Next() {
+			var v int64
+			require.NoError(t, rows.Scan(&v))
+			out = append(out, v)
+		}
+		require.NoError(t, rows.Err())
+		return out
+	}
+	require.Equal(t, []int64{3}, vers("products", "11"))
+	require.Equal(t, []int64{2}, vers("products_b", "11"))
+	require.Equal(t, []int64{1}, vers("products_b", "12"))
+	// The events of 11: job a's documents have categories, b's have not.
+	var evA, evB []int64
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT
+		COALESCE(array_agg(aggregate_version ORDER BY id) FILTER (WHERE payload::jsonb ? 'categories'), '{}'),
+		COALESCE(array_agg(aggregate_version ORDER BY id) FILTER (WHERE NOT payload::jsonb ? 'categories'), '{}')
+		FROM outbox_events WHERE aggregate_id = '11'`).Scan(&evA, &evB))
+	require.Equal(t, []int64{1, 2, 3}, evA, "events of 11 from job a")
+	require.Equal(t, []int64{1, 2}, evB, "events of 11 from job b")
+	require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))
+}
