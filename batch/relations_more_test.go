@@ -69,18 +69,22 @@ func mustRun(t *testing.T, pool *pgxpool.Pool, s batch.Spec, what string) *batch
 	return sum
 }
 
-// A flattened one_to_one relation merges its fields into the root (nulls
-// when there is no row), a scalar one_to_one is the field's value, a key
-// from the catalog and the same key given explicitly join the same rows, a
-// join with no key in the catalog works when given explicitly, and a
-// one_to_many array keeps order_by desc and its limit.
+// A flattened one_to_one relation merges its fields into its parent
+// object, the root's or a related row's (nulls when there is no row), a
+// scalar one_to_one is the field's value, a key from the catalog and the
+// same key given explicitly join the same rows, a join with no key in the
+// catalog works when given explicitly, and a one_to_many array keeps
+// order_by desc and its limit; in full mode, with drop_nulls, and in an
+// incremental job whose changes reach the roots through each of them.
 func TestRelFlattenScalarKeysOrderAndLimit(t *testing.T) {
 	t.Parallel()
 	pool := newCatalog(t)
 	mustExec(t, pool, `
 CREATE TABLE product_details (product_id int PRIMARY KEY, color text, weight int); -- no foreign key in the catalog
 INSERT INTO product_details VALUES (10, 'red', 5), (11, 'blue', NULL);
-INSERT INTO variants VALUES (104, 10, 'A-M', 5, NULL);`)
+CREATE TABLE variant_stock (variant_id int PRIMARY KEY REFERENCES variants, qty int);
+INSERT INTO variants VALUES (104, 10, 'A-M', 5, NULL);
+INSERT INTO variant_stock VALUES (100, 7), (104, 0);`)
 	s := catalogSpec(batch.ModeFull)
 	s.Document.Relations = []batch.Relation{
 		{Name: "brand", Table: "brands", Type: batch.OneToOne, Fields: []batch.Field{{Name: "name"}}},
@@ -91,7 +95,8 @@ INSERT INTO variants VALUES (104, 10, 'A-M', 5, NULL);`)
 		{Name: "top_skus", Table: "variants", Type: batch.OneToMany, Variant: batch.VariantScalar, Deleted: "deleted_at",
 			OrderBy: []string{"position desc"}, Limit: 2, Fields: []batch.Field{{Name: "sku"}}},
 		{Name: "variants", Table: "variants", Type: batch.OneToMany, OrderBy: []string{"position DESC", "id"},
-			Fields: []batch.Field{{Name: "sku"}, {Name: "position"}}},
+			Fields: []batch.Field{{Name: "sku"}, {Name: "position"}},
+			Relations: []batch.Relation{{Table: "variant_stock", Type: batch.OneToOne, Variant: batch.VariantFlatten, Fields: []batch.Field{{Name: "qty"}}}}},
 	}
 	mustRun(t, pool, s, "full run")
 	d := relDocs(t, pool)
@@ -99,19 +104,40 @@ INSERT INTO variants VALUES (104, 10, 'A-M', 5, NULL);`)
 	// Variants of 10: 100 (position 2), 101 (1), 103 (3, soft-deleted:
 	// only the relation with deleted leaves it out), 104 (5).
 	jsonEq(t, `{"id":10,"name":"Anvil","brand":{"name":"Acme"},"brand_name":"acme","color":"red","weight":5,"top_skus":["A-M","A-S"],
-	  "variants":[{"sku":"A-M","position":5},{"sku":"A-X","position":3},{"sku":"A-S","position":2},{"sku":"A-L","position":1}]}`, d["10"], "product 10")
+	  "variants":[{"sku":"A-M","position":5,"qty":0},{"sku":"A-X","position":3,"qty":null},{"sku":"A-S","position":2,"qty":7},{"sku":"A-L","position":1,"qty":null}]}`, d["10"], "product 10")
 	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"Acme"},"brand_name":"acme","color":"blue","weight":null,"top_skus":["R-1"],
-	  "variants":[{"sku":"R-1","position":0}]}`, d["11"], "product 11")
+	  "variants":[{"sku":"R-1","position":0,"qty":null}]}`, d["11"], "product 11")
 	jsonEq(t, `{"id":12,"name":"Nut","brand":null,"brand_name":null,"color":null,"weight":null,"top_skus":[],"variants":[]}`, d["12"], "product 12: no brand, no details, no variants")
 
 	// drop_nulls: the flattened keys of a missing row and a null scalar
 	// are absent, nested nulls too.
-	s.Document.DropNulls = true
-	s.ProcessorVersion = "v2"
-	mustRun(t, pool, s, "full run, drop_nulls")
+	dn := s
+	dn.Document.DropNulls = true
+	dn.ProcessorVersion = "v2"
+	mustRun(t, pool, dn, "full run, drop_nulls")
 	d = relDocs(t, pool)
 	jsonEq(t, `{"id":12,"name":"Nut","top_skus":[],"variants":[]}`, d["12"], "product 12, drop_nulls")
 	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"Acme"},"brand_name":"acme","color":"blue","top_skus":["R-1"],"variants":[{"sku":"R-1","position":0}]}`, d["11"], "product 11, drop_nulls")
+
+	// The same document in an incremental job: changes of the flattened
+	// rows (root level and nested) and of the order reach their roots.
+	inc := catalogSpec(batch.ModeIncremental)
+	inc.Job, inc.SourceName = "products_inc", "products_inc"
+	inc.Document.Relations = s.Document.Relations
+	installCapture(t, pool, inc)
+	mustRun(t, pool, inc, "first incremental run")
+	mustExec(t, pool, `UPDATE product_details SET color = 'green' WHERE product_id = 10;
+INSERT INTO product_details VALUES (12, 'black', 1);
+UPDATE variants SET position = 9 WHERE id = 101;
+INSERT INTO variant_stock VALUES (102, 3)`)
+	mustRun(t, pool, inc, "incremental run after the changes")
+	d = relDocsOf(t, pool, "products_inc")
+	jsonEq(t, `{"id":10,"name":"Anvil","brand":{"name":"Acme"},"brand_name":"acme","color":"green","weight":5,"top_skus":["A-L","A-M"],
+	  "variants":[{"sku":"A-L","position":9,"qty":null},{"sku":"A-M","position":5,"qty":0},{"sku":"A-X","position":3,"qty":null},{"sku":"A-S","position":2,"qty":7}]}`, d["10"], "product 10, incremental")
+	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"Acme"},"brand_name":"acme","color":"blue","weight":null,"top_skus":["R-1"],
+	  "variants":[{"sku":"R-1","position":0,"qty":3}]}`, d["11"], "product 11, incremental")
+	jsonEq(t, `{"id":12,"name":"Nut","brand":null,"brand_name":null,"color":"black","weight":1,"top_skus":[],"variants":[]}`, d["12"], "product 12, incremental")
+	require.Equal(t, int64(3), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source = 'products_inc' AND source_version = 2`), "each root once at version 2")
 }
 
 // A relation naming a missing table, column or key, or joining columns of
@@ -206,15 +232,16 @@ func openQuarantine(t *testing.T, pool *pgxpool.Pool) map[string]string {
 }
 
 // A bad related row quarantines its root with a message naming the
-// relation and the row (two levels; a soft-deleted bad row is left out
-// with its row); once fixed, a quarantine retry indexes the root.
+// relation and the row (two levels; a soft-deleted bad row is left out,
+// check included); once fixed, a quarantine retry indexes the root.
 func TestRelQuarantineNamesTheChildAndRetryIndexes(t *testing.T) {
 	t.Parallel()
 	pool := newCatalog(t)
 	ctx := context.Background()
 	mustExec(t, pool, `ALTER TABLE prices ADD COLUMN meta jsonb;
-UPDATE variants SET sku = NULL WHERE id IN (101, 103); -- 103 is soft-deleted
-UPDATE prices SET meta = '{"tier": 1}' WHERE id = 1002;  -- variant 102 of product 11`)
+UPDATE variants SET sku = NULL WHERE id = 101;
+UPDATE prices SET meta = '{"tier": 1}' WHERE id = 1002;   -- variant 102 of product 11
+INSERT INTO variants VALUES (105, 12, NULL, 0, now());     -- soft-deleted: left out with its check`)
 	s := quarantineSpec(batch.ModeFull, batch.PolicyQuarantine)
 	mustRun(t, pool, s, "full run")
 	q := openQuarantine(t, pool)
