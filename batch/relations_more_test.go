@@ -95,7 +95,7 @@ INSERT INTO variant_stock VALUES (100, 7), (104, 0);`)
 		{Name: "top_skus", Table: "variants", Type: batch.OneToMany, Variant: batch.VariantScalar, Deleted: "deleted_at",
 			OrderBy: []string{"position desc"}, Limit: 2, Fields: []batch.Field{{Name: "sku"}}},
 		{Name: "variants", Table: "variants", Type: batch.OneToMany, OrderBy: []string{"position DESC", "id"},
-			Fields: []batch.Field{{Name: "sku"}, {Name: "position"}},
+			Fields:    []batch.Field{{Name: "sku"}, {Name: "position"}},
 			Relations: []batch.Relation{{Table: "variant_stock", Type: batch.OneToOne, Variant: batch.VariantFlatten, Fields: []batch.Field{{Name: "qty"}}}}},
 	}
 	mustRun(t, pool, s, "full run")
