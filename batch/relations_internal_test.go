@@ -23,7 +23,6 @@ func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error
 	if err != nil {
 		return nil, err
 	}
-	c.build()
 	var last []string
 	if err := db.QueryRow(ctx, "SELECT "+c.cursorText("x.")+" FROM (SELECT "+c.rowColumnsKeysOnly()+" FROM "+c.table+" s ORDER BY "+c.orderBy(true)+" LIMIT 1) x").Scan(&last); err != nil {
 		return nil, err

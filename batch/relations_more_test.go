@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -550,4 +551,37 @@ func TestRelTwoJobsOnTheSameTables(t *testing.T) {
 	require.Equal(t, []int64{1, 2, 3}, evA, "events of 11 from job a")
 	require.Equal(t, []int64{1, 2}, evB, "events of 11 from job b")
 	require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))
+}
+
+// A root quarantined by the relation phase of a partitioned job is
+// retried like any other: once its child is fixed, a quarantine retry
+// indexes it and resolves it.
+func TestRelQuarantineRetryInAPartitionedJob(t *testing.T) {
+	t.Parallel()
+	for _, col := range []string{"region text NOT NULL DEFAULT 'eu'", "shard int NOT NULL DEFAULT 7"} {
+		name, _, _ := strings.Cut(col, " ")
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			pool := newCatalog(t)
+			ctx := context.Background()
+			mustExec(t, pool, `ALTER TABLE prices ADD COLUMN meta jsonb; ALTER TABLE products ADD COLUMN `+col)
+			s := quarantineSpec(batch.ModeIncremental, batch.PolicyQuarantine)
+			s.Source.Partition = name
+			installCapture(t, pool, s)
+			mustRun(t, pool, s, "first run")
+
+			mustExec(t, pool, `UPDATE variants SET sku = NULL WHERE id = 102`) // product 11
+			mustRun(t, pool, s, "run with the bad child")
+			require.Equal(t, map[string]string{"11": "related_row: variants [id=102] field sku (sku) is missing"}, openQuarantine(t, pool))
+
+			mustExec(t, pool, `UPDATE variants SET sku = 'R-9' WHERE id = 102`)
+			res, err := batch.RetryQuarantine(ctx, pool, s, nil, batch.RetryOptions{})
+			require.NoError(t, err)
+			require.Equal(t, batch.RetryResult{Retried: 1, Resolved: 1}, res)
+			require.Empty(t, openQuarantine(t, pool))
+			jsonEq(t, `[{"sku":"R-9","prices":[{"currency":"EUR","tier":null}]}]`, field(t, relDocs(t, pool)["11"], "variants"), "variants of 11 after the retry")
+			v11, _ := relEvents(t, pool, "11")
+			require.Equal(t, []int64{1, 2}, v11)
+		})
+	}
 }
