@@ -402,7 +402,15 @@ func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []str
 		var bad, changed int64
 		var first *string
 		var last []string
-		if err := tx.QueryRow(ctx, r.c.chunkIDs.sql, r.c.chunkIDs.bind(a)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
+		st := r.c.chunkIDs
+		if len(r.c.rels) > 0 {
+			// A relation job's roots are read by id in every partition, as
+			// its relation phase does: a root that phase quarantined has no
+			// partition key ("" in batch_quarantine), and its partition's
+			// statement would never find it (or fail to cast "").
+			st = r.c.chunkWork
+		}
+		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
 			return 0, 0, fmt.Errorf("retry quarantined rows: %w", err)
 		}
 		resolved = int64(n) - bad
