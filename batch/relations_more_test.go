@@ -3,6 +3,7 @@ package batch_test
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -584,4 +585,27 @@ func TestRelQuarantineRetryInAPartitionedJob(t *testing.T) {
 			require.Equal(t, []int64{1, 2}, v11)
 		})
 	}
+}
+
+// The checks of a relation's fields apply to the rows in the document: a
+// bad row that order_by and limit (or one_to_one) leave out of it does
+// not quarantine its root; a bad row in the document does.
+func TestRelChecksOnlyTheRowsInTheDocument(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	// Product 10: variants 100 (position 2), 101 (1, no sku), 103 (3,
+	// soft-deleted). Product 11: variant 102 (no sku).
+	mustExec(t, pool, `UPDATE variants SET sku = NULL WHERE id IN (101, 102)`)
+	s := catalogSpec(batch.ModeFull)
+	s.Errors.Policy = batch.PolicyQuarantine
+	sku := []batch.Field{{Name: "sku", Required: true}}
+	s.Document.Relations = []batch.Relation{
+		{Name: "top", Table: "variants", Type: batch.OneToMany, Deleted: "deleted_at", OrderBy: []string{"position desc"}, Limit: 1, Fields: sku},
+		{Name: "first", Table: "variants", Type: batch.OneToOne, Deleted: "deleted_at", OrderBy: []string{"position desc"}, Fields: sku},
+	}
+	mustRun(t, pool, s, "full run")
+	require.Equal(t, map[string]string{"11": "related_row: top [id=102] field sku (sku) is missing"}, openQuarantine(t, pool))
+	d := relDocs(t, pool)
+	require.Equal(t, []string{"10", "12"}, slices.Sorted(maps.Keys(d)))
+	jsonEq(t, `{"id":10,"name":"Anvil","top":[{"sku":"A-S"}],"first":{"sku":"A-S"}}`, d["10"], "product 10: its bad variant 101 is not in the document")
 }
