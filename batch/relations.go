@@ -395,9 +395,9 @@ func (n *relNode) flatValue(b *builder, pa string, d int) string {
 	return "COALESCE(" + n.value(b, pa, d) + ", jsonb_build_object(" + strings.Join(nulls, ", ") + "))"
 }
 
-// problem is the first related row under the parent row pa (depth d)
-// that breaks a field check, as "relation path [key=value]: message";
-// NULL when none does.
+// problem is the first related row in the document under the parent row
+// pa (depth d) that breaks a field check, as "relation path [key=value]:
+// message"; NULL when none does.
 func (n *relNode) problem(b *builder, pa string, d int) string {
 	a := relAlias(d)
 	var terms []string
@@ -417,7 +417,16 @@ func (n *relNode) problem(b *builder, pa string, d int) string {
 			terms = append(terms, ch.problem(b, a, d+1))
 		}
 	}
-	return "(SELECT z.p FROM (SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + n.relFrom(pa, a) + ") z WHERE z.p IS NOT NULL LIMIT 1)"
+	// Only the rows the document holds: a one_to_one relation's first, a
+	// one_to_many relation's first limit.
+	rows := "SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + n.relFrom(pa, a)
+	switch {
+	case n.rel.Type == OneToOne:
+		rows += " ORDER BY " + n.orderBy(a) + " LIMIT 1"
+	case n.rel.Limit > 0:
+		rows += " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit)
+	}
+	return "(SELECT z.p FROM (" + rows + ") z WHERE z.p IS NOT NULL LIMIT 1)"
 }
 
 // relationColumns are the root's relation values (r1..rn) and problems
