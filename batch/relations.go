@@ -328,7 +328,7 @@ func (n *relNode) orderBy(a string) string {
 	return strings.Join(terms, ", ")
 }
 
-// fieldExpr is a related row's field as jsonb, transforms applied.
+// relFieldExpr is a related row's field as jsonb, transforms applied.
 func relFieldExpr(b *builder, a string, types map[string]string, f Field) string {
 	col, path, hasPath := strings.Cut(f.From, ".")
 	v := "to_jsonb(" + a + "." + q(col) + ")"
@@ -353,12 +353,12 @@ func (n *relNode) value(b *builder, pa string, d int) string {
 	if n.rel.Type == OneToOne {
 		return "(SELECT " + elem + n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + " LIMIT 1)"
 	}
-	limit := ""
-	if n.rel.Limit > 0 {
-		limit = " LIMIT " + strconv.Itoa(n.rel.Limit)
+	if n.rel.Limit == 0 {
+		return "(SELECT COALESCE(jsonb_agg(" + elem + " ORDER BY " + n.orderBy(a) + "), '[]'::jsonb)" + n.relFrom(pa, a) + ")"
 	}
+	// The first Limit rows in order, aggregated in that order.
 	return "(SELECT COALESCE(jsonb_agg(z.v ORDER BY z.i), '[]'::jsonb) FROM (SELECT " + elem + " AS v, row_number() OVER (ORDER BY " + n.orderBy(a) + ") AS i" +
-		n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + limit + ") z)"
+		n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit) + ") z)"
 }
 
 // element is one related row (alias a, depth d) as it appears in the
@@ -369,7 +369,14 @@ func (n *relNode) element(b *builder, a string, d int) string {
 	}
 	var pairs, merges []string
 	for _, f := range n.rel.Fields {
-		pairs = append(pairs, b.c(f.Name, "text"), relFieldExpr(b, a, n.types, f))
+		v := relFieldExpr(b, a, n.types, f)
+		if !strings.Contains(f.From, ".") && len(f.Transforms) == 0 {
+			// A plain column: jsonb_build_object converts it as to_jsonb
+			// would, without a jsonb datum built and taken apart (as the
+			// root's fields, compile.go).
+			v = a + "." + q(f.From)
+		}
+		pairs = append(pairs, b.c(f.Name, "text"), v)
 	}
 	for _, ch := range n.children {
 		if ch.rel.Variant == VariantFlatten {
@@ -501,6 +508,23 @@ func (c *compiled) relTables() []*relTable {
 	return out
 }
 
+// relTruncated is the node (and key) of a TRUNCATE's capture: every root
+// of the job is rebuilt.
+const relTruncated = "*"
+
+// captureHash identifies what a table's capture trigger records: the
+// nodes the table feeds and their columns. A trigger installed for another
+// hash records the wrong nodes or columns; a change of fields, transforms
+// or order does not change it.
+func (t *relTable) captureHash() string {
+	h := sha256.New()
+	fmt.Fprintf(h, "%q.%q", t.schema, t.table)
+	for _, n := range t.nodes {
+		fmt.Fprintf(h, " %q:%q", n.node, n.col)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
 // relFunction names job's capture function and triggers on a table.
 func relFunction(job, schema, table string) string {
 	h := sha256.Sum256([]byte(job + "\x00" + schema + "\x00" + table))
@@ -514,14 +538,15 @@ func sqlLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''")
 // job, the follow NOTIFY and the capture triggers: statement-level AFTER
 // INSERT, UPDATE and DELETE triggers that copy, with one INSERT … SELECT
 // per statement, the distinct join values of the changed rows (old and
-// new) into batch_relation_changes. As the delete capture's, each function
+// new) into batch_relation_changes, and an AFTER TRUNCATE one whose
+// capture makes the next run rebuild every root in scope. As the delete capture's, each function
 // is the table's own (static SQL, a cached plan) and runs as its owner
 // (SECURITY DEFINER with the installer's search_path). Its body carries the
-// document's hash: a run refuses a function installed for another document.
+// capture hash: a run refuses a function installed for other relations.
 func (c *compiled) relationTriggerSQL() string {
 	var sb strings.Builder
-	hash := c.spec.Document.Hash()
 	for _, t := range c.relTables() {
+		hash := t.captureHash()
 		fn := relFunction(c.spec.Job, t.schema, t.table)
 		table := q(t.schema, t.table)
 		vals := func(x string) string {
@@ -531,10 +556,12 @@ func (c *compiled) relationTriggerSQL() string {
 			}
 			return "SELECT DISTINCT " + sqlLiteral(c.spec.Job) + ", v.node, v.key FROM " + x + " CROSS JOIN LATERAL (VALUES " + strings.Join(v, ", ") + ") v(node, key) WHERE v.key IS NOT NULL"
 		}
-		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $outboxrelay_rel$
 BEGIN
-    -- outboxrelay relation capture of job ` + strings.ReplaceAll(c.spec.Job, "\n", " ") + `, document ` + hash + `
-    IF TG_OP = 'INSERT' THEN
+    -- outboxrelay relation capture ` + hash + `
+    IF TG_OP = 'TRUNCATE' THEN
+        INSERT INTO batch_relation_changes (job, node, key) VALUES (` + sqlLiteral(c.spec.Job) + `, '` + relTruncated + `', '` + relTruncated + `');
+    ELSIF TG_OP = 'INSERT' THEN
         INSERT INTO batch_relation_changes (job, node, key) ` + vals("outboxrelay_new") + `;
     ELSIF TG_OP = 'DELETE' THEN
         INSERT INTO batch_relation_changes (job, node, key) ` + vals("outboxrelay_old") + `;
@@ -542,13 +569,15 @@ BEGIN
         INSERT INTO batch_relation_changes (job, node, key) SELECT DISTINCT * FROM (` + vals("outboxrelay_old") + ` UNION ALL ` + vals("outboxrelay_new") + `) u;
     END IF;
     RETURN NULL;
-END $$;
+END $outboxrelay_rel$;
 CREATE OR REPLACE TRIGGER ` + q(fn+"_ins") + ` AFTER INSERT ON ` + table + `
     REFERENCING NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER ` + q(fn+"_upd") + ` AFTER UPDATE ON ` + table + `
     REFERENCING OLD TABLE AS outboxrelay_old NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER ` + q(fn+"_del") + ` AFTER DELETE ON ` + table + `
     REFERENCING OLD TABLE AS outboxrelay_old FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
+CREATE OR REPLACE TRIGGER ` + q(fn+"_trunc") + ` AFTER TRUNCATE ON ` + table + `
+    FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + table + `
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify();
 `)
@@ -557,7 +586,7 @@ CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR
 }
 
 // relTriggerMissingSQL: whether table $1 lacks an enabled trigger $2 whose
-// function's body carries the document hash $3.
+// function's body carries the capture hash $3.
 const relTriggerMissingSQL = `SELECT NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
 WHERE tg.tgrelid = to_regclass($1) AND tg.tgname = $2 AND tg.tgenabled <> 'D' AND strpos(p.prosrc, $3) > 0)`
 
@@ -565,18 +594,18 @@ WHERE tg.tgrelid = to_regclass($1) AND tg.tgname = $2 AND tg.tgenabled <> 'D' AN
 // triggers are missing, disabled or were installed for another document:
 // its related changes would never reach the index.
 func (c *compiled) checkRelationTriggers(ctx context.Context, db querier) error {
-	hash := c.spec.Document.Hash()
 	for _, t := range c.relTables() {
+		hash := t.captureHash()
 		fn := relFunction(c.spec.Job, t.schema, t.table)
-		for _, suffix := range []string{"_ins", "_upd", "_del"} {
+		for _, suffix := range []string{"_ins", "_upd", "_del", "_trunc"} {
 			var missing bool
 			if err := db.QueryRow(ctx, relTriggerMissingSQL, q(t.schema, t.table), fn+suffix, hash).Scan(&missing); err != nil {
 				return fmt.Errorf("job %s: read the capture triggers of %s.%s: %w", c.spec.Job, t.schema, t.table, err)
 			}
 			if missing {
 				return fmt.Errorf("%w: incremental job %s builds documents from %s.%s, but its capture trigger %s is not installed there for this document "+
-					"(missing, disabled, or installed for an earlier document section): changes of that table would never reach the index; "+
-					"run `batcher follow-trigger --install --spec <this spec>` (again after every change of document.relations), or use full mode",
+					"(missing, disabled, or installed for other relations): changes of that table would never reach the index; "+
+					"run `batcher follow-trigger --install --spec <this spec>` (again after a change of the relations' tables, names or joins), or use full mode",
 					ErrSpec, c.spec.Job, t.schema, t.table, fn+suffix)
 			}
 		}
@@ -605,6 +634,8 @@ func (c *compiled) resolveSQL() stmt {
 		}
 	}
 	walk(c.rels)
+	// A related table truncated: every root in scope.
+	parts = append(parts, "SELECT s."+q(c.spec.Source.ID)+"::text AS k FROM "+c.table+" s WHERE EXISTS (SELECT FROM cap WHERE cap.node = '"+relTruncated+"')")
 	return b.stmt(`
 WITH cap AS MATERIALIZED (DELETE FROM batch_relation_changes WHERE job = ` + job + ` RETURNING node, key),
 roots AS (` + strings.Join(parts, "\nUNION\n") + `),

@@ -206,3 +206,80 @@ func field(t *testing.T, doc, k string) string {
 	require.True(t, ok, "%s has no %s", doc, k)
 	return string(v)
 }
+
+func TestRelationsTruncatedChildRebuildsEveryRoot(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	s := catalogSpec(batch.ModeIncremental)
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `TRUNCATE prices`)
+	require.NoError(t, err)
+	sum, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	d := relDocs(t, pool)
+	jsonEq(t, `[{"sku":"A-L","prices":[]},{"sku":"A-S","prices":[]}]`, field(t, d["10"], "variants"), "variants of 10")
+	jsonEq(t, `[{"sku":"R-1","prices":[]}]`, field(t, d["11"], "variants"), "variants of 11")
+	v12, _ := relEvents(t, pool, "12")
+	require.Equal(t, []int64{1}, v12, "product 12 was rebuilt, unchanged: no event")
+}
+
+func TestRelationsCaptureTriggersMatchTheRelations(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	s := catalogSpec(batch.ModeIncremental)
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+
+	// Another transform and processor version: the same captures.
+	v2 := catalogSpec(batch.ModeIncremental)
+	v2.ProcessorVersion = "v2"
+	v2.Document.Relations[0].Fields[0].Transforms = []string{"lower"}
+	_, err = run(t, pool, v2, batch.Config{})
+	require.NoError(t, err)
+
+	// A relation joined on another column: the installed capture records
+	// the old one, and the run says so.
+	v3 := catalogSpec(batch.ModeIncremental)
+	v3.ProcessorVersion = "v3"
+	v3.Document.Relations[1].Relations[0].Name = "price_list"
+	_, err = run(t, pool, v3, batch.Config{})
+	require.ErrorIs(t, err, batch.ErrSpec)
+	require.ErrorContains(t, err, "public.prices")
+	require.ErrorContains(t, err, "installed for other relations")
+}
+
+func TestRelationSpecErrorsNameTheSetting(t *testing.T) {
+	base := `job: j
+source: {table: products, version: version}
+processor_version: v1
+document:
+  fields: [{name: id}]
+  relations:
+`
+	for _, tc := range []struct{ rel, want string }{
+		{`    - {name: v, table: variants, type: many, fields: [{name: sku}]}`, `document.relations[v].type "many": want one_to_one`},
+		{`    - {name: v, table: variants, type: one_to_many, variant: flatten, fields: [{name: sku}]}`, `variant flatten needs type one_to_one`},
+		{`    - {name: v, table: variants, type: one_to_many, variant: scalar, fields: [{name: sku}, {name: id}]}`, `variant scalar needs exactly one field, has 2`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: []}`, `document.relations[v].fields: at least one field is required`},
+		{`    - {name: id, table: variants, type: one_to_many, fields: [{name: sku}]}`, `the key "id" appears twice`},
+		{`    - {name: v, table: variants, type: one_to_one, limit: 3, fields: [{name: sku}]}`, `only a one_to_many relation has a limit`},
+		{`    - {name: v, table: variants, type: one_to_many, order_by: ["id sideways"], fields: [{name: sku}]}`, `order_by "id sideways"`},
+		{`    - {name: v, table: variants, type: one_to_many, foreign_key: {parent: id}, fields: [{name: sku}]}`, `foreign_key needs both parent and child`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: [{name: sku, transforms: [shout]}]}`, `document.relations[v].fields[0] (sku): transform "shout"`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: [{name: sku}], relations: [{name: p, table: prices, type: one_to_many, fields: [{name: a}], relations: [{name: q, table: q, type: one_to_one, fields: [{name: a}], relations: [{name: r, table: r, type: one_to_one, fields: [{name: a}], relations: [{name: s, table: s, type: one_to_one, fields: [{name: a}]}]}]}]}]}`, `relations nest 5 deep; at most 4`},
+		{`    - {name: b, table: brands, type: one_to_one, variant: flatten, fields: [{name: id}]}`, `flattened key "id" is already in the parent object`},
+	} {
+		_, err := batch.ParseSpec([]byte(base+tc.rel), ".yaml")
+		require.ErrorContains(t, err, tc.want, tc.rel)
+	}
+}

@@ -133,7 +133,7 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 	}
 	fmt.Fprintf(stdout, "follow trigger installed on %s (NOTIFY %s), with the delete capture (%s)\n", spec.Source.Table, batch.FollowChannel, batch.CaptureTrigger)
 	if tables := batch.RelationTables(spec); len(tables) > 0 {
-		fmt.Fprintf(stdout, "relation capture and follow triggers installed on %s; install them again after every change of document.relations\n", strings.Join(tables, ", "))
+		fmt.Fprintf(stdout, "relation capture and follow triggers installed on %s; install them again after a change of the relations' tables, names or joins\n", strings.Join(tables, ", "))
 	}
 	return nil
 }
