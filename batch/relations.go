@@ -264,6 +264,7 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 			}
 			orderBy = pk
 		}
+		ordered := map[string]bool{}
 		for j, o := range orderBy {
 			col, dir, _ := strings.Cut(strings.TrimSpace(o), " ")
 			if err := need(fmt.Sprintf("%s.order_by[%d]", here, j), n.name, n.types, col); err != nil {
@@ -274,6 +275,18 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 				term += " DESC"
 			}
 			n.order = append(n.order, term)
+			ordered[col] = true
+		}
+		// The primary key breaks ties: a document is a function of its
+		// rows, not of where they lie in the table (a tied row written
+		// again elsewhere would move in the array, or become another
+		// one_to_one row, and the document would change with nothing
+		// changed).
+		for _, k := range pk {
+			if !ordered[k] {
+				n.order = append(n.order, q(k))
+				ordered[k] = true
+			}
 		}
 		if n.children, err = c.relNodes(ctx, db, n, r.Relations, n.path+".", here+".relations"); err != nil {
 			return nil, err
