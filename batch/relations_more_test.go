@@ -130,14 +130,15 @@ INSERT INTO variant_stock VALUES (100, 7), (104, 0);`)
 	mustRun(t, pool, inc, "first incremental run")
 	mustExec(t, pool, `UPDATE product_details SET color = 'green' WHERE product_id = 10;
 INSERT INTO product_details VALUES (12, 'black', 1);
+DELETE FROM product_details WHERE product_id = 11;
 UPDATE variants SET position = 9 WHERE id = 101;
 INSERT INTO variant_stock VALUES (102, 3)`)
 	mustRun(t, pool, inc, "incremental run after the changes")
 	d = relDocsOf(t, pool, "products_inc")
 	jsonEq(t, `{"id":10,"name":"Anvil","brand":{"name":"Acme"},"brand_name":"acme","color":"green","weight":5,"top_skus":["A-L","A-M"],
 	  "variants":[{"sku":"A-L","position":9,"qty":null},{"sku":"A-M","position":5,"qty":0},{"sku":"A-X","position":3,"qty":null},{"sku":"A-S","position":2,"qty":7}]}`, d["10"], "product 10, incremental")
-	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"Acme"},"brand_name":"acme","color":"blue","weight":null,"top_skus":["R-1"],
-	  "variants":[{"sku":"R-1","position":0,"qty":3}]}`, d["11"], "product 11, incremental")
+	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"Acme"},"brand_name":"acme","color":null,"weight":null,"top_skus":["R-1"],
+	  "variants":[{"sku":"R-1","position":0,"qty":3}]}`, d["11"], "product 11, incremental: its details deleted")
 	jsonEq(t, `{"id":12,"name":"Nut","brand":null,"brand_name":null,"color":"black","weight":1,"top_skus":[],"variants":[]}`, d["12"], "product 12, incremental")
 	require.Equal(t, int64(3), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source = 'products_inc' AND source_version = 2`), "each root once at version 2")
 }
@@ -253,6 +254,15 @@ INSERT INTO variants VALUES (105, 12, NULL, 0, now());     -- soft-deleted: left
 	d := relDocs(t, pool)
 	require.Equal(t, []string{"12"}, keys(d), "only the good root is indexed")
 	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_id IN ('10', '11')`))
+
+	// Strict: the run fails naming the first bad root, its relation and
+	// its child row (another job, so nothing of the first is reused).
+	strict := quarantineSpec(batch.ModeFull, batch.PolicyStrict)
+	strict.Job, strict.SourceName = "products_strict", "products_strict"
+	_, err := relRun(t, pool, strict)
+	require.ErrorIs(t, err, batch.ErrBadRow)
+	require.ErrorContains(t, err, "row id=10: related_row: variants [id=101] field sku (sku) is missing")
+	require.Empty(t, relDocsOf(t, pool, "products_strict"), "the failed chunk wrote nothing")
 
 	mustExec(t, pool, `UPDATE variants SET sku = 'A-L' WHERE id = 101; UPDATE prices SET meta = '{"tier": "gold"}' WHERE id = 1002`)
 	res, err := batch.RetryQuarantine(ctx, pool, s, nil, batch.RetryOptions{})
