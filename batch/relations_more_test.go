@@ -642,3 +642,31 @@ DELETE FROM variants WHERE id = `+fmt.Sprint(id)+`; INSERT INTO variants SELECT 
 		require.Equal(t, []int64{1}, v, "nothing changed")
 	}
 }
+
+// A join of columns of different but comparable types (accepted at
+// start) resolves its captures: the captured keys are compared as their
+// own column's values, never cast to the other column's type.
+func TestRelCapturesOfAJoinAcrossTypes(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	mustExec(t, pool, `CREATE TABLE reviews (id int PRIMARY KEY, product_ref numeric(10,2), body text);
+CREATE TABLE reactions (id bigint PRIMARY KEY, review_id bigint, emoji text);
+INSERT INTO reviews VALUES (1, 10, 'good'), (2, 10.5, 'nobody''s');
+INSERT INTO reactions VALUES (1, 1, 'heart'), (2, 5000000000, 'nobody''s')`)
+	s := catalogSpec(batch.ModeIncremental)
+	s.Document.Relations = []batch.Relation{{Name: "reviews", Table: "reviews", Type: batch.OneToMany,
+		ForeignKey: &batch.KeyPair{Parent: "id", Child: "product_ref"}, Fields: []batch.Field{{Name: "body"}},
+		Relations: []batch.Relation{{Name: "reactions", Table: "reactions", Type: batch.OneToMany, Variant: batch.VariantScalar,
+			ForeignKey: &batch.KeyPair{Parent: "id", Child: "review_id"}, Fields: []batch.Field{{Name: "emoji"}}}}}}
+	installCapture(t, pool, s)
+	mustRun(t, pool, s, "first run")
+	jsonEq(t, `[{"body":"good","reactions":["heart"]}]`, field(t, relDocs(t, pool)["10"], "reviews"), "reviews of 10")
+
+	mustExec(t, pool, `INSERT INTO reviews VALUES (3, 10.00, 'fine'), (4, 11.25, 'nobody''s either');
+UPDATE reactions SET emoji = 'star' WHERE id = 1; UPDATE reactions SET emoji = '?' WHERE id = 2`)
+	mustRun(t, pool, s, "run after the changes")
+	d := relDocs(t, pool)
+	jsonEq(t, `[{"body":"good","reactions":["star"]},{"body":"fine","reactions":[]}]`, field(t, d["10"], "reviews"), "reviews of 10")
+	jsonEq(t, `[]`, field(t, d["11"], "reviews"), "reviews of 11")
+	require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))
+}
