@@ -662,3 +662,37 @@ UPDATE reactions SET emoji = 'star' WHERE id = 1; UPDATE reactions SET emoji = '
 	jsonEq(t, `[]`, field(t, d["11"], "reviews"), "reviews of 11")
 	require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))
 }
+
+// Related and join tables in another schema, with names and columns
+// that need quoting (mixed case, a space), keys from the catalog: the
+// documents and the capture triggers work with them.
+func TestRelQuotedNamesInAnotherSchema(t *testing.T) {
+	t.Parallel()
+	pool := newCatalog(t)
+	mustExec(t, pool, `CREATE SCHEMA "Shop";
+CREATE TABLE "Shop"."Makers" ("MakerId" int PRIMARY KEY, "Name" text);
+ALTER TABLE products ADD COLUMN "makerRef" int REFERENCES "Shop"."Makers";
+CREATE TABLE "Shop"."Tags" ("TagId" int PRIMARY KEY, "Label" text);
+CREATE TABLE "Shop"."Product Tags" ("ProductId" int REFERENCES products, "TagId" int REFERENCES "Shop"."Tags", PRIMARY KEY ("ProductId", "TagId"));
+INSERT INTO "Shop"."Makers" VALUES (1, 'M1');
+INSERT INTO "Shop"."Tags" VALUES (1, 'T1'), (2, 'T2');
+INSERT INTO "Shop"."Product Tags" VALUES (10, 1);
+UPDATE products SET "makerRef" = 1 WHERE id IN (10, 11)`)
+	s := catalogSpec(batch.ModeIncremental)
+	s.Document.Relations = []batch.Relation{
+		{Name: "maker", Schema: "Shop", Table: "Makers", Type: batch.OneToOne, Fields: []batch.Field{{Name: "name", From: "Name"}}},
+		{Name: "tags", Schema: "Shop", Table: "Tags", Type: batch.OneToMany, Variant: batch.VariantScalar, Through: &batch.Through{Table: "Product Tags"}, Fields: []batch.Field{{Name: "label", From: "Label"}}},
+	}
+	installCapture(t, pool, s)
+	mustRun(t, pool, s, "first")
+	d := relDocs(t, pool)
+	jsonEq(t, `{"name":"M1"}`, field(t, d["10"], "maker"), "maker")
+	jsonEq(t, `["T1"]`, field(t, d["10"], "tags"), "tags")
+	mustExec(t, pool, `UPDATE "Shop"."Makers" SET "Name" = 'M2'; INSERT INTO "Shop"."Product Tags" VALUES (11, 2); UPDATE "Shop"."Tags" SET "Label" = 'T1!' WHERE "TagId" = 1`)
+	mustRun(t, pool, s, "second")
+	d = relDocs(t, pool)
+	jsonEq(t, `{"name":"M2"}`, field(t, d["10"], "maker"), "maker 10")
+	jsonEq(t, `{"name":"M2"}`, field(t, d["11"], "maker"), "maker 11")
+	jsonEq(t, `["T1!"]`, field(t, d["10"], "tags"), "tags 10")
+	jsonEq(t, `["T2"]`, field(t, d["11"], "tags"), "tags 11")
+}
