@@ -403,11 +403,9 @@ func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []str
 		var first *string
 		var last []string
 		st := r.c.chunkIDs
-		if len(r.c.rels) > 0 {
-			// A relation job's roots are read by id in every partition, as
-			// its relation phase does: a root that phase quarantined has no
-			// partition key ("" in batch_quarantine), and its partition's
-			// statement would never find it (or fail to cast "").
+		if len(r.c.rels) > 0 && key == "" && r.spec.Source.Partition != "" {
+			// Quarantined by the relation phase, which works on every
+			// partition at once (no partition key).
 			st = r.c.chunkWork
 		}
 		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n, &bad, &first, &changed, &last); err != nil {

@@ -148,5 +148,10 @@ func (r *Runner) relChunk(ctx context.Context, token string, size int) (n, chang
 	}
 	hit(failpointRelAfterCommit)
 	r.changed.Add(changed)
+	r.bad.Add(bad)
+	m := r.cfg.Metrics
+	m.relationRoots(r.spec.Job, "changed", changed)
+	m.relationRoots(r.spec.Job, "unchanged", rows-changed-bad)
+	m.relationRoots(r.spec.Job, "quarantined", bad)
 	return int64(len(ids)), changed, nil
 }

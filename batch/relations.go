@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -30,11 +31,13 @@ import (
 // rebuilt document that differs from the stored one at the same root
 // version (and processor version) is written at the stored version + 1,
 // the difference kept in version_offset like a return over a tombstone's
-// (upsertTail). Rebuilds of one root never run at once: a run's chunks
-// cover disjoint roots, its relation phase runs after every partition
-// committed, and the next run starts after that; so each rebuild reads a
-// snapshot taken after the previous one committed, and "differs" always
-// means "newer".
+// (upsertTail). Rebuilds of one root never run at once: a relation job is
+// the only writer of its source name (checkSharedSourceName), a run's
+// chunks cover disjoint roots, its relation phase runs after every
+// partition committed, the next run starts after that, and a quarantine
+// retry takes the job's lock exclusively (relLockSQL); so each rebuild
+// reads a snapshot taken after the previous one committed, and "differs"
+// always means "newer".
 //
 // Propagation: full runs rebuild every root. For incremental and follow
 // runs, the capture triggers (relationTriggerSQL) record which related
@@ -277,15 +280,12 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 			n.order = append(n.order, term)
 			ordered[col] = true
 		}
-		// The primary key breaks ties: a document is a function of its
-		// rows, not of where they lie in the table (a tied row written
-		// again elsewhere would move in the array, or become another
-		// one_to_one row, and the document would change with nothing
-		// changed).
-		for _, k := range pk {
-			if !ordered[k] {
-				n.order = append(n.order, q(k))
-				ordered[k] = true
+		// Ties are broken by the primary key: an order that can change
+		// between two rebuilds of the same rows would change the document
+		// (a new version and event each time).
+		for _, col := range pk {
+			if !ordered[col] {
+				n.order = append(n.order, q(col))
 			}
 		}
 		if n.children, err = c.relNodes(ctx, db, n, r.Relations, n.path+".", here+".relations"); err != nil {
@@ -297,6 +297,59 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 		out = append(out, n)
 	}
 	return out, nil
+}
+
+// indexedSQL: whether an index of table $1 leads with column $2.
+const indexedSQL = `SELECT EXISTS (SELECT FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+WHERE i.indrelid = to_regclass($1) AND a.attname = $2 AND i.indisvalid)`
+
+// unindexedJoins lists the join columns without an index that leads with
+// them: each is a scan of its table per root rebuilt (the child's side)
+// or per run that resolves captures (the parent's side).
+func (c *compiled) unindexedJoins(ctx context.Context, db querier) ([]string, error) {
+	var out []string
+	check := func(table, name, col, use string) error {
+		var ok bool
+		if err := db.QueryRow(ctx, indexedSQL, table, col).Scan(&ok); err != nil {
+			return fmt.Errorf("read the indexes of %s: %w", name, err)
+		}
+		if !ok {
+			out = append(out, fmt.Sprintf("%s.%s (%s): CREATE INDEX ON %s (%s)", name, col, use, table, q(col)))
+		}
+		return nil
+	}
+	var walk func(parent *relNode, ns []*relNode) error
+	walk = func(parent *relNode, ns []*relNode) error {
+		ptable, pname := c.table, c.spec.Source.Schema+"."+c.spec.Source.Table
+		if parent != nil {
+			ptable, pname = parent.table, parent.name
+		}
+		for _, n := range ns {
+			if n.through == nil {
+				if err := check(n.table, n.name, n.childCol, "read for every document"); err != nil {
+					return err
+				}
+			} else {
+				if err := check(n.through.table, n.through.name, n.through.thParent, "read for every document"); err != nil {
+					return err
+				}
+				if err := check(n.through.table, n.through.name, n.through.thChild, "read to find the documents of a changed "+n.name+" row"); err != nil {
+					return err
+				}
+				if err := check(n.table, n.name, n.childCol, "read for every document"); err != nil {
+					return err
+				}
+			}
+			if err := check(ptable, pname, n.parentCol, "read to find the documents of a changed "+n.name+" row"); err != nil {
+				return err
+			}
+			if err := walk(n, n.children); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return out, walk(nil, c.rels)
 }
 
 // checkComparable refuses a join of two columns PostgreSQL cannot compare.
@@ -437,16 +490,16 @@ func (n *relNode) problem(b *builder, pa string, d int) string {
 			terms = append(terms, ch.problem(b, a, d+1))
 		}
 	}
-	// Only the rows the document holds: a one_to_one relation's first, a
-	// one_to_many relation's first limit.
-	rows := "SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + n.relFrom(pa, a)
+	// Only the rows the document holds: the first in order of a
+	// one_to_one, the first limit of a one_to_many.
+	rows := n.relFrom(pa, a)
 	switch {
 	case n.rel.Type == OneToOne:
-		rows += " ORDER BY " + n.orderBy(a) + " LIMIT 1"
+		rows = " FROM (SELECT " + a + ".*" + rows + " ORDER BY " + n.orderBy(a) + " LIMIT 1) " + a
 	case n.rel.Limit > 0:
-		rows += " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit)
+		rows = " FROM (SELECT " + a + ".*" + rows + " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit) + ") " + a
 	}
-	return "(SELECT z.p FROM (" + rows + ") z WHERE z.p IS NOT NULL LIMIT 1)"
+	return "(SELECT z.p FROM (SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + rows + ") z WHERE z.p IS NOT NULL LIMIT 1)"
 }
 
 // relationColumns are the root's relation values (r1..rn) and problems
@@ -472,9 +525,9 @@ func (c *compiled) relationColumns(b *builder) (cols []string, pairs []string, m
 }
 
 // relUpsertTail is upsertTail for a relation job: a document that differs
-// from the stored one at the same index version (and processor version)
-// is a change too, written at the stored version + 1 (see the top of this
-// file).
+// from the stored one at the same index version, or comes from another
+// processor version, is written at the stored version + 1
+// (relReturnedVersion; see the top of this file).
 const relUpsertTail = `
   ON CONFLICT (source, source_id) DO UPDATE SET
     document = EXCLUDED.document,
@@ -487,10 +540,29 @@ const relUpsertTail = `
      OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
 
+// relReturnedVersion is the index version a relation job's upsert writes:
+// upsertTail's, or the stored version + 1 for a document that differs at
+// the same version. A document of another processor version is written one
+// above the stored version too: one root version may carry different
+// related rows, so the generation it goes to (a rollback's old one) may
+// hold that version with other content, and would refuse the same version
+// as a conflict.
 const relReturnedVersion = `greatest(EXCLUDED.source_version + n.version_offset,
       CASE WHEN n.vanished AND NOT EXCLUDED.deleted THEN n.source_version + 1 END,
-      CASE WHEN n.source_version = EXCLUDED.source_version + n.version_offset AND n.processor_version = EXCLUDED.processor_version
-                AND (n.deleted <> EXCLUDED.deleted OR n.document IS DISTINCT FROM EXCLUDED.document) THEN n.source_version + 1 END)`
+      CASE WHEN n.source_version = EXCLUDED.source_version + n.version_offset
+                AND (n.processor_version <> EXCLUDED.processor_version OR n.deleted <> EXCLUDED.deleted OR n.document IS DISTINCT FROM EXCLUDED.document)
+           THEN n.source_version + 1 END)`
+
+// unpartitioned is c for statements over every partition of the job: no
+// single-partition term; a listed partition set becomes a filter term.
+func (c *compiled) unpartitioned() *compiled {
+	all := *c
+	all.spec.Source.Partition = ""
+	if p := c.spec.Source.Partition; p != "" && len(c.spec.Source.Partitions) > 0 {
+		all.spec.Source.Filter = append(slices.Clone(c.spec.Source.Filter), Condition{Column: p, Op: "in", Values: c.spec.Source.Partitions})
+	}
+	return &all
+}
 
 // relTables lists the related and join tables with the capture nodes each
 // feeds, in spec order.
@@ -639,17 +711,18 @@ func (c *compiled) resolveSQL() stmt {
 		for _, n := range ns {
 			keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path, "text")
 			pk, typ := n.parentKeysOfRows(keys, n.types[n.childCol])
-			parts = append(parts, c.rootsOf(n, pk, typ))
+			parts = append(parts, c.rootsOf(b, n, pk, typ))
 			if n.through != nil {
 				keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path+"#through", "text")
-				parts = append(parts, c.rootsOf(n, keys, n.through.types[n.through.thParent]))
+				parts = append(parts, c.rootsOf(b, n, keys, n.through.types[n.through.thParent]))
 			}
 			walk(n.children)
 		}
 	}
 	walk(c.rels)
 	// A related table truncated: every root in scope.
-	parts = append(parts, "SELECT s."+q(c.spec.Source.ID)+"::text AS k FROM "+c.table+" s WHERE EXISTS (SELECT FROM cap WHERE cap.node = '"+relTruncated+"')")
+	parts = append(parts, "SELECT s."+q(c.spec.Source.ID)+"::text AS k FROM "+c.table+" s WHERE "+c.unpartitioned().scopeWhere(b)+
+		" AND EXISTS (SELECT FROM cap WHERE cap.node = '"+relTruncated+"')")
 	return b.stmt(`
 WITH cap AS MATERIALIZED (DELETE FROM batch_relation_changes WHERE job = ` + job + ` RETURNING node, key),
 roots AS (` + strings.Join(parts, "\nUNION\n") + `),
@@ -678,17 +751,17 @@ func (n *relNode) parentKeysOfRows(keys, typ string) (string, string) {
 // rootsOf maps values of n.parentCol (keys, a select of text column k,
 // values of type typ) to the root ids whose documents hold them, one join
 // per level.
-func (c *compiled) rootsOf(n *relNode, keys, typ string) string {
+func (c *compiled) rootsOf(b *builder, n *relNode, keys, typ string) string {
 	p := n.parent
 	if p == nil {
 		return "SELECT s." + q(c.spec.Source.ID) + "::text AS k FROM " + c.table + " s WHERE s." + q(n.parentCol) +
-			" IN (SELECT z.k::" + typ + " FROM (" + keys + ") z)"
+			" IN (SELECT z.k::" + typ + " FROM (" + keys + ") z) AND " + c.unpartitioned().scopeWhere(b)
 	}
 	// The parent's rows with these values, as values of its own join column.
 	own := "SELECT p." + q(p.childCol) + "::text AS k FROM " + p.table + " p WHERE p." + q(n.parentCol) +
 		" IN (SELECT z.k::" + typ + " FROM (" + keys + ") z)"
 	pk, pt := p.parentKeysOfRows(own, p.types[p.childCol])
-	return c.rootsOf(p, pk, pt)
+	return c.rootsOf(b, p, pk, pt)
 }
 
 // relWorkSQL takes up to $2 roots of job $1's work, deleting them, and

@@ -47,16 +47,6 @@ func relDocsOf(t *testing.T, pool *pgxpool.Pool, source string) map[string]strin
 	return out
 }
 
-// installCapture installs the follow and capture triggers of s.
-func installCapture(t *testing.T, pool *pgxpool.Pool, s batch.Spec) {
-	t.Helper()
-	ctx := context.Background()
-	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, sql)
-	require.NoError(t, err)
-}
-
 func mustExec(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) {
 	t.Helper()
 	_, err := pool.Exec(context.Background(), sql, args...)

@@ -402,6 +402,15 @@ func checkSharedSourceName(ctx context.Context, tx pgx.Tx, s Spec) error {
 		if err := checkSameEvents(s, o); err != nil {
 			return err
 		}
+		if s.Document.HasRelations() || o.Document.HasRelations() {
+			// Rebuilds of one document must not overlap (relations.go):
+			// one job's runs never do, two jobs' could, and a stale
+			// rebuild would then be written above a newer one.
+			return fmt.Errorf("%w: spec %s: source_name %q is also written by job %s, and a job whose documents join related tables must be the only writer of its source name "+
+				"(two jobs could rebuild one document at once, and the older rebuild would win): give one of the jobs its own source_name "+
+				"(a retired job: DELETE FROM batch_jobs WHERE job = '%s')",
+				ErrSpec, s.Job, s.SourceName, o.Job, o.Job)
+		}
 		if rowScope(o) == mine {
 			continue
 		}
