@@ -468,9 +468,9 @@ func (n *relNode) flatValue(b *builder, pa string, d int) string {
 	return "COALESCE(" + n.value(b, pa, d) + ", jsonb_build_object(" + strings.Join(nulls, ", ") + "))"
 }
 
-// problem is the first related row under the parent row pa (depth d)
-// that breaks a field check, as "relation path [key=value]: message";
-// NULL when none does.
+// problem is the first related row in the document under the parent row
+// pa (depth d) that breaks a field check, as "relation path [key=value]:
+// message"; NULL when none does.
 func (n *relNode) problem(b *builder, pa string, d int) string {
 	a := relAlias(d)
 	var terms []string
@@ -710,10 +710,11 @@ func (c *compiled) resolveSQL() stmt {
 	walk = func(ns []*relNode) {
 		for _, n := range ns {
 			keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path, "text")
-			parts = append(parts, c.rootsOf(b, n, n.parentKeysOfRows(keys)))
+			pk, typ := n.parentKeysOfRows(keys, n.types[n.childCol])
+			parts = append(parts, c.rootsOf(b, n, pk, typ))
 			if n.through != nil {
 				keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path+"#through", "text")
-				parts = append(parts, c.rootsOf(b, n, keys))
+				parts = append(parts, c.rootsOf(b, n, keys, n.through.types[n.through.thParent]))
 			}
 			walk(n.children)
 		}
@@ -729,28 +730,38 @@ ins AS (INSERT INTO batch_relation_work (job, root_id) SELECT ` + job + `, roots
 SELECT (SELECT count(*) FROM cap), (SELECT count(*) FROM ins)`)
 }
 
-// parentKeysOfRows maps keys of n's own rows (values of n.childCol) to
-// values of the parent's join column (n.parentCol).
-func (n *relNode) parentKeysOfRows(keys string) string {
+// parentKeysOfRows maps keys of n's own rows (values of n.childCol, as
+// text of type typ) to values of the parent's join column (n.parentCol),
+// and returns them with their type.
+//
+// A key is read back as a value of the column it was captured from and
+// compared with the other column as the document's join compares them
+// (the two types may differ, checkComparable): cast to the other column's
+// type, a numeric 10.00 captured for an integer join failed the whole
+// resolution (and every run after it), a bigint beyond int4 overflowed.
+func (n *relNode) parentKeysOfRows(keys, typ string) (string, string) {
 	if n.through == nil {
-		return keys
+		return keys, typ
 	}
 	t := n.through
-	return "SELECT j." + q(t.thParent) + "::text AS k FROM " + t.table + " j WHERE j." + q(t.thChild) + " IN (SELECT z.k::" + t.types[t.thChild] + " FROM (" + keys + ") z)"
+	return "SELECT j." + q(t.thParent) + "::text AS k FROM " + t.table + " j WHERE j." + q(t.thChild) + " IN (SELECT z.k::" + typ + " FROM (" + keys + ") z)",
+		t.types[t.thParent]
 }
 
-// rootsOf maps values of n.parentCol (keys, a select of text column k) to
-// the root ids whose documents hold them, one join per level.
-func (c *compiled) rootsOf(b *builder, n *relNode, keys string) string {
+// rootsOf maps values of n.parentCol (keys, a select of text column k,
+// values of type typ) to the root ids whose documents hold them, one join
+// per level.
+func (c *compiled) rootsOf(b *builder, n *relNode, keys, typ string) string {
 	p := n.parent
 	if p == nil {
 		return "SELECT s." + q(c.spec.Source.ID) + "::text AS k FROM " + c.table + " s WHERE s." + q(n.parentCol) +
-			" IN (SELECT z.k::" + c.types[n.parentCol] + " FROM (" + keys + ") z) AND " + c.unpartitioned().scopeWhere(b)
+			" IN (SELECT z.k::" + typ + " FROM (" + keys + ") z) AND " + c.unpartitioned().scopeWhere(b)
 	}
 	// The parent's rows with these values, as values of its own join column.
 	own := "SELECT p." + q(p.childCol) + "::text AS k FROM " + p.table + " p WHERE p." + q(n.parentCol) +
-		" IN (SELECT z.k::" + p.types[n.parentCol] + " FROM (" + keys + ") z)"
-	return c.rootsOf(b, p, p.parentKeysOfRows(own))
+		" IN (SELECT z.k::" + typ + " FROM (" + keys + ") z)"
+	pk, pt := p.parentKeysOfRows(own, p.types[p.childCol])
+	return c.rootsOf(b, p, pk, pt)
 }
 
 // relWorkSQL takes up to $2 roots of job $1's work, deleting them, and
