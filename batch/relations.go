@@ -670,32 +670,44 @@ CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR
 	return sb.String()
 }
 
-// relTriggerMissingSQL: whether table $1 lacks an enabled trigger $2 whose
-// function's body carries the capture hash $3.
-const relTriggerMissingSQL = `SELECT NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
-WHERE tg.tgrelid = to_regclass($1) AND tg.tgname = $2 AND tg.tgenabled <> 'D' AND strpos(p.prosrc, $3) > 0)`
+// relTriggerMissingSQL returns the first (table, trigger) of the arrays
+// $1, $2 without an enabled trigger of that name on the table whose
+// function's body carries the capture hash ($3); nothing when all are
+// there. One statement for every table: it runs at the start of every run.
+const relTriggerMissingSQL = `
+SELECT u.tbl, u.trg FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(tbl, trg, hash, n)
+WHERE NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
+                  WHERE tg.tgrelid = to_regclass(u.tbl) AND tg.tgname = u.trg AND tg.tgenabled <> 'D' AND strpos(p.prosrc, u.hash) > 0)
+ORDER BY u.n LIMIT 1`
 
 // checkRelationTriggers refuses an incremental relation job whose capture
-// triggers are missing, disabled or were installed for another document:
+// triggers are missing, disabled or were installed for other relations:
 // its related changes would never reach the index.
 func (c *compiled) checkRelationTriggers(ctx context.Context, db querier) error {
+	var tables, triggers, hashes, names []string
 	for _, t := range c.relTables() {
-		hash := t.captureHash()
 		fn := relFunction(c.spec.Job, t.schema, t.table)
 		for _, suffix := range []string{"_ins", "_upd", "_del", "_trunc"} {
-			var missing bool
-			if err := db.QueryRow(ctx, relTriggerMissingSQL, q(t.schema, t.table), fn+suffix, hash).Scan(&missing); err != nil {
-				return fmt.Errorf("job %s: read the capture triggers of %s.%s: %w", c.spec.Job, t.schema, t.table, err)
-			}
-			if missing {
-				return fmt.Errorf("%w: incremental job %s builds documents from %s.%s, but its capture trigger %s is not installed there for this document "+
-					"(missing, disabled, or installed for other relations): changes of that table would never reach the index; "+
-					"run `batcher follow-trigger --install --spec <this spec>` (again after a change of the relations' tables, names or joins), or use full mode",
-					ErrSpec, c.spec.Job, t.schema, t.table, fn+suffix)
-			}
+			tables, triggers, hashes = append(tables, q(t.schema, t.table)), append(triggers, fn+suffix), append(hashes, t.captureHash())
+			names = append(names, t.schema+"."+t.table)
 		}
 	}
-	return nil
+	var table, trigger string
+	err := db.QueryRow(ctx, relTriggerMissingSQL, tables, triggers, hashes).Scan(&table, &trigger)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("job %s: read the capture triggers of its related tables: %w", c.spec.Job, err)
+	}
+	name := table
+	if i := slices.Index(tables, table); i >= 0 {
+		name = names[i]
+	}
+	return fmt.Errorf("%w: incremental job %s builds documents from %s, but its capture trigger %s is not installed there for these relations "+
+		"(missing, disabled, or installed for other relations): changes of that table would never reach the index; "+
+		"run `batcher follow-trigger --install --spec <this spec>` (again after a change of the relations' tables, names or joins), or use full mode",
+		ErrSpec, c.spec.Job, name, trigger)
 }
 
 // resolveSQL turns the job's captures into work: it deletes the captures
