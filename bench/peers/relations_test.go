@@ -2,6 +2,7 @@ package bench_peers
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/url"
 	"os"
@@ -79,21 +80,31 @@ BEGIN
 END $$;
 CREATE TRIGGER products_bump BEFORE UPDATE ON products FOR EACH ROW EXECUTE FUNCTION products_bump();`
 
-// catalogRowsSQL fills the tables for $1 products, $2 of them sharing
-// brand 1 and the rest spread over $3 more brands.
-var catalogRowsSQL = []string{
-	`INSERT INTO brands (id, name) SELECT b, 'Brand ' || b FROM generate_series(1, 1 + $3::bigint) AS b`,
-	`INSERT INTO categories (id, name) SELECT c, 'Category ' || c FROM generate_series(1, 50) AS c`,
-	`INSERT INTO products (id, name, brand_id)
-	 SELECT g, 'Product ' || g || ' ' || (ARRAY['shoe','shirt','lamp','chair','kettle'])[1 + g % 5],
-	        CASE WHEN g <= $2::bigint THEN 1 ELSE 2 + g % $3::bigint END
-	 FROM generate_series(1, $1::bigint) AS g`,
-	`INSERT INTO variants (id, product_id, sku, price)
-	 SELECT (g - 1) * ` + fmt.Sprint(relVariants) + ` + j, g, 'SKU-' || g || '-' || j, 1 + ((g * 7 + j * 13) % 10000) / 100.0
-	 FROM generate_series(1, $1::bigint) AS g, generate_series(1, ` + fmt.Sprint(relVariants) + `) AS j`,
-	// Two different categories per product (25 apart of 50).
-	`INSERT INTO product_categories (product_id, category_id)
-	 SELECT g, 1 + (g + k * 25) % 50 FROM generate_series(1, $1::bigint) AS g, generate_series(0, 1) AS k`,
+// catalogRows are the statements that fill the tables for products
+// products, shared of them with brand 1 and the rest spread over others
+// more brands, each with its parameters.
+func catalogRows(products, shared, others int64) []struct {
+	sql  string
+	args []any
+} {
+	v := fmt.Sprint(relVariants)
+	return []struct {
+		sql  string
+		args []any
+	}{
+		{`INSERT INTO brands (id, name) SELECT b, 'Brand ' || b FROM generate_series(1, 1 + $1::bigint) AS b`, []any{others}},
+		{`INSERT INTO categories (id, name) SELECT c, 'Category ' || c FROM generate_series(1, 50) AS c`, nil},
+		{`INSERT INTO products (id, name, brand_id)
+		  SELECT g, 'Product ' || g || ' ' || (ARRAY['shoe','shirt','lamp','chair','kettle'])[1 + g % 5],
+		         CASE WHEN g <= $2::bigint THEN 1 ELSE 2 + g % $3::bigint END
+		  FROM generate_series(1, $1::bigint) AS g`, []any{products, shared, others}},
+		{`INSERT INTO variants (id, product_id, sku, price)
+		  SELECT (g - 1) * ` + v + ` + j, g, 'SKU-' || g || '-' || j, 1 + ((g * 7 + j * 13) % 10000) / 100.0
+		  FROM generate_series(1, $1::bigint) AS g, generate_series(1, ` + v + `) AS j`, []any{products}},
+		// Two different categories per product (25 apart of 50).
+		{`INSERT INTO product_categories (product_id, category_id)
+		  SELECT g, 1 + (g + k * 25) % 50 FROM generate_series(1, $1::bigint) AS g, generate_series(0, 1) AS k`, []any{products}},
+	}
 }
 
 // catalogKeysSQL adds the foreign keys (PGSync finds the through table's
@@ -121,8 +132,8 @@ func (e *env) seedCatalog(b testing.TB, name, url string) *pgxpool.Pool {
 	check(b, err)
 	products, shared := int64(e.s.RelProducts), int64(e.s.relShared())
 	others := max(1, (products-shared)/200)
-	for _, q := range catalogRowsSQL {
-		_, err := pool.Exec(ctx, q, products, shared, others)
+	for _, q := range catalogRows(products, shared, others) {
+		_, err := pool.Exec(ctx, q.sql, q.args...)
 		check(b, err)
 	}
 	_, err = pool.Exec(ctx, catalogKeysSQL)
@@ -263,6 +274,7 @@ func (e *env) outboxrelayRelations(b testing.TB, round int) []leg {
 func (e *env) relationsLive(b testing.TB, pool *pgxpool.Pool, index, tool string, round, markBase int, procs ...*testproc.Proc) []leg {
 	w := e.relWriter(pool, index)
 	w.warmUp(b, procs...)
+	logDocument(b, e.search, index, "1")
 	var legs []leg
 	for i, rate := range e.s.RelRates {
 		l := w.run(b, rate, e.s.LegDuration, int64(round*100+markBase+20+i)*100_000_000, nil, procs...)
@@ -319,4 +331,22 @@ func renameBrand(b testing.TB, pool *pgxpool.Pool, search, index, name string, w
 		}
 	}
 	panic("unreachable")
+}
+
+// logDocument logs the document id of index as a search returns it, so a
+// run shows what each tool's documents look like.
+func logDocument(b testing.TB, search, index, id string) {
+	var res struct {
+		Hits struct {
+			Hits []struct {
+				Source json.RawMessage `json:"_source"`
+			} `json:"hits"`
+		} `json:"hits"`
+	}
+	body := map[string]any{"size": 1, "query": map[string]any{"ids": map[string]any{"values": []string{id}}}}
+	if err := searchPost(context.Background(), search, "/"+url.PathEscape(index)+"/_search", body, &res); err != nil || len(res.Hits.Hits) == 0 {
+		b.Logf("%s: document %s not found (%v)", index, id, err)
+		return
+	}
+	b.Logf("%s: document %s: %s", index, id, res.Hits.Hits[0].Source)
 }

@@ -180,12 +180,16 @@ const pgsyncName, ourName = "PGSync 7.3.0", "outboxrelay"
 
 func (r *results) markdown() string {
 	var b strings.Builder
-	catalog := ""
-	if r.Settings.Runs(legRelations) {
-		catalog = fmt.Sprintf("; relations: a catalog of %d products, %d variants, brand 1 shared by %d products", r.Settings.RelProducts, r.Settings.RelProducts*relVariants, r.Settings.relShared())
+	var data []string
+	if r.Settings.RunsRecords() {
+		data = append(data, fmt.Sprintf("%d rows (bench-e2e seed)", r.Rows))
 	}
-	fmt.Fprintf(&b, "`make bench-peers` — %s, %s; %d rows (bench-e2e seed)%s, %d round(s), OpenSearch %s; medians over rounds\n\n",
-		r.Date.Format("2006-01-02 15:04 UTC"), r.Machine, r.Rows, catalog, r.Rounds, searchVersion())
+	if r.Settings.Runs(legRelations) {
+		data = append(data, fmt.Sprintf("relations: a catalog of %d products, %d variants, brand 1 shared by %d products",
+			r.Settings.RelProducts, r.Settings.RelProducts*relVariants, r.Settings.relShared()))
+	}
+	fmt.Fprintf(&b, "`make bench-peers` — %s, %s; %s, %d round(s), OpenSearch %s; medians over rounds\n\n",
+		r.Date.Format("2006-01-02 15:04 UTC"), r.Machine, strings.Join(data, "; "), r.Rounds, searchVersion())
 	if r.Settings.Partial() {
 		beside := ", beside the initial syncs every run needs"
 		if !r.Settings.RunsRecords() {
