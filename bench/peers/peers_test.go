@@ -15,6 +15,7 @@
 //     commit→searchable latency; then single-row hard DELETEs (which its
 //     triggers carry: the daemon deletes the document) at each
 //     BENCH_PEERS_DELETE_RATES (default 50,500/s): commit→gone from searches.
+//
 //   - outboxrelay: the real binaries (batcher, publisher, indexer) with the
 //     product defaults: initial sync of the same rows; then application
 //     events: outbox.Enqueue inside the writer's transaction (the same
@@ -26,9 +27,21 @@
 //     (commit→searchable, commit→gone from searches through the read
 //     alias, which filters the tombstones out).
 //
-// BENCH_PEERS_LEGS (default "changes,events,deletes,debezium": all) picks
-// the latency legs; the initial syncs always run (each tool needs its
-// documents first) and are reported too. "debezium" is read by `make
+//   - relations (relations_test.go): a product catalog whose documents
+//     come from five tables (BENCH_PEERS_REL_PRODUCTS products, default
+//     200,000, with 5 variants each, a brand, and categories through a join
+//     table; brand 1 shared by 10,000 of them), PGSync's `children` beside
+//     outboxrelay's `document.relations` (incremental, `batcher
+//     follow-trigger --install`, `batcher run` then `batcher run
+//     --follow`): initial sync of every product, variant UPDATEs at each
+//     BENCH_PEERS_REL_RATES (default 50,500/s) commit→its product
+//     searchable with the change, and brand 1 renamed: commit→all its
+//     products searchable with the new name.
+//
+// BENCH_PEERS_LEGS (default "changes,events,deletes,debezium,relations":
+// all) picks the legs; the initial syncs of the bench-e2e rows run with
+// any leg but relations (each tool needs its documents first; relations
+// has its own) and are reported too. "debezium" is read by `make
 // bench-peers`, which runs bench/peers/debezium only when it is listed. A
 // run of some legs only is a partial run: its results go to
 // bench/results/peers-partial/ unless BENCH_PEERS_OUT says otherwise, its
@@ -229,13 +242,19 @@ func BenchmarkPeers(b *testing.B) {
 func TestPeersSmallRound(t *testing.T) {
 	s := load(t)
 	s.Rows, s.Rounds, s.ChangeRates, s.EventRates, s.DeleteRates, s.LegDuration, s.Out = 3000, 1, []int{20}, []int{20}, []int{20}, 2*time.Second, t.TempDir()
+	s.RelProducts, s.RelRates = 3000, []int{20}
 	s.Legs = slices.Clone(allLegs)
 	res := run(t, s)
 	require.NoError(t, res.write(s.Out))
 	kinds := map[string]int{}
 	for _, l := range res.Legs {
 		kinds[l.Tool+" / "+l.Kind]++
-		if l.Kind == kindInitial {
+		if l.Kind == kindInitial || l.Kind == kindRelInitial {
+			require.Positive(t, l.Seconds, "%+v", l)
+			continue
+		}
+		if l.Kind == kindRelRename {
+			require.Equal(t, int64(3000), l.Docs, "%+v", l)
 			require.Positive(t, l.Seconds, "%+v", l)
 			continue
 		}
@@ -244,7 +263,9 @@ func TestPeersSmallRound(t *testing.T) {
 		require.Len(t, l.latencies, l.Events)
 	}
 	require.Equal(t, map[string]int{pgsyncName + " / " + kindInitial: 1, pgsyncName + " / " + kindChanges: 1, pgsyncName + " / " + kindDeletes: 1,
-		ourName + " / " + kindInitial: 1, ourName + " / " + kindEvents: 1, ourName + " / " + kindChanges: 1, ourName + " / " + kindDeletes: 1}, kinds)
+		ourName + " / " + kindInitial: 1, ourName + " / " + kindEvents: 1, ourName + " / " + kindChanges: 1, ourName + " / " + kindDeletes: 1,
+		pgsyncName + " / " + kindRelInitial: 1, pgsyncName + " / " + kindRelChanges: 1, pgsyncName + " / " + kindRelRename: 1,
+		ourName + " / " + kindRelInitial: 1, ourName + " / " + kindRelChanges: 1, ourName + " / " + kindRelRename: 1}, kinds)
 	for _, f := range []string{"peers.md", "peers.json", "peers-throughput.png", "peers-latency.png"} {
 		st, err := os.Stat(filepath.Join(s.Out, f))
 		require.NoError(t, err)
