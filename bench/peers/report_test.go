@@ -407,7 +407,7 @@ func (r *results) throughputPlot(file string) error {
 	bars.Color = color.RGBA{R: 60, G: 110, B: 180, A: 255}
 	p.Add(bars)
 	p.NominalX(names...)
-	return p.Save(6*vg.Inch, 4*vg.Inch, file)
+	return p.Save(max(6, 3.2*vg.Length(len(vals)))*vg.Inch, 4*vg.Inch, file) // room for each bar's label
 }
 
 func (r *results) latencyPlot(file string) error {
