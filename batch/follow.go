@@ -164,7 +164,11 @@ func FollowTriggerSQLFor(ctx context.Context, db DB, spec Spec) (string, error) 
 	if err != nil {
 		return "", err
 	}
-	return sql + c.relationTriggerSQL(), nil
+	leaves, err := c.relLeaves(ctx, db)
+	if err != nil {
+		return "", err
+	}
+	return sql + c.relationTriggerSQL(leaves), nil
 }
 
 // UnindexedJoins lists the join columns of the spec's relations that no

@@ -274,7 +274,9 @@ func SetCheckpoint(ctx context.Context, db DB, m CheckpointMove) (*CheckpointMov
 	if _, err := tx.Exec(ctx, supersedeSweepSQL, m.Job, m.RunID); err != nil {
 		return nil, err
 	}
-	if spec.Vanished == VanishedDelete {
+	if spec.Vanished == VanishedDelete || spec.Document.HasRelations() {
+		// A relation job's sweep phase rebuilds the roots its related
+		// changes queued (nothing when none are).
 		if _, err := tx.Exec(ctx, createSweepSQL, m.Job, out.NewRunID); err != nil {
 			return nil, err
 		}

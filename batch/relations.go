@@ -603,7 +603,8 @@ const relTruncated = "*"
 // or order does not change it.
 func (t *relTable) captureHash() string {
 	h := sha256.New()
-	fmt.Fprintf(h, "%q.%q", t.schema, t.table)
+	// v2: keys written under fixed date, interval and float settings.
+	fmt.Fprintf(h, "v2 %q.%q", t.schema, t.table)
 	for _, n := range t.nodes {
 		fmt.Fprintf(h, " %q:%q", n.node, n.col)
 	}
@@ -628,7 +629,7 @@ func sqlLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''")
 // is the table's own (static SQL, a cached plan) and runs as its owner
 // (SECURITY DEFINER with the installer's search_path). Its body carries the
 // capture hash: a run refuses a function installed for other relations.
-func (c *compiled) relationTriggerSQL() string {
+func (c *compiled) relationTriggerSQL(leaves map[string][]string) string {
 	var sb strings.Builder
 	for _, t := range c.relTables() {
 		hash := t.captureHash()
@@ -641,7 +642,12 @@ func (c *compiled) relationTriggerSQL() string {
 			}
 			return "SELECT DISTINCT " + sqlLiteral(c.spec.Job) + ", v.node, v.key FROM " + x + " CROSS JOIN LATERAL (VALUES " + strings.Join(v, ", ") + ") v(node, key) WHERE v.key IS NOT NULL"
 		}
-		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $outboxrelay_rel$
+		// The keys are written as text under fixed settings, whatever the
+		// writer's session has: ISO dates and timestamps, full float
+		// digits, postgres intervals, which read back the same under every
+		// session setting of the batcher.
+		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT
+    SET datestyle = 'ISO, YMD' SET intervalstyle = 'postgres' SET extra_float_digits = 3 SET timezone = 'UTC' AS $outboxrelay_rel$
 BEGIN
     -- outboxrelay relation capture ` + hash + `
     IF TG_OP = 'TRUNCATE' THEN
@@ -655,30 +661,65 @@ BEGIN
     END IF;
     RETURN NULL;
 END $outboxrelay_rel$;
-CREATE OR REPLACE TRIGGER ` + q(fn+"_ins") + ` AFTER INSERT ON ` + table + `
+`)
+		// A statement names one table: one on the partitioned table fires
+		// its triggers only, one on a partition (a write that names it)
+		// the partition's. So the leaf partitions get them too.
+		for _, tbl := range append([]string{table}, leaves[table]...) {
+			sb.WriteString(`CREATE OR REPLACE TRIGGER ` + q(fn+"_ins") + ` AFTER INSERT ON ` + tbl + `
     REFERENCING NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
-CREATE OR REPLACE TRIGGER ` + q(fn+"_upd") + ` AFTER UPDATE ON ` + table + `
+CREATE OR REPLACE TRIGGER ` + q(fn+"_upd") + ` AFTER UPDATE ON ` + tbl + `
     REFERENCING OLD TABLE AS outboxrelay_old NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
-CREATE OR REPLACE TRIGGER ` + q(fn+"_del") + ` AFTER DELETE ON ` + table + `
+CREATE OR REPLACE TRIGGER ` + q(fn+"_del") + ` AFTER DELETE ON ` + tbl + `
     REFERENCING OLD TABLE AS outboxrelay_old FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
-CREATE OR REPLACE TRIGGER ` + q(fn+"_trunc") + ` AFTER TRUNCATE ON ` + table + `
+CREATE OR REPLACE TRIGGER ` + q(fn+"_trunc") + ` AFTER TRUNCATE ON ` + tbl + `
     FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
-CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + table + `
+CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + tbl + `
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify();
 `)
+		}
 	}
 	return sb.String()
+}
+
+// leafPartitionsSQL lists the leaf partitions of table $1 (none for a
+// table that is not partitioned), as regclass names them.
+const leafPartitionsSQL = `SELECT COALESCE(array_agg(pt.relid::regclass::text ORDER BY pt.relid::regclass::text), '{}')
+FROM pg_partition_tree(to_regclass($1)) pt WHERE pt.isleaf AND pt.relid <> to_regclass($1)`
+
+// relLeaves reads the leaf partitions of the related and join tables.
+func (c *compiled) relLeaves(ctx context.Context, db querier) (map[string][]string, error) {
+	out := map[string][]string{}
+	for _, t := range c.relTables() {
+		table := q(t.schema, t.table)
+		var leaves []string
+		if err := db.QueryRow(ctx, leafPartitionsSQL, table).Scan(&leaves); err != nil {
+			return nil, fmt.Errorf("read the partitions of %s.%s: %w", t.schema, t.table, err)
+		}
+		out[table] = leaves
+	}
+	return out, nil
 }
 
 // relTriggerMissingSQL returns the first (table, trigger) of the arrays
 // $1, $2 without an enabled trigger of that name on the table whose
 // function's body carries the capture hash ($3); nothing when all are
 // there. One statement for every table: it runs at the start of every run.
+//
+// The leaf partitions of a partitioned table need them as well (a write
+// naming a partition fires the partition's triggers only), and a trigger
+// must fire for ordinary sessions: enabled as origin ('O') or always
+// ('A'), not disabled or replica-only.
 const relTriggerMissingSQL = `
-SELECT u.tbl, u.trg FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(tbl, trg, hash, n)
+WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(tbl, trg, hash, n)),
+x AS (SELECT u.n, u.trg, u.hash, u.tbl AS name, to_regclass(u.tbl) AS rel FROM u
+      UNION ALL
+      SELECT u.n, u.trg, u.hash, pt.relid::regclass::text, pt.relid FROM u, pg_partition_tree(to_regclass(u.tbl)) pt
+      WHERE pt.isleaf AND pt.relid <> to_regclass(u.tbl))
+SELECT x.name, x.trg FROM x
 WHERE NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
-                  WHERE tg.tgrelid = to_regclass(u.tbl) AND tg.tgname = u.trg AND tg.tgenabled <> 'D' AND strpos(p.prosrc, u.hash) > 0)
-ORDER BY u.n LIMIT 1`
+                  WHERE tg.tgrelid = x.rel AND tg.tgname = x.trg AND tg.tgenabled IN ('O', 'A') AND strpos(p.prosrc, x.hash) > 0)
+ORDER BY x.n, x.name LIMIT 1`
 
 // checkRelationTriggers refuses an incremental relation job whose capture
 // triggers are missing, disabled or were installed for other relations:

@@ -75,16 +75,7 @@ func newCatalog(t *testing.T) *pgxpool.Pool {
 // connection, by id.
 func relDocs(t *testing.T, pool *pgxpool.Pool) map[string]string {
 	t.Helper()
-	rows, err := pool.Query(context.Background(), `SELECT source_id, document::text FROM normalized_records WHERE source = 'products' AND NOT deleted ORDER BY 1`)
-	require.NoError(t, err)
-	out := map[string]string{}
-	for rows.Next() {
-		var id, doc string
-		require.NoError(t, rows.Scan(&id, &doc))
-		out[id] = doc
-	}
-	require.NoError(t, rows.Err())
-	return out
+	return relDocsOf(t, pool, "products")
 }
 
 func jsonEq(t *testing.T, want, got string, msg string) {
@@ -373,5 +364,96 @@ func TestRelationsReviewFixes(t *testing.T) {
 		require.NoError(t, err)
 		v10, _ := relEvents(t, pool, "10")
 		require.Equal(t, []int64{1, 2}, v10, "the v2 document of product 10 (row version 1)")
+	})
+}
+
+func TestRelationsSecondReviewFixes(t *testing.T) {
+	ctx := context.Background()
+	t.Run("writes naming a partition of a related table are captured", func(t *testing.T) {
+		pool := stack.Pool(t, stack.Database(t))
+		_, err := pool.Exec(ctx, `
+CREATE TABLE posts (id int PRIMARY KEY, version bigint NOT NULL DEFAULT 1, change_seq bigserial NOT NULL UNIQUE);
+CREATE TABLE notes (id int NOT NULL, post_id int NOT NULL, body text, PRIMARY KEY (id)) PARTITION BY RANGE (id);
+CREATE TABLE notes_a PARTITION OF notes FOR VALUES FROM (0) TO (100);
+CREATE TABLE notes_b PARTITION OF notes FOR VALUES FROM (100) TO (200);
+CREATE INDEX ON notes (post_id);
+INSERT INTO posts (id) VALUES (1), (2);
+INSERT INTO notes VALUES (1, 1, 'a'), (150, 2, 'b');`)
+		require.NoError(t, err)
+		s := batch.Spec{Job: "posts", Mode: batch.ModeIncremental, ProcessorVersion: "v1",
+			Source: batch.Source{Table: "posts", Cursor: []string{"change_seq"}, Version: "version"},
+			Document: batch.Document{Fields: []batch.Field{{Name: "id"}}, Relations: []batch.Relation{{Name: "notes", Table: "notes", Type: batch.OneToMany,
+				ForeignKey: &batch.KeyPair{Parent: "id", Child: "post_id"}, Fields: []batch.Field{{Name: "body"}}}}},
+			Errors: batch.ErrorPolicy{PartitionAttempts: 1}}
+		installCapture(t, pool, s)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `UPDATE notes_b SET body = 'b2' WHERE id = 150; INSERT INTO notes_a VALUES (2, 1, 'a2')`)
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		d := relDocsOf(t, pool, "posts")
+		jsonEq(t, `[{"body":"a"},{"body":"a2"}]`, field(t, d["1"], "notes"), "notes of 1")
+		jsonEq(t, `[{"body":"b2"}]`, field(t, d["2"], "notes"), "notes of 2")
+
+		// A partition added later has no capture: the run says so.
+		_, err = pool.Exec(ctx, `CREATE TABLE notes_c PARTITION OF notes FOR VALUES FROM (200) TO (300)`)
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.ErrorIs(t, err, batch.ErrSpec)
+		require.ErrorContains(t, err, "notes_c")
+	})
+	t.Run("keys are captured whatever the writer's date style", func(t *testing.T) {
+		pool := stack.Pool(t, stack.Database(t))
+		_, err := pool.Exec(ctx, `
+CREATE TABLE days (day date PRIMARY KEY, label text NOT NULL);
+CREATE TABLE shows (id int PRIMARY KEY, day date NOT NULL REFERENCES days, version bigint NOT NULL DEFAULT 1, change_seq bigserial NOT NULL UNIQUE);
+CREATE INDEX ON shows (day);
+INSERT INTO days VALUES ('2026-12-03', 'Thursday'), ('2026-12-25', 'Christmas');
+INSERT INTO shows (id, day) VALUES (1, '2026-12-03'), (2, '2026-12-25');`)
+		require.NoError(t, err)
+		s := batch.Spec{Job: "shows", Mode: batch.ModeIncremental, ProcessorVersion: "v1",
+			Source:   batch.Source{Table: "shows", Cursor: []string{"change_seq"}, Version: "version"},
+			Document: batch.Document{Fields: []batch.Field{{Name: "id"}}, Relations: []batch.Relation{{Name: "day", Table: "days", Type: batch.OneToOne, Fields: []batch.Field{{Name: "label"}}}}},
+			Errors:   batch.ErrorPolicy{PartitionAttempts: 1}}
+		installCapture(t, pool, s)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		conn, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		_, err = conn.Exec(ctx, `SET datestyle = 'SQL, DMY'; UPDATE days SET label = label || '!'; RESET datestyle`)
+		conn.Release()
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		d := relDocsOf(t, pool, "shows")
+		jsonEq(t, `{"label":"Thursday!"}`, field(t, d["1"], "day"), "show 1")
+		jsonEq(t, `{"label":"Christmas!"}`, field(t, d["2"], "day"), "show 2")
+	})
+	t.Run("a named run beside an unfinished one is refused", func(t *testing.T) {
+		pool := newCatalog(t)
+		s := catalogSpec(batch.ModeIncremental)
+		installCapture(t, pool, s)
+		ctx, cancel := context.WithCancel(ctx)
+		r, err := batch.NewRunner(pool, s, batch.Config{StartOptions: batch.StartOptions{RunID: "first"}})
+		require.NoError(t, err)
+		_, err = r.Prepare(ctx)
+		require.NoError(t, err)
+		cancel()
+		_, err = run(t, pool, s, batch.Config{StartOptions: batch.StartOptions{RunID: "second"}})
+		require.ErrorIs(t, err, batch.ErrCheckpointIncompatible)
+		require.ErrorContains(t, err, "run first of job products is not finished")
+	})
+	t.Run("a capture trigger enabled for replicas only is refused", func(t *testing.T) {
+		pool := newCatalog(t)
+		s := catalogSpec(batch.ModeIncremental)
+		installCapture(t, pool, s)
+		var name string
+		require.NoError(t, pool.QueryRow(ctx, `SELECT tgname FROM pg_trigger WHERE tgrelid = 'prices'::regclass AND tgname LIKE 'outboxrelay_rel_%_upd'`).Scan(&name))
+		_, err := pool.Exec(ctx, `ALTER TABLE prices ENABLE REPLICA TRIGGER `+name)
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.ErrorIs(t, err, batch.ErrSpec)
+		require.ErrorContains(t, err, name)
 	})
 }

@@ -169,6 +169,27 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 		}
 		return runID, tx.Commit(ctx)
 	}
+	if opts.RunID != "" && runID == opts.RunID && s.Document.HasRelations() {
+		// A new run named by the caller beside an unfinished one would
+		// rebuild the same documents at once (relations.go: rebuilds of a
+		// root must not overlap).
+		var other string
+		err := tx.QueryRow(ctx, unfinishedRunSQL, s.Job).Scan(&other)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = tx.QueryRow(ctx, unfinishedSweepRunSQL, s.Job).Scan(&other)
+		}
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return "", fmt.Errorf("find run of job %s: %w", s.Job, err)
+		}
+		if other != "" {
+			return "", &IncompatibleError{
+				Problem: fmt.Sprintf("run %s of job %s is not finished, and a second run of a job whose documents join related tables would rebuild the same documents beside it", other, s.Job),
+				remedy: func(restart, _ string) string {
+					return "finish it (run the job without a run id), or rerun without a run id and with " + restart + " to supersede it"
+				},
+			}
+		}
+	}
 	if runID != "" && opts.RunID == "" {
 		// A run without partitions (none in scope at start) whose sweep is
 		// not over.
@@ -267,7 +288,7 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	}
 	var queued int64
 	if len(c.rels) > 0 {
-		if queued, err = prepareRelations(ctx, tx, c, runID); err != nil {
+		if queued, err = prepareRelations(ctx, tx, c, runID, opts.Restart); err != nil {
 			return "", err
 		}
 	}
@@ -486,13 +507,17 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 // incremental run needs the capture triggers; it resolves the captures
 // into work for its relation phase, which runs in its sweep (created when
 // there is work).
-func prepareRelations(ctx context.Context, tx pgx.Tx, c *compiled, runID string) (queued int64, err error) {
+func prepareRelations(ctx context.Context, tx pgx.Tx, c *compiled, runID string, restart bool) (queued int64, err error) {
 	s := c.spec
-	if s.Mode == ModeFull {
+	if s.Mode == ModeFull || restart {
+		// A restart reads every root again, too (and its ids may be of
+		// another column now).
 		if _, err := tx.Exec(ctx, relForgetSQL, s.Job); err != nil {
 			return 0, fmt.Errorf("job %s: drop the relation captures a full run covers: %w", s.Job, err)
 		}
-		return 0, nil
+		if s.Mode == ModeFull {
+			return 0, nil
+		}
 	}
 	if err := c.checkRelationTriggers(ctx, tx); err != nil {
 		return 0, err
