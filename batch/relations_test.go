@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -456,4 +457,11 @@ INSERT INTO shows (id, day) VALUES (1, '2026-12-03'), (2, '2026-12-25');`)
 		require.ErrorIs(t, err, batch.ErrSpec)
 		require.ErrorContains(t, err, name)
 	})
+}
+
+func TestRelationsRefuseACustomProcessor(t *testing.T) {
+	proc := batch.ProcessorFunc(func(context.Context, []batch.SourceRow) ([]batch.Result, error) { return nil, nil })
+	_, err := batch.NewRunner(nil, catalogSpec(batch.ModeFull), batch.Config{Processor: proc, LeaseTTL: time.Hour})
+	require.ErrorIs(t, err, batch.ErrSpec)
+	require.ErrorContains(t, err, "a custom Processor cannot build documents with document.relations")
 }
