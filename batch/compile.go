@@ -158,6 +158,12 @@ type compiled struct {
 	resolve    stmt // mark quarantine rows resolved
 	checkpoint stmt
 
+	// Relations (relations.go): the compiled relation tree, the resolution
+	// of captures into work, and the chunk by work ids (every partition).
+	rels       []*relNode
+	resolveRel stmt
+	chunkWork  stmt
+
 	// chunkFirst, chunkNext and write for a first load's chunks
 	// (claim.fresh): plain INSERTs, which fail with a unique violation
 	// where the guarded ones would update or skip (errNotFresh).
@@ -237,6 +243,11 @@ func compile(ctx context.Context, db querier, s Spec) (*compiled, error) {
 		}
 		if strings.Contains(f.From, ".") && types[root] != "jsonb" && types[root] != "json" {
 			return nil, fmt.Errorf("%w: document.fields[%d].from %q: column %q is %s, a key path needs jsonb", ErrSpec, i, f.From, root, types[root])
+		}
+	}
+	if s.Document.HasRelations() {
+		if err := c.compileRelations(ctx, db); err != nil {
+			return nil, err
 		}
 	}
 	if s.Mode == ModeIncremental {
@@ -587,8 +598,23 @@ func transform(v string, ts []string) string {
 // them (x.f1...) and the error code / message expressions.
 func (c *compiled) normalize(b *builder) (fieldCols, doc, errCode, errMsg string) {
 	fs := c.spec.Document.Fields
+	rcols, rpairs, merges, rcodes, rmsgs := c.relationColumns(b)
 	if len(fs) == 0 {
-		return "to_jsonb(s) AS f0", "x.f0", "NULL::text", "NULL::text"
+		codes, msgs := rcodes, rmsgs
+		cols := append([]string{"to_jsonb(s) AS f0"}, rcols...)
+		doc = "x.f0"
+		if len(rpairs) > 0 {
+			doc = "(x.f0 || jsonb_build_object(" + strings.Join(rpairs, ", ") + "))"
+		}
+		for _, m := range merges {
+			doc = "(" + doc + " || " + m + ")"
+		}
+		errCode, errMsg = "NULL::text", "NULL::text"
+		if len(codes) > 0 {
+			errCode = "CASE " + strings.Join(codes, " ") + " END"
+			errMsg = "CASE " + strings.Join(msgs, " ") + " END"
+		}
+		return strings.Join(cols, ", "), doc, errCode, errMsg
 	}
 	var cols, pairs, codes, msgs []string
 	// A key path into a jsonb column that is not an object is a bad row.
@@ -628,7 +654,13 @@ func (c *compiled) normalize(b *builder) (fieldCols, doc, errCode, errMsg string
 			msgs = append(msgs, "WHEN "+cond+" THEN "+b.c(fmt.Sprintf("field %s (%s): want %s, got ", f.Name, f.From, f.Type), "text")+" || jsonb_typeof("+fc+")")
 		}
 	}
+	cols = append(cols, rcols...)
+	pairs = append(pairs, rpairs...)
+	codes, msgs = append(codes, rcodes...), append(msgs, rmsgs...)
 	doc = "jsonb_build_object(" + strings.Join(pairs, ", ") + ")"
+	for _, m := range merges {
+		doc = "(" + doc + " || " + m + ")"
+	}
 	if c.spec.Document.DropNulls {
 		doc = "jsonb_strip_nulls(" + doc + ")"
 	}
@@ -664,10 +696,14 @@ const upsertTail = `
 const insertTail = `
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
 
-// upsertOrInsert is upsertTail, or insertTail for a first load's chunk.
-func upsertOrInsert(fresh bool) string {
-	if fresh {
+// upsertOrInsert is upsertTail (relUpsertTail for a relation job), or
+// insertTail for a first load's chunk.
+func (c *compiled) upsertOrInsert(fresh bool) string {
+	switch {
+	case fresh:
 		return insertTail
+	case len(c.rels) > 0:
+		return relUpsertTail
 	}
 	return upsertTail
 }
@@ -739,7 +775,7 @@ WITH src AS MATERIALIZED (
 )` + quarantine + resolve + `,
 up AS (
   INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, updated_at)
-  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src WHERE err_code IS NULL` + upsertOrInsert(fresh) + `
+  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src WHERE err_code IS NULL` + c.upsertOrInsert(fresh) + `
 ),
 ` + c.outboxCTE(b, fresh) + `
 SELECT (SELECT count(*) FROM src),
@@ -783,7 +819,7 @@ func (c *compiled) writeSQL(fresh bool) stmt {
 WITH src AS (SELECT * FROM unnest(` + b.p("ids", "text[]") + `, ` + b.p("vers", "bigint[]") + `, ` + b.p("dels", "boolean[]") + `, ` + b.p("docs", "jsonb[]") + `) AS u(id, ver, del, doc)),
 up AS (
   INSERT INTO normalized_records AS n (source, source_id, document, source_version, processor_version, deleted, updated_at)
-  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src` + upsertOrInsert(fresh) + `
+  SELECT ` + b.p("source", "text") + `, id, doc, ver, ` + b.p("pv", "text") + `, del, now() FROM src` + c.upsertOrInsert(fresh) + `
 ),
 ` + c.outboxCTE(b, fresh) + `
 SELECT count(*) FROM up`)
@@ -838,6 +874,13 @@ func (c *compiled) build() {
 	c.chunkFirstFresh = c.chunkSQL("keyset-first", true)
 	c.chunkNextFresh = c.chunkSQL("keyset-next", true)
 	c.chunkIDs = c.chunkSQL("ids", false)
+	if len(c.rels) > 0 {
+		// The roots of the work, whatever their partition.
+		all := *c
+		all.spec.Source.Partition = ""
+		c.chunkWork = all.chunkSQL("ids", false)
+		c.resolveRel = c.resolveSQL()
+	}
 	c.keysFirst = c.keysSQL("keyset-first")
 	c.keysNext = c.keysSQL("keyset-next")
 	c.fetchFirst = c.fetchSQL("keyset-first")

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -75,9 +76,10 @@ type Follower struct {
 	fc   FollowConfig
 	log  *slog.Logger
 
-	name     string // the table as quote_ident would name it (NOTIFY payload)
-	latestQ  string // max change value now, and the server's clock
-	newerQ   string // whether a change past $1 exists
+	name     string          // the table as quote_ident would name it (NOTIFY payload)
+	related  map[string]bool // the related and join tables, named so
+	latestQ  string          // max change value now, and the server's clock
+	newerQ   string          // whether a change past $1 exists
 	wakes    chan struct{}
 	listenOn bool
 }
@@ -146,6 +148,59 @@ END $$;
 CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + q(spec.Source.Schema, spec.Source.Table) + `
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify();
 ` + captureTriggerSQL(spec)
+}
+
+// FollowTriggerSQLFor is [FollowTriggerSQL] for any spec: for a job whose
+// documents join related tables it adds, on every related and join table,
+// the follow NOTIFY and the relation capture triggers (relations.go),
+// whose joins it reads from the catalog where the spec leaves them out.
+func FollowTriggerSQLFor(ctx context.Context, db DB, spec Spec) (string, error) {
+	spec = spec.withDefaults()
+	sql := FollowTriggerSQL(spec)
+	if !spec.Document.HasRelations() {
+		return sql, nil
+	}
+	c, err := compile(ctx, db, spec)
+	if err != nil {
+		return "", err
+	}
+	return sql + c.relationTriggerSQL(), nil
+}
+
+// RelationTables names the related and join tables of the spec's
+// documents (schema.table), in spec order.
+func RelationTables(spec Spec) []string {
+	spec = spec.withDefaults()
+	var out []string
+	seen := map[string]bool{}
+	var walk func([]Relation)
+	walk = func(rs []Relation) {
+		for _, r := range rs {
+			for _, t := range [][2]string{{r.Schema, r.Table}, {throughSchema(r), throughTable(r)}} {
+				if n := t[0] + "." + t[1]; t[1] != "" && !seen[n] {
+					seen[n] = true
+					out = append(out, n)
+				}
+			}
+			walk(r.Relations)
+		}
+	}
+	walk(spec.Document.Relations)
+	return out
+}
+
+func throughSchema(r Relation) string {
+	if r.Through == nil {
+		return ""
+	}
+	return r.Through.Schema
+}
+
+func throughTable(r Relation) string {
+	if r.Through == nil {
+		return ""
+	}
+	return r.Through.Table
 }
 
 // Run follows the job until soft is cancelled (the run in flight stops at a
@@ -334,6 +389,15 @@ func (f *Follower) prepare(ctx context.Context) error {
 		return fmt.Errorf("%w: follow job %s: source.cursor[0] %q is not a column of %s.%s", ErrSpec, f.spec.Job, f.spec.Source.Cursor[0], f.spec.Source.Schema, f.spec.Source.Table)
 	}
 	f.newerQ = fmt.Sprintf(f.newerQ, *typ) // a type name read back from the catalog
+	f.related = map[string]bool{}
+	for _, t := range RelationTables(f.spec) {
+		schema, table, _ := strings.Cut(t, ".")
+		var name string
+		if err := f.pool.QueryRow(ctx, `SELECT quote_ident($1) || '.' || quote_ident($2)`, schema, table).Scan(&name); err != nil {
+			return fmt.Errorf("follow job %s: name %s: %w", f.spec.Job, t, err)
+		}
+		f.related[name] = true
+	}
 	return nil
 }
 
@@ -355,6 +419,13 @@ func (f *Follower) waitForChange(soft, hard context.Context, mark *string) error
 			err := f.pool.QueryRow(hard, pendingDeletesSQL, f.spec.Source.Schema, f.spec.Source.Table, f.spec.Job).Scan(&newer)
 			if err != nil {
 				return fmt.Errorf("follow job %s: look for deletes: %w", f.spec.Job, err)
+			}
+		}
+		if !newer && f.spec.Document.HasRelations() {
+			// A related row's change leaves no change value on the root:
+			// its capture (or work a run left) is the change.
+			if err := f.pool.QueryRow(hard, relPendingSQL, f.spec.Job).Scan(&newer); err != nil {
+				return fmt.Errorf("follow job %s: look for related changes: %w", f.spec.Job, err)
 			}
 		}
 		if newer {
@@ -457,7 +528,7 @@ func (f *Follower) listenOnce(ctx context.Context, listening func()) error {
 			}
 			return err
 		}
-		if n.Payload == f.name {
+		if n.Payload == f.name || f.related[n.Payload] {
 			f.wake()
 		}
 	}

@@ -126,6 +126,10 @@ const leaseTargets = 3
 // size (min = max) does not aim at the target, and the built-in SQL
 // normalizer runs inside a statement, never idle: nothing to check then.
 func (c Config) validateFor(s Spec) error {
+	if c.Processor != nil && s.Document.HasRelations() {
+		return fmt.Errorf("%w: job %s: a custom Processor cannot build documents with document.relations (it sees the root row only); "+
+			"leave the relations out and read the related rows in the Processor, or use the built-in normalizer", ErrSpec, s.Job)
+	}
 	target := time.Duration(s.Chunk.TargetDuration)
 	if c.Processor == nil || s.Chunk.Min == s.Chunk.Max || c.LeaseTTL >= leaseTargets*target {
 		return nil

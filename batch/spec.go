@@ -174,6 +174,95 @@ type Document struct {
 	Fields []Field `json:"fields,omitempty" yaml:"fields,omitempty"`
 	// DropNulls removes fields whose value is null.
 	DropNulls bool `json:"drop_nulls,omitempty" yaml:"drop_nulls,omitempty"`
+	// Relations add related rows to the document: a parent (many-to-one)
+	// or one-to-one row as an object, children as an array, rows through a
+	// join table, nested to any depth (see [Relation]). A document with
+	// relations is rebuilt whenever a row in it changes: every full run
+	// rebuilds every document; incremental and follow runs rebuild the
+	// roots the capture triggers ([FollowTriggerSQL]) recorded. A rebuilt
+	// document that differs from the stored one at the same root version
+	// is written at the stored version + 1, so the index version of a
+	// document only grows.
+	Relations []Relation `json:"relations,omitempty" yaml:"relations,omitempty"`
+}
+
+// Relation types.
+const (
+	// OneToOne is a single related row (a parent through a many-to-one
+	// key, or a one-to-one row): an object, or null when there is none.
+	OneToOne = "one_to_one"
+	// OneToMany is the related rows as an array ([] when none).
+	OneToMany = "one_to_many"
+)
+
+// Relation variants: how a related row appears in its parent.
+const (
+	// VariantObject is an object of the relation's fields (default).
+	VariantObject = "object"
+	// VariantScalar is the value of the relation's only field.
+	VariantScalar = "scalar"
+	// VariantFlatten merges a one_to_one row's fields into the parent
+	// object (null fields when there is no row).
+	VariantFlatten = "flatten"
+)
+
+// Relation is a table joined into the document (PGSync users: a child of
+// the schema, with its relationship). Its rows are joined to the parent
+// object's row (the root row, or the row of the enclosing relation) on
+// ForeignKey, or through a join table. Keys are single columns.
+type Relation struct {
+	// Name is the key of the relation in the parent object (unused with
+	// variant flatten). Required.
+	Name string `json:"name" yaml:"name"`
+	// Schema of Table. Default: the source's schema.
+	Schema string `json:"schema,omitempty" yaml:"schema,omitempty"`
+	// Table is the related table. Required.
+	Table string `json:"table" yaml:"table"`
+	// Type is one_to_one (an object, or null) or one_to_many (an array).
+	// Required.
+	Type string `json:"type" yaml:"type"`
+	// Variant is object (default), scalar or flatten (one_to_one only).
+	Variant string `json:"variant,omitempty" yaml:"variant,omitempty"`
+	// ForeignKey joins the parent's row and the related rows:
+	// parent.<Parent> = child.<Child>. Through a join table, Parent is the
+	// parent's column the join table refers to and Child the related
+	// table's. Default: the single-column foreign key between the two
+	// tables in the catalog (either direction); a start fails naming the
+	// tables when there is none or more than one.
+	ForeignKey *KeyPair `json:"foreign_key,omitempty" yaml:"foreign_key,omitempty"`
+	// Through is the join table of a many-to-many relation.
+	Through *Through `json:"through,omitempty" yaml:"through,omitempty"`
+	// Deleted is the related table's soft-delete column (a boolean, or any
+	// column where non-NULL means deleted): such rows are left out.
+	Deleted string `json:"deleted,omitempty" yaml:"deleted,omitempty"`
+	// OrderBy orders a one_to_many array (and picks a one_to_one row):
+	// column names, each optionally followed by " desc". Default: the
+	// related table's primary key.
+	OrderBy []string `json:"order_by,omitempty" yaml:"order_by,omitempty"`
+	// Limit bounds a one_to_many array. 0: no limit.
+	Limit int `json:"limit,omitempty" yaml:"limit,omitempty"`
+	// Fields of the related row, as a root field (from a column or a key
+	// path, transforms, type, required). A related row that breaks a
+	// check makes its root a bad row, with a message naming the relation
+	// and the row. Required (scalar: exactly one).
+	Fields []Field `json:"fields" yaml:"fields"`
+	// Relations nest further tables inside each related row.
+	Relations []Relation `json:"relations,omitempty" yaml:"relations,omitempty"`
+}
+
+// KeyPair names the joined columns of a relation.
+type KeyPair struct {
+	Parent string `json:"parent" yaml:"parent"`
+	Child  string `json:"child" yaml:"child"`
+}
+
+// Through is a join table: Parent is its column that refers to the parent
+// row, Child its column that refers to the related row.
+type Through struct {
+	Schema string `json:"schema,omitempty" yaml:"schema,omitempty"`
+	Table  string `json:"table" yaml:"table"`
+	Parent string `json:"parent,omitempty" yaml:"parent,omitempty"`
+	Child  string `json:"child,omitempty" yaml:"child,omitempty"`
 }
 
 // Field is one document field.
@@ -393,8 +482,135 @@ func (s Spec) withDefaults() Spec {
 	for i := range s.Document.Fields {
 		s.Document.Fields[i].From = cmp.Or(s.Document.Fields[i].From, s.Document.Fields[i].Name)
 	}
+	s.Document.Relations = relationDefaults(s.Document.Relations, s.Source.Schema)
 	return s
 }
+
+// relationDefaults fills the defaults of rels and their nested relations
+// (in copies: a Spec's slices may be shared).
+func relationDefaults(rels []Relation, schema string) []Relation {
+	if rels == nil {
+		return nil
+	}
+	out := slices.Clone(rels)
+	for i := range out {
+		r := &out[i]
+		r.Schema = cmp.Or(r.Schema, schema)
+		r.Variant = cmp.Or(r.Variant, VariantObject)
+		if r.Through != nil {
+			t := *r.Through
+			t.Schema = cmp.Or(t.Schema, r.Schema)
+			r.Through = &t
+		}
+		r.Fields = slices.Clone(r.Fields)
+		for j := range r.Fields {
+			r.Fields[j].From = cmp.Or(r.Fields[j].From, r.Fields[j].Name)
+		}
+		r.Relations = relationDefaults(r.Relations, r.Schema)
+	}
+	return out
+}
+
+// maxRelationDepth bounds how deep relations nest.
+const maxRelationDepth = 4
+
+// validateRelations checks what can be checked of rels without the
+// database; at names the enclosing setting ("document.relations").
+// names are the keys the parent object has already.
+func validateRelations(job, at string, rels []Relation, names map[string]bool, depth int) error {
+	if depth > maxRelationDepth {
+		return fmt.Errorf("spec %s: %s: relations nest %d deep; at most %d", job, at, depth, maxRelationDepth)
+	}
+	for i, r := range rels {
+		here := fmt.Sprintf("%s[%d]", at, i)
+		if r.Name != "" {
+			here = fmt.Sprintf("%s[%s]", at, r.Name)
+		}
+		switch {
+		case r.Table == "":
+			return fmt.Errorf("spec %s: %s.table is required", job, here)
+		case r.Name == "" && r.Variant != VariantFlatten:
+			return fmt.Errorf("spec %s: %s.name is required (the key of the relation in its parent object)", job, here)
+		case r.Type != OneToOne && r.Type != OneToMany:
+			return fmt.Errorf("spec %s: %s.type %q: want %s (an object or null) or %s (an array)", job, here, r.Type, OneToOne, OneToMany)
+		case r.Variant != VariantObject && r.Variant != VariantScalar && r.Variant != VariantFlatten:
+			return fmt.Errorf("spec %s: %s.variant %q: want object, scalar or flatten", job, here, r.Variant)
+		case r.Variant == VariantFlatten && r.Type != OneToOne:
+			return fmt.Errorf("spec %s: %s: variant flatten needs type %s (the fields of one row go into the parent object)", job, here, OneToOne)
+		case r.Variant == VariantScalar && len(r.Fields) != 1:
+			return fmt.Errorf("spec %s: %s: variant scalar needs exactly one field, has %d", job, here, len(r.Fields))
+		case r.Variant == VariantScalar && len(r.Relations) > 0:
+			return fmt.Errorf("spec %s: %s: variant scalar cannot nest relations (it has no object to put them in)", job, here)
+		case len(r.Fields) == 0:
+			return fmt.Errorf("spec %s: %s.fields: at least one field is required", job, here)
+		case r.Limit < 0:
+			return fmt.Errorf("spec %s: %s.limit %d: want >= 0 (0 = no limit)", job, here, r.Limit)
+		case r.Limit > 0 && r.Type != OneToMany:
+			return fmt.Errorf("spec %s: %s.limit: only a %s relation has a limit", job, here, OneToMany)
+		case r.ForeignKey != nil && (r.ForeignKey.Parent == "" || r.ForeignKey.Child == ""):
+			return fmt.Errorf("spec %s: %s.foreign_key needs both parent and child columns (parent.<parent> = child.<child>); leave it out to take the catalog's foreign key", job, here)
+		case r.Through != nil && r.Through.Table == "":
+			return fmt.Errorf("spec %s: %s.through.table is required", job, here)
+		case r.Through != nil && (r.Through.Parent == "") != (r.Through.Child == ""):
+			return fmt.Errorf("spec %s: %s.through needs both parent and child columns, or neither (the catalog's foreign keys)", job, here)
+		}
+		for _, o := range r.OrderBy {
+			col, dir, _ := strings.Cut(strings.TrimSpace(o), " ")
+			if col == "" || (dir != "" && !strings.EqualFold(strings.TrimSpace(dir), "asc") && !strings.EqualFold(strings.TrimSpace(dir), "desc")) {
+				return fmt.Errorf("spec %s: %s.order_by %q: want a column, optionally followed by asc or desc", job, here, o)
+			}
+		}
+		if r.Variant != VariantFlatten {
+			if names[r.Name] {
+				return fmt.Errorf("spec %s: %s: the key %q appears twice in its object", job, here, r.Name)
+			}
+			names[r.Name] = true
+		}
+		own := map[string]bool{}
+		for j, f := range r.Fields {
+			if err := validateField(job, fmt.Sprintf("%s.fields[%d]", here, j), f); err != nil {
+				return err
+			}
+			if own[f.Name] {
+				return fmt.Errorf("spec %s: %s.fields[%d].name %q appears twice", job, here, j, f.Name)
+			}
+			own[f.Name] = true
+			if r.Variant == VariantFlatten {
+				if names[f.Name] {
+					return fmt.Errorf("spec %s: %s.fields[%d]: flattened key %q is already in the parent object", job, here, j, f.Name)
+				}
+				names[f.Name] = true
+			}
+		}
+		inner := own
+		if r.Variant == VariantFlatten {
+			inner = names
+		}
+		if err := validateRelations(job, here+".relations", r.Relations, inner, depth+1); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// validateField checks one field of the document or of a relation.
+func validateField(job, at string, f Field) error {
+	if f.Name == "" {
+		return fmt.Errorf("spec %s: %s.name is required", job, at)
+	}
+	for _, t := range f.Transforms {
+		if !slices.Contains([]string{"trim", "lower", "upper"}, t) {
+			return fmt.Errorf("spec %s: %s (%s): transform %q: want trim, lower or upper", job, at, f.Name, t)
+		}
+	}
+	if f.Type != "" && !slices.Contains([]string{"string", "number", "boolean", "object", "array"}, f.Type) {
+		return fmt.Errorf("spec %s: %s (%s): type %q: want string, number, boolean, object or array", job, at, f.Name, f.Type)
+	}
+	return nil
+}
+
+// HasRelations reports whether documents join related tables.
+func (d Document) HasRelations() bool { return len(d.Relations) > 0 }
 
 // validate checks what can be checked without the database; errors name
 // the setting and the bad value. [Compile] checks the table and columns.
@@ -467,7 +683,7 @@ func (s Spec) validate() error {
 	if len(s.Document.Fields) > 50 {
 		return fmt.Errorf("spec %s: document has %d fields; at most 50", s.Job, len(s.Document.Fields))
 	}
-	return nil
+	return validateRelations(s.Job, "document.relations", s.Document.Relations, seen, 1)
 }
 
 var filterOps = map[string]string{
@@ -522,7 +738,7 @@ func (sc Scope) Hash() string {
 func (d Document) Hash() string {
 	f := slices.Clone(d.Fields)
 	slices.SortFunc(f, func(a, b Field) int { return cmp.Compare(a.Name, b.Name) })
-	b, _ := json.Marshal(Document{Fields: f, DropNulls: d.DropNulls})
+	b, _ := json.Marshal(Document{Fields: f, DropNulls: d.DropNulls, Relations: d.Relations})
 	sum := sha256.Sum256(b)
 	return hex.EncodeToString(sum[:])
 }
@@ -578,6 +794,11 @@ func DocumentChanges(old, new Document) []string {
 	}
 	if old.DropNulls != new.DropNulls {
 		out = append(out, fmt.Sprintf("document.drop_nulls %v -> %v", old.DropNulls, new.DropNulls))
+	}
+	was2, _ := json.Marshal(relationDefaults(old.Relations, ""))
+	now2, _ := json.Marshal(relationDefaults(new.Relations, ""))
+	if string(was2) != string(now2) {
+		out = append(out, fmt.Sprintf("document.relations %s -> %s", was2, now2))
 	}
 	return out
 }

@@ -265,6 +265,11 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			return "", fmt.Errorf("job %s: delete the unread delete captures: %w", s.Job, err)
 		}
 	}
+	if len(c.rels) > 0 {
+		if err := prepareRelations(ctx, tx, c, runID); err != nil {
+			return "", err
+		}
+	}
 	if s.Vanished == VanishedDelete && s.Mode == ModeFull {
 		// A first load sweeps nothing: its sweep would only read every row
 		// it just wrote back, and probe the source for each (17 of 41 s of a
@@ -471,4 +476,37 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 	}
 	n := int64(plan[0].Plan.Rows)
 	return &n
+}
+
+// prepareRelations readies a new run of a relation job (relations.go). A
+// full run rebuilds every root, so it drops the captures and work it can
+// see (each committed before the run's chunks read anything). An
+// incremental run needs the capture triggers; it resolves the captures
+// into work for its relation phase, which runs in its sweep (created when
+// there is work).
+func prepareRelations(ctx context.Context, tx pgx.Tx, c *compiled, runID string) error {
+	s := c.spec
+	if s.Mode == ModeFull {
+		if _, err := tx.Exec(ctx, relForgetSQL, s.Job); err != nil {
+			return fmt.Errorf("job %s: drop the relation captures a full run covers: %w", s.Job, err)
+		}
+		return nil
+	}
+	if err := c.checkRelationTriggers(ctx, tx); err != nil {
+		return err
+	}
+	var captures, queued int64
+	if err := tx.QueryRow(ctx, c.resolveRel.sql, c.resolveRel.bind(&args{Job: s.Job})...).Scan(&captures, &queued); err != nil {
+		return fmt.Errorf("job %s: resolve the related changes into roots: %w", s.Job, err)
+	}
+	var work bool
+	if err := tx.QueryRow(ctx, relWorkExistsSQL, s.Job).Scan(&work); err != nil {
+		return fmt.Errorf("job %s: read the relation work: %w", s.Job, err)
+	}
+	if work {
+		if _, err := tx.Exec(ctx, createSweepSQL, s.Job, runID); err != nil {
+			return fmt.Errorf("create the relation phase of run %s/%s: %w", s.Job, runID, err)
+		}
+	}
+	return nil
 }

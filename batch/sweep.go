@@ -39,7 +39,7 @@ const (
 // sweepOnResumeSQL is what resuming a run does to its sweep: retry it if
 // it failed, or, when the spec now says vanished: keep, drop it.
 func sweepOnResumeSQL(s Spec) string {
-	if s.Vanished == VanishedKeep {
+	if s.Vanished == VanishedKeep && !s.Document.HasRelations() {
 		return supersedeSweepSQL
 	}
 	return retrySweepSQL
@@ -163,6 +163,17 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 	cleanup, ccancel := context.WithTimeout(context.WithoutCancel(hard), time.Minute)
 	defer ccancel()
 
+	if len(r.c.rels) > 0 {
+		stopped, err := r.rebuildRelations(soft, hard, ctx, l, cleanup, token, log)
+		if err != nil || stopped {
+			return false, err
+		}
+	}
+	if r.spec.Mode != ModeFull || r.spec.Vanished != VanishedDelete {
+		// A relation job's incremental run: its sweep phase rebuilds the
+		// roots of the related changes only.
+		return r.finishSweep(cleanup, l, log, 0, 0)
+	}
 	var keys []string
 	if len(r.spec.Source.Partitions) > 0 {
 		if err := r.pool.QueryRow(ctx, sweepPartitionsSQL, job, run).Scan(&keys); err != nil {
@@ -216,9 +227,13 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 			break
 		}
 	}
+	return r.finishSweep(cleanup, l, log, swept, deleted)
+}
+
+func (r *Runner) finishSweep(cleanup context.Context, l *sweepLease, log *slog.Logger, swept, deleted int64) (bool, error) {
 	ok, err := l.finish(cleanup)
 	if err != nil {
-		return false, fmt.Errorf("finish the sweep of %s/%s: %w", job, run, err)
+		return false, fmt.Errorf("finish the sweep of %s/%s: %w", r.spec.Job, r.runID, err)
 	}
 	if !ok {
 		return false, l.lost(cleanup)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -104,8 +105,11 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 		if err != nil {
 			return err
 		}
-		_, err = io.WriteString(stdout, batch.FollowTriggerSQL(spec))
-		return err
+		if !spec.Document.HasRelations() {
+			_, err = io.WriteString(stdout, batch.FollowTriggerSQL(spec))
+			return err
+		}
+		// A relation's joins may come from the catalog's foreign keys.
 	}
 	pool, err := c.OpenDB(ctx, 2)
 	if err != nil {
@@ -116,7 +120,10 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 	if err != nil {
 		return err
 	}
-	sql := batch.FollowTriggerSQL(spec)
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, spec)
+	if err != nil {
+		return err
+	}
 	if !install {
 		_, err = io.WriteString(stdout, sql)
 		return err
@@ -125,5 +132,8 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 		return fmt.Errorf("install the follow trigger on %s: %w", spec.Source.Table, err)
 	}
 	fmt.Fprintf(stdout, "follow trigger installed on %s (NOTIFY %s), with the delete capture (%s)\n", spec.Source.Table, batch.FollowChannel, batch.CaptureTrigger)
+	if tables := batch.RelationTables(spec); len(tables) > 0 {
+		fmt.Fprintf(stdout, "relation capture and follow triggers installed on %s; install them again after every change of document.relations\n", strings.Join(tables, ", "))
+	}
 	return nil
 }

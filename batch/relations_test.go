@@ -1,0 +1,208 @@
+package batch_test
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+	"github.com/outboxrelay/outboxrelay/internal/stack"
+)
+
+// catalogSQL is a small product catalog: every relation kind, two levels.
+const catalogSQL = `
+CREATE SEQUENCE products_change_seq CACHE 1;
+CREATE TABLE brands (id int PRIMARY KEY, name text NOT NULL);
+CREATE TABLE products (
+  id int PRIMARY KEY, name text NOT NULL, brand_id int REFERENCES brands,
+  version bigint NOT NULL DEFAULT 1, change_seq bigint NOT NULL DEFAULT nextval('products_change_seq'), deleted_at timestamptz);
+CREATE UNIQUE INDEX ON products (change_seq, id);
+CREATE FUNCTION products_touch() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN NEW.version := OLD.version + 1; NEW.change_seq := nextval('products_change_seq'); RETURN NEW; END $$;
+CREATE TRIGGER products_touch BEFORE UPDATE ON products FOR EACH ROW EXECUTE FUNCTION products_touch();
+CREATE TABLE variants (id int PRIMARY KEY, product_id int NOT NULL REFERENCES products, sku text, position int NOT NULL DEFAULT 0, deleted_at timestamptz);
+CREATE INDEX ON variants (product_id);
+CREATE TABLE prices (id int PRIMARY KEY, variant_id int NOT NULL REFERENCES variants, currency text NOT NULL, amount numeric NOT NULL);
+CREATE INDEX ON prices (variant_id);
+CREATE TABLE categories (id int PRIMARY KEY, name text NOT NULL);
+CREATE TABLE product_categories (product_id int NOT NULL REFERENCES products, category_id int NOT NULL REFERENCES categories, PRIMARY KEY (product_id, category_id));
+CREATE INDEX ON product_categories (category_id);
+
+INSERT INTO brands VALUES (1, 'Acme'), (2, 'Bolt');
+INSERT INTO products (id, name, brand_id) VALUES (10, 'Anvil', 1), (11, 'Rocket', 1), (12, 'Nut', NULL);
+INSERT INTO variants VALUES (100, 10, 'A-S', 2, NULL), (101, 10, 'A-L', 1, NULL), (102, 11, 'R-1', 0, NULL), (103, 10, 'A-X', 3, now());
+INSERT INTO prices VALUES (1000, 100, 'EUR', 9.5), (1001, 100, 'USD', 10), (1002, 102, 'EUR', 99);
+INSERT INTO categories VALUES (1, 'Tools'), (2, 'Sale');
+INSERT INTO product_categories VALUES (10, 2), (10, 1), (11, 1);
+`
+
+func catalogSpec(mode string) batch.Spec {
+	s := batch.Spec{
+		Job: "products", Mode: mode, ProcessorVersion: "v1",
+		Source:   batch.Source{Table: "products", ID: "id", Version: "version", Deleted: "deleted_at"},
+		Document: batch.Document{Fields: []batch.Field{{Name: "id"}, {Name: "name"}}},
+		Chunk:    batch.ChunkSettings{Size: 2, Min: 2, Max: 2},
+		Errors:   batch.ErrorPolicy{PartitionAttempts: 1},
+	}
+	if mode == batch.ModeIncremental {
+		s.Source.Cursor = []string{"change_seq", "id"}
+	}
+	s.Document.Relations = []batch.Relation{
+		{Name: "brand", Table: "brands", Type: batch.OneToOne, Fields: []batch.Field{{Name: "name", Transforms: []string{"upper"}}}},
+		{Name: "variants", Table: "variants", Type: batch.OneToMany, Deleted: "deleted_at", OrderBy: []string{"position", "id"},
+			Fields: []batch.Field{{Name: "sku"}},
+			Relations: []batch.Relation{{Name: "prices", Table: "prices", Type: batch.OneToMany, OrderBy: []string{"currency"},
+				Fields: []batch.Field{{Name: "currency"}, {Name: "amount"}}}}},
+		{Name: "categories", Table: "categories", Type: batch.OneToMany, Variant: batch.VariantScalar,
+			Through: &batch.Through{Table: "product_categories"}, OrderBy: []string{"name"}, Fields: []batch.Field{{Name: "name"}}},
+	}
+	return s
+}
+
+func newCatalog(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	pool := stack.Pool(t, stack.Database(t))
+	_, err := pool.Exec(context.Background(), catalogSQL)
+	require.NoError(t, err)
+	return pool
+}
+
+// relDocs reads the live documents of source "products" over a new
+// connection, by id.
+func relDocs(t *testing.T, pool *pgxpool.Pool) map[string]string {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT source_id, document::text FROM normalized_records WHERE source = 'products' AND NOT deleted ORDER BY 1`)
+	require.NoError(t, err)
+	out := map[string]string{}
+	for rows.Next() {
+		var id, doc string
+		require.NoError(t, rows.Scan(&id, &doc))
+		out[id] = doc
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+func jsonEq(t *testing.T, want, got string, msg string) {
+	t.Helper()
+	var w, g any
+	require.NoError(t, json.Unmarshal([]byte(want), &w))
+	require.NoError(t, json.Unmarshal([]byte(got), &g), got)
+	require.Equal(t, w, g, msg)
+}
+
+func TestRelationsFullRunBuildsNestedDocuments(t *testing.T) {
+	pool := newCatalog(t)
+	sum, err := run(t, pool, catalogSpec(batch.ModeFull), batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	d := relDocs(t, pool)
+	require.Len(t, d, 3)
+	jsonEq(t, `{"id":10,"name":"Anvil","brand":{"name":"ACME"},
+	  "variants":[{"sku":"A-L","prices":[]},{"sku":"A-S","prices":[{"currency":"EUR","amount":9.5},{"currency":"USD","amount":10}]}],
+	  "categories":["Sale","Tools"]}`, d["10"], "product 10")
+	jsonEq(t, `{"id":11,"name":"Rocket","brand":{"name":"ACME"},"variants":[{"sku":"R-1","prices":[{"currency":"EUR","amount":99}]}],"categories":["Tools"]}`, d["11"], "product 11")
+	jsonEq(t, `{"id":12,"name":"Nut","brand":null,"variants":[],"categories":[]}`, d["12"], "product 12")
+}
+
+// relEvents reads, over a new connection, the events of root id: their
+// versions and types in insertion order.
+func relEvents(t *testing.T, pool *pgxpool.Pool, id string) (versions []int64, types []string) {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT aggregate_version, event_type FROM outbox_events WHERE aggregate_id = $1 ORDER BY id`, id)
+	require.NoError(t, err)
+	for rows.Next() {
+		var v int64
+		var typ string
+		require.NoError(t, rows.Scan(&v, &typ))
+		versions, types = append(versions, v), append(types, typ)
+	}
+	require.NoError(t, rows.Err())
+	return versions, types
+}
+
+func TestRelationsIncrementalRefusedWithoutCapture(t *testing.T) {
+	pool := newCatalog(t)
+	_, err := run(t, pool, catalogSpec(batch.ModeIncremental), batch.Config{})
+	require.ErrorIs(t, err, batch.ErrSpec)
+	require.ErrorContains(t, err, "follow-trigger --install")
+	require.ErrorContains(t, err, "public.brands")
+}
+
+func TestRelationsChangesAnywhereReachTheirRoots(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	s := catalogSpec(batch.ModeIncremental)
+	s.Vanished = batch.VanishedDelete
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+	step := func(name, change string) map[string]string {
+		t.Helper()
+		if change != "" {
+			_, err := pool.Exec(ctx, change)
+			require.NoError(t, err, name)
+		}
+		sum, err := run(t, pool, s, batch.Config{})
+		require.NoError(t, err, name)
+		require.True(t, sum.Done, name)
+		return relDocs(t, pool)
+	}
+	d := step("first run", "")
+	require.Len(t, d, 3)
+	v10, _ := relEvents(t, pool, "10")
+	require.Equal(t, []int64{1}, v10)
+
+	d = step("parent renamed", `UPDATE brands SET name = 'Acme Corp' WHERE id = 1`)
+	jsonEq(t, `{"name":"ACME CORP"}`, field(t, d["10"], "brand"), "brand of 10")
+	jsonEq(t, `{"name":"ACME CORP"}`, field(t, d["11"], "brand"), "brand of 11")
+	v10, _ = relEvents(t, pool, "10")
+	require.Equal(t, []int64{1, 2}, v10, "one event at version 2: the product row's version did not change")
+	v12, _ := relEvents(t, pool, "12")
+	require.Equal(t, []int64{1}, v12, "product 12 has no brand")
+
+	d = step("child moved to another root", `UPDATE variants SET product_id = 11 WHERE id = 101`)
+	jsonEq(t, `[{"sku":"A-S","prices":[{"currency":"EUR","amount":9.5},{"currency":"USD","amount":10}]}]`, field(t, d["10"], "variants"), "variants of 10")
+	jsonEq(t, `[{"sku":"R-1","prices":[{"currency":"EUR","amount":99}]},{"sku":"A-L","prices":[]}]`, field(t, d["11"], "variants"), "variants of 11")
+
+	d = step("grandchild changed", `UPDATE prices SET amount = 8 WHERE id = 1000`)
+	jsonEq(t, `[{"sku":"A-S","prices":[{"currency":"EUR","amount":8},{"currency":"USD","amount":10}]}]`, field(t, d["10"], "variants"), "variants of 10")
+
+	before, _ := relEvents(t, pool, "10")
+	d = step("a change that leaves the document as it was", `UPDATE variants SET sku = sku WHERE id = 100; UPDATE variants SET position = 9 WHERE id = 102`)
+	after, _ := relEvents(t, pool, "10")
+	require.Equal(t, before, after, "an unchanged document emits no event")
+
+	d = step("join row removed, category renamed", `DELETE FROM product_categories WHERE product_id = 10 AND category_id = 2; UPDATE categories SET name = 'Hardware' WHERE id = 1`)
+	jsonEq(t, `["Hardware"]`, field(t, d["10"], "categories"), "categories of 10")
+	jsonEq(t, `["Hardware"]`, field(t, d["11"], "categories"), "categories of 11")
+
+	d = step("child soft-deleted and one hard-deleted", `UPDATE variants SET deleted_at = now() WHERE id = 101; DELETE FROM prices WHERE variant_id = 100; DELETE FROM variants WHERE id = 100`)
+	jsonEq(t, `[]`, field(t, d["10"], "variants"), "variants of 10")
+	jsonEq(t, `[{"sku":"R-1","prices":[{"currency":"EUR","amount":99}]}]`, field(t, d["11"], "variants"), "variants of 11")
+
+	d = step("root deleted while its children change", `UPDATE variants SET sku = 'R-2' WHERE id = 102; DELETE FROM prices WHERE variant_id = 102; DELETE FROM variants WHERE product_id = 11; DELETE FROM product_categories WHERE product_id = 11; DELETE FROM products WHERE id = 11`)
+	require.NotContains(t, d, "11")
+	v11, types11 := relEvents(t, pool, "11")
+	require.Equal(t, "delete", types11[len(types11)-1], "the last event of a deleted root is its delete: %v %v", v11, types11)
+	for i := 1; i < len(v11); i++ {
+		require.Greater(t, v11[i], v11[i-1], "versions of 11 only grow: %v", v11)
+	}
+	var left int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`).Scan(&left))
+	require.Zero(t, left, "captures and work are consumed")
+}
+
+// field returns the JSON of key k of document doc.
+func field(t *testing.T, doc, k string) string {
+	t.Helper()
+	var m map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal([]byte(doc), &m), doc)
+	v, ok := m[k]
+	require.True(t, ok, "%s has no %s", doc, k)
+	return string(v)
+}
