@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -9,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,9 +19,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/internal/testproc"
+	"github.com/outboxrelay/outboxrelay/outbox"
 )
 
 const (
@@ -171,12 +175,16 @@ WHERE p.deleted_at IS NULL`
 // (inserted, renamed, deleted), post_tags (links added and removed), in
 // single statements, in transactions of several of them across tables,
 // and in long transactions held open for seconds; the batcher is
-// SIGKILLed every few seconds. Once the writers stop, with no manual run,
+// SIGKILLed every few seconds, and most batchers started crash on their
+// own at a point of the relation phase (a chunk of rebuilt documents
+// written, before or after its commit). Once the writers stop, with no manual run,
 // within rrCatchUp: every live post's document in the index (read alias)
 // equals the document computed by the test's own SQL over the source
 // tables (rrModelSQL) at a version not below the post's, and no deleted
 // post (soft or hard) is found; it still holds once the outbox and the
-// topic are drained. The seed is printed (E2E_RREL_SEED replays the
+// topic are drained; and on the topic no (post, version) carries two
+// different documents, and no post's version appears first after a newer
+// one. The seed is printed (E2E_RREL_SEED replays the
 // choices); E2E_RREL_DURATION sets the history's length.
 func TestRandomRelations(t *testing.T) {
 	t.Parallel()
@@ -213,6 +221,22 @@ func TestRandomRelations(t *testing.T) {
 	h.next[rrComment].Store(rrComments)
 	h.next[rrAuthor].Store(rrAuthors)
 	h.next[rrTag].Store(rrTags)
+	// Two followers in three are started with a crash point of the
+	// relation phase armed, the points in turn: they kill themselves
+	// there, on its first or second chunk (once written, before or after
+	// its commit).
+	fpRng := h.fork(300)
+	var fpMu sync.Mutex
+	var armed int
+	h.followerEnv = func() []string {
+		fpMu.Lock()
+		defer fpMu.Unlock()
+		if fpRng.IntN(3) == 0 {
+			return nil
+		}
+		armed++
+		return []string{"OUTBOXRELAY_FAILPOINT=" + rrFailpoints[armed%len(rrFailpoints)] + "@" + strconv.Itoa(1+fpRng.IntN(2))}
+	}
 	procCtx, stopProcs := context.WithCancel(ctx)
 	defer stopProcs()
 	for _, kind := range []string{"follower", "publisher", "indexer"} {
@@ -245,6 +269,9 @@ func TestRandomRelations(t *testing.T) {
 		require.Positivef(t, h.opCount(op), "%s transactions in the history", op)
 	}
 	require.Positive(t, h.killCount("follower"), "SIGKILLs of the batcher")
+	for _, fp := range rrFailpoints {
+		require.Positivef(t, h.failpointCrashes(fp), "batcher crashes at %s", fp)
+	}
 
 	// No manual run: the follower (the last one the supervisor started),
 	// the publisher and the indexer carry the rest within rrCatchUp. A
@@ -274,12 +301,18 @@ func TestRandomRelations(t *testing.T) {
 	h.waitDrained(ctx, time.Minute)
 	c = h.check(ctx)
 	require.Truef(t, c.ok(), "seed %d: the index differs from the model once drained: %s\n%s", seed, c, h.logs())
+	records, problems := h.topicCheck(ctx)
+	require.Emptyf(t, problems[:min(len(problems), oracleShown)], "seed %d: %d problems in the topic's %d records, the first ones shown", seed, len(problems), records)
 	h.requireNoUnexpectedExit()
+	crashes := map[string]int{}
+	for _, fp := range rrFailpoints {
+		crashes[fp] = h.failpointCrashes(fp)
+	}
 	stopProcs()
 	h.procs.Wait()
 
-	report(t, "seed %d, history %s: %s; SIGKILLs of the batcher %d; %d restarts (%d follower exits after a lost lease)",
-		seed, history, h.opsSummary(), h.killCount("follower"), h.restarts.Load(), h.leaseLost.Load())
+	report(t, "seed %d, history %s: %s; SIGKILLs of the batcher %d, crashes at failpoints %v; %d restarts (%d follower exits after a lost lease); %d records on the topic",
+		seed, history, h.opsSummary(), h.killCount("follower"), crashes, h.restarts.Load(), h.leaseLost.Load(), records)
 	report(t, "writers stopped → index equal to the model by the check that began +%s (%d live posts, %d deleted posts not found); test %s",
 		matched.Round(time.Millisecond), c.Live, c.Deleted, time.Since(start).Round(time.Millisecond))
 }
@@ -669,4 +702,88 @@ func (h *rrHistory) check(ctx context.Context) *rrCheck {
 		c.diffs = append(c.diffs, fmt.Sprintf("%d documents behind the write alias neither visible nor tombstones", hidden))
 	}
 	return c
+}
+
+// rrFailpoints are the relation phase's crash points (batch/rebuild.go).
+var rrFailpoints = []string{"batch.relations_after_upsert", "batch.relations_after_commit"}
+
+// failpointCrashes counts the followers that killed themselves at fp.
+func (h *rrHistory) failpointCrashes(fp string) int {
+	n := 0
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, s := range h.slots {
+		if s.kind != "follower" {
+			continue
+		}
+		s.mu.Lock()
+		for _, pr := range s.all {
+			n += strings.Count(pr.Stderr(), "failpoint "+fp+": killing process")
+		}
+		s.mu.Unlock()
+	}
+	return n
+}
+
+// topicCheck reads every record on the topic and returns their number and
+// what breaks the versioning the index relies on: two records of one
+// event id (the post and its version: outboxrelay_event_id) with
+// different payloads, i.e. a document that changed without a new version
+// (the index keeps the first it got), and, per post, a version first seen
+// after a newer one.
+func (h *rrHistory) topicCheck(ctx context.Context) (records int, problems []string) {
+	p, t := h.p, h.t
+	t.Helper()
+	st, err := p.status(ctx)
+	require.NoError(t, err)
+	type event struct {
+		sum   [32]byte
+		value string
+	}
+	byID := map[string]event{}
+	seen := map[string]map[int64]bool{}
+	last := map[string]int64{}
+	problem := func(format string, args ...any) { problems = append(problems, fmt.Sprintf(format, args...)) }
+	for _, part := range st.Partitions {
+		if part.End <= part.First {
+			continue
+		}
+		r := kafka.NewReader(kafka.ReaderConfig{Brokers: p.brokers, Topic: p.topic, Partition: part.Partition, MaxWait: 250 * time.Millisecond, MaxBytes: 16 << 20})
+		require.NoError(t, r.SetOffset(part.First))
+		for next := part.First; next < part.End; {
+			rctx, cancel := context.WithTimeout(ctx, time.Minute)
+			m, err := r.ReadMessage(rctx)
+			cancel()
+			require.NoError(t, err, "read %s/%d at %d", p.topic, part.Partition, next)
+			next = m.Offset + 1
+			records++
+			var id string
+			var v int64
+			for _, hd := range m.Headers {
+				switch hd.Key {
+				case outbox.HeaderID:
+					id = string(hd.Value)
+				case outbox.HeaderAggregateVersion:
+					v, _ = strconv.ParseInt(string(hd.Value), 10, 64)
+				}
+			}
+			key := string(m.Key)
+			ev := event{sum: sha256.Sum256(m.Value), value: string(m.Value)}
+			if prev, ok := byID[id]; !ok {
+				byID[id] = ev
+			} else if prev.sum != ev.sum {
+				problem("post %s version %d (event %s) published with two documents:\n      %s\n      %s", key, v, id, clip(prev.value, 800), clip(ev.value, 800))
+			}
+			if v < last[key] && !seen[key][v] {
+				problem("post %s: version %d first seen after version %d (partition %d offset %d)", key, v, last[key], part.Partition, m.Offset)
+			}
+			if seen[key] == nil {
+				seen[key] = map[int64]bool{}
+			}
+			seen[key][v] = true
+			last[key] = max(last[key], v)
+		}
+		require.NoError(t, r.Close())
+	}
+	return records, problems
 }
