@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -87,7 +88,7 @@ document:
 processor_version: v1
 topic: %s
 vanished: delete
-chunk: {size: 100, min: 50, max: 400}
+chunk: {size: 50, min: 20, max: 400}
 errors: {policy: quarantine}
 `
 
@@ -337,7 +338,7 @@ var rrOps = []string{
 	"author-insert", "author-rename", "author-delete",
 	"tag-insert", "tag-rename", "tag-delete",
 	"link-add", "link-remove",
-	"post-reinsert", "author-rekey", "link-move",
+	"post-reinsert", "author-rekey", "link-move", "authors-rename",
 }
 
 // rrHistory is the history's writers and kills; the supervised processes
@@ -377,9 +378,10 @@ func (h *rrHistory) op(ctx context.Context, db rfDB, rng *rand.Rand, tag string)
 	var op string
 	var changed bool
 	var err error
-	switch n := rng.IntN(107); {
+	switch n := rng.IntN(108); {
 	// posts: 25%, comments 40%, authors 10%, tags 8%, post_tags 17%, and
-	// 7% of changes of keys (at the end)
+	// 7% of changes of keys, and a rename of a quarter of the authors
+	// (at the end)
 	case n < 4:
 		op = "post-insert"
 		author := any(h.someID(rng, rrAuthor))
@@ -478,7 +480,7 @@ ON CONFLICT DO NOTHING`, at(rrPost), text, h.someID(rng, rrAuthor), h.next[rrPos
 		// The posts that named the old id lose their author, those that
 		// named the new one (not yet existing) get it.
 		changed, err = exec(`UPDATE authors SET id = $2 WHERE id = `+rrPickSQL("authors", "true", "$1"), at(rrAuthor), h.newID(rrAuthor))
-	default:
+	case n < 107:
 		op = "link-move"
 		// A link moved to another post (skipped when that post has it).
 		changed, err = exec(`UPDATE post_tags l SET post_id = x.post
@@ -486,6 +488,13 @@ FROM (SELECT `+rrPickSQL("posts", "true", "$2")+` AS post) x
 WHERE (l.post_id, l.tag_id) = (SELECT post_id, tag_id FROM post_tags WHERE post_id >= $1 ORDER BY post_id, tag_id LIMIT 1)
   AND x.post IS NOT NULL AND NOT EXISTS (SELECT FROM post_tags o WHERE o.post_id = x.post AND o.tag_id = l.tag_id)`,
 			at(rrPost), at(rrPost))
+	default: // one change in 432
+		op = "authors-rename"
+		// Shared parents: about a quarter of the posts to rebuild, in
+		// several chunks of the relation phase.
+		if rng.IntN(4) == 0 {
+			changed, err = exec(`UPDATE authors SET name = $2 || id WHERE id % 4 = $1 % 4`, at(rrAuthor), text)
+		}
 	}
 	if err != nil {
 		return op, false, fmt.Errorf("%s: %w", op, err)
@@ -586,7 +595,8 @@ func (h *rrHistory) longWriter(ctx context.Context, rng *rand.Rand) {
 	}
 }
 
-// killBatcher SIGKILLs the follower every 4–7 s until ctx ends; its
+// killBatcher SIGKILLs the follower every 4–7 s until ctx ends, unless
+// it is one with a failpoint armed (it is left to crash there); its
 // supervisor starts it again.
 func (h *rrHistory) killBatcher(ctx context.Context, rng *rand.Rand) {
 	for ctx.Err() == nil {
@@ -602,7 +612,11 @@ func (h *rrHistory) killBatcher(ctx context.Context, rng *rand.Rand) {
 			}
 		}
 		h.mu.Unlock()
-		if pr := s.current(); pr != nil && pr.Signal(syscall.SIGKILL) == nil {
+		pr := s.current()
+		if pr == nil || slices.ContainsFunc(pr.Cmd.Env, func(kv string) bool { return strings.HasPrefix(kv, "OUTBOXRELAY_FAILPOINT=") }) {
+			continue
+		}
+		if pr.Signal(syscall.SIGKILL) == nil {
 			h.count(&h.kills, s.kind)
 		}
 	}
