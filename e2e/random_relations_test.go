@@ -178,18 +178,18 @@ WHERE p.deleted_at IS NULL`
 // authors (inserted, renamed, deleted, given another id), tags (inserted,
 // renamed, deleted), post_tags (links added, removed, moved), in
 // single statements, in transactions of several of them across tables,
-// and in long transactions held open for seconds; the batcher is
-// SIGKILLed every few seconds, and most batchers started crash on their
-// own at a point of the relation phase (a chunk of rebuilt documents
-// written, before or after its commit). Once the writers stop, with no manual run,
-// within rrCatchUp: every live post's document in the index (read alias)
-// equals the document computed by the test's own SQL over the source
-// tables (rrModelSQL) at a version not below the post's, and no deleted
-// post (soft or hard) is found; it still holds once the outbox and the
-// topic are drained; and on the topic no (post, version) carries two
-// different documents, and no post's version appears first after a newer
-// one. The seed is printed (E2E_RREL_SEED replays the
-// choices); E2E_RREL_DURATION sets the history's length.
+// and in long transactions held open for seconds. Meanwhile the batcher
+// is SIGKILLed every few seconds, and every second one started crashes
+// on its own in the relation phase (a chunk of rebuilt documents and
+// their events written, before or after its commit). Once the writers
+// stop, with no manual run, within rrCatchUp: every live post's document
+// in the index (read alias) equals the document computed by the test's
+// own SQL over the source tables (rrModelSQL) at a version not below the
+// post's, and no deleted post (soft or hard) is found; it still holds
+// once the outbox and the topic are drained; and on the topic no (post,
+// version) carries two different documents, and no post's version
+// appears first after a newer one. The seed is printed (E2E_RREL_SEED
+// replays the choices); E2E_RREL_DURATION sets the history's length.
 func TestRandomRelations(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -625,7 +625,7 @@ func (h *rrHistory) killBatcher(ctx context.Context, rng *rand.Rand) {
 // rrCheck is what a check of the index against the model found.
 type rrCheck struct {
 	Live    int64 // live posts in the model
-	Deleted int64 // soft- or hard-deleted posts (ids allocated and not live)
+	Deleted int64 // post ids allocated that are not live (soft- or hard-deleted)
 	byKind  map[string]int
 	diffs   []string
 }
