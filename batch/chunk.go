@@ -352,6 +352,11 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return res, fmt.Errorf("begin chunk: %w", err)
 	}
+	if len(r.c.rels) > 0 {
+		if _, err := tx.Exec(ctx, relLockSharedSQL, r.spec.Job); err != nil {
+			return res, fmt.Errorf("begin chunk: %w", err)
+		}
+	}
 	a := &args{
 		Cursor: cursor, Boundary: cl.boundary, Limit: size, PKey: cl.key,
 		Job: r.spec.Job, Run: r.runID, Source: r.spec.SourceName, PV: r.spec.ProcessorVersion,

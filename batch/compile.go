@@ -876,9 +876,7 @@ func (c *compiled) build() {
 	c.chunkIDs = c.chunkSQL("ids", false)
 	if len(c.rels) > 0 {
 		// The roots of the work, whatever their partition.
-		all := *c
-		all.spec.Source.Partition = ""
-		c.chunkWork = all.chunkSQL("ids", false)
+		c.chunkWork = c.unpartitioned().chunkSQL("ids", false)
 		c.resolveRel = c.resolveSQL()
 	}
 	c.keysFirst = c.keysSQL("keyset-first")

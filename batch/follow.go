@@ -167,6 +167,22 @@ func FollowTriggerSQLFor(ctx context.Context, db DB, spec Spec) (string, error) 
 	return sql + c.relationTriggerSQL(), nil
 }
 
+// UnindexedJoins lists the join columns of the spec's relations that no
+// index leads with, each with the statement that adds one: without it,
+// rebuilding a document or finding the documents of a changed row scans
+// the table. Nothing for a spec without relations.
+func UnindexedJoins(ctx context.Context, db DB, spec Spec) ([]string, error) {
+	spec = spec.withDefaults()
+	if !spec.Document.HasRelations() {
+		return nil, nil
+	}
+	c, err := compile(ctx, db, spec)
+	if err != nil {
+		return nil, err
+	}
+	return c.unindexedJoins(ctx, db)
+}
+
 // RelationTables names the related and join tables of the spec's
 // documents (schema.table), in spec order.
 func RelationTables(spec Spec) []string {
@@ -389,6 +405,13 @@ func (f *Follower) prepare(ctx context.Context) error {
 		return fmt.Errorf("%w: follow job %s: source.cursor[0] %q is not a column of %s.%s", ErrSpec, f.spec.Job, f.spec.Source.Cursor[0], f.spec.Source.Schema, f.spec.Source.Table)
 	}
 	f.newerQ = fmt.Sprintf(f.newerQ, *typ) // a type name read back from the catalog
+	missing, err := UnindexedJoins(ctx, f.pool, f.spec)
+	if err != nil {
+		return err
+	}
+	for _, m := range missing {
+		f.log.Warn("a join column of the job's relations has no index", slog.String("column", m))
+	}
 	f.related = map[string]bool{}
 	for _, t := range RelationTables(f.spec) {
 		schema, table, _ := strings.Cut(t, ".")

@@ -19,8 +19,12 @@ type Metrics struct {
 	// OpenWritersExpired counts the run starts that gave up waiting for
 	// open writers of the source table (Config.OpenWritersWait).
 	OpenWritersExpired *prometheus.CounterVec // batch_open_writers_wait_expired_total{job}
-	age                *checkpointAge         // batch_checkpoint_age_seconds{job}
-	writersWait        *checkpointAge         // batch_open_writers_wait_seconds{job}
+	// RelationRoots counts a relation job's roots by what became of them:
+	// queued (resolved from captured related changes), then changed,
+	// unchanged or quarantined by the run's relation phase.
+	RelationRoots *prometheus.CounterVec // batch_relation_roots_total{job,status}
+	age           *checkpointAge         // batch_checkpoint_age_seconds{job}
+	writersWait   *checkpointAge         // batch_open_writers_wait_seconds{job}
 }
 
 // NewMetrics registers the series on reg (nil: not registered, still
@@ -49,6 +53,9 @@ func NewMetrics(reg prometheus.Registerer, db DB) *Metrics {
 			Name: "batch_lock_wait_seconds", Help: "Time chunks spent before failing on a lock wait (lock_timeout).",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2.5, 10),
 		}, []string{"job"}),
+		RelationRoots: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "batch_relation_roots_total", Help: "Roots of a job whose documents join related tables, by status: queued (a run resolved captured changes of related rows into them), then changed (rebuilt with a new event), unchanged (rebuilt, the same document) or quarantined by the run's relation phase.",
+		}, []string{"job", "status"}),
 		OpenWritersExpired: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "batch_open_writers_wait_expired_total", Help: "Run starts of this process that gave up waiting for transactions that wrote the source table (OPEN_WRITERS_WAIT); a follower tries again.",
 		}, []string{"job"}),
@@ -60,7 +67,7 @@ func NewMetrics(reg prometheus.Registerer, db DB) *Metrics {
 			"Seconds since the last checkpoint of the job's oldest running partition or sweep, read from batch_runs and batch_sweeps (any process's); 0 while none runs.", []string{"job"}, nil)}
 	}
 	if reg != nil {
-		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Inflight, m.Retries, m.RateLimitWait, m.LockWait, m.OpenWritersExpired)
+		reg.MustRegister(m.ChunkDuration, m.ChunkSize, m.Rows, m.Inflight, m.Retries, m.RateLimitWait, m.LockWait, m.OpenWritersExpired, m.RelationRoots)
 		if m.age != nil {
 			reg.MustRegister(m.age, m.writersWait)
 		}
@@ -88,6 +95,13 @@ func (m *Metrics) forJob(job string) {
 	}
 	m.LockWait.WithLabelValues(job)
 	m.OpenWritersExpired.WithLabelValues(job)
+}
+
+// relationRoots counts n roots of job under status.
+func (m *Metrics) relationRoots(job, status string, n int64) {
+	if m != nil && n > 0 {
+		m.RelationRoots.WithLabelValues(job, status).Add(float64(n))
+	}
 }
 
 // inflight moves batch_items_inflight by n rows.

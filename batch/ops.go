@@ -390,13 +390,25 @@ func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []str
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	a := &args{IDs: ids, PKey: key, Job: r.spec.Job, Run: run, Source: r.spec.SourceName, PV: r.spec.ProcessorVersion, TP: tracing.Arg(ctx)}
+	if len(r.c.rels) > 0 {
+		// No chunk of the job rebuilds these roots meanwhile.
+		if _, err := tx.Exec(ctx, relLockSQL, r.spec.Job); err != nil {
+			return 0, 0, err
+		}
+	}
 	var n int
 	var resolved int64
 	if r.cfg.Processor == nil {
 		var bad, changed int64
 		var first *string
 		var last []string
-		if err := tx.QueryRow(ctx, r.c.chunkIDs.sql, r.c.chunkIDs.bind(a)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
+		st := r.c.chunkIDs
+		if len(r.c.rels) > 0 && key == "" && r.spec.Source.Partition != "" {
+			// Quarantined by the relation phase, which works on every
+			// partition at once (no partition key).
+			st = r.c.chunkWork
+		}
+		if err := tx.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n, &bad, &first, &changed, &last); err != nil {
 			return 0, 0, fmt.Errorf("retry quarantined rows: %w", err)
 		}
 		resolved = int64(n) - bad

@@ -114,6 +114,9 @@ func (r *Runner) relChunk(ctx context.Context, token string, size int) (n, chang
 		strconv.FormatInt(time.Duration(r.spec.Chunk.LockTimeout).Milliseconds(), 10), strconv.FormatInt(r.cfg.LeaseTTL.Milliseconds(), 10)); err != nil {
 		return 0, 0, fmt.Errorf("begin relation chunk: %w", err)
 	}
+	if _, err := tx.Exec(ctx, relLockSharedSQL, r.spec.Job); err != nil {
+		return 0, 0, fmt.Errorf("begin relation chunk: %w", err)
+	}
 	var ids []string
 	if err := tx.QueryRow(ctx, relWorkSQL, r.spec.Job, size).Scan(&ids); err != nil {
 		return 0, 0, fmt.Errorf("take the relation work: %w", err)
@@ -145,5 +148,10 @@ func (r *Runner) relChunk(ctx context.Context, token string, size int) (n, chang
 	}
 	hit(failpointRelAfterCommit)
 	r.changed.Add(changed)
+	r.bad.Add(bad)
+	m := r.cfg.Metrics
+	m.relationRoots(r.spec.Job, "changed", changed)
+	m.relationRoots(r.spec.Job, "unchanged", rows-changed-bad)
+	m.relationRoots(r.spec.Job, "quarantined", bad)
 	return int64(len(ids)), changed, nil
 }

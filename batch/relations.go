@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -30,11 +31,13 @@ import (
 // rebuilt document that differs from the stored one at the same root
 // version (and processor version) is written at the stored version + 1,
 // the difference kept in version_offset like a return over a tombstone's
-// (upsertTail). Rebuilds of one root never run at once: a run's chunks
-// cover disjoint roots, its relation phase runs after every partition
-// committed, and the next run starts after that; so each rebuild reads a
-// snapshot taken after the previous one committed, and "differs" always
-// means "newer".
+// (upsertTail). Rebuilds of one root never run at once: a relation job is
+// the only writer of its source name (checkSharedSourceName), a run's
+// chunks cover disjoint roots, its relation phase runs after every
+// partition committed, the next run starts after that, and a quarantine
+// retry takes the job's lock exclusively (relLockSQL); so each rebuild
+// reads a snapshot taken after the previous one committed, and "differs"
+// always means "newer".
 //
 // Propagation: full runs rebuild every root. For incremental and follow
 // runs, the capture triggers (relationTriggerSQL) record which related
@@ -264,6 +267,7 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 			}
 			orderBy = pk
 		}
+		ordered := map[string]bool{}
 		for j, o := range orderBy {
 			col, dir, _ := strings.Cut(strings.TrimSpace(o), " ")
 			if err := need(fmt.Sprintf("%s.order_by[%d]", here, j), n.name, n.types, col); err != nil {
@@ -274,6 +278,15 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 				term += " DESC"
 			}
 			n.order = append(n.order, term)
+			ordered[col] = true
+		}
+		// Ties are broken by the primary key: an order that can change
+		// between two rebuilds of the same rows would change the document
+		// (a new version and event each time).
+		for _, col := range pk {
+			if !ordered[col] {
+				n.order = append(n.order, q(col))
+			}
 		}
 		if n.children, err = c.relNodes(ctx, db, n, r.Relations, n.path+".", here+".relations"); err != nil {
 			return nil, err
@@ -284,6 +297,59 @@ func (c *compiled) relNodes(ctx context.Context, db querier, parent *relNode, re
 		out = append(out, n)
 	}
 	return out, nil
+}
+
+// indexedSQL: whether an index of table $1 leads with column $2.
+const indexedSQL = `SELECT EXISTS (SELECT FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+WHERE i.indrelid = to_regclass($1) AND a.attname = $2 AND i.indisvalid)`
+
+// unindexedJoins lists the join columns without an index that leads with
+// them: each is a scan of its table per root rebuilt (the child's side)
+// or per run that resolves captures (the parent's side).
+func (c *compiled) unindexedJoins(ctx context.Context, db querier) ([]string, error) {
+	var out []string
+	check := func(table, name, col, use string) error {
+		var ok bool
+		if err := db.QueryRow(ctx, indexedSQL, table, col).Scan(&ok); err != nil {
+			return fmt.Errorf("read the indexes of %s: %w", name, err)
+		}
+		if !ok {
+			out = append(out, fmt.Sprintf("%s.%s (%s): CREATE INDEX ON %s (%s)", name, col, use, table, q(col)))
+		}
+		return nil
+	}
+	var walk func(parent *relNode, ns []*relNode) error
+	walk = func(parent *relNode, ns []*relNode) error {
+		ptable, pname := c.table, c.spec.Source.Schema+"."+c.spec.Source.Table
+		if parent != nil {
+			ptable, pname = parent.table, parent.name
+		}
+		for _, n := range ns {
+			if n.through == nil {
+				if err := check(n.table, n.name, n.childCol, "read for every document"); err != nil {
+					return err
+				}
+			} else {
+				if err := check(n.through.table, n.through.name, n.through.thParent, "read for every document"); err != nil {
+					return err
+				}
+				if err := check(n.through.table, n.through.name, n.through.thChild, "read to find the documents of a changed "+n.name+" row"); err != nil {
+					return err
+				}
+				if err := check(n.table, n.name, n.childCol, "read for every document"); err != nil {
+					return err
+				}
+			}
+			if err := check(ptable, pname, n.parentCol, "read to find the documents of a changed "+n.name+" row"); err != nil {
+				return err
+			}
+			if err := walk(n, n.children); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return out, walk(nil, c.rels)
 }
 
 // checkComparable refuses a join of two columns PostgreSQL cannot compare.
@@ -328,7 +394,7 @@ func (n *relNode) orderBy(a string) string {
 	return strings.Join(terms, ", ")
 }
 
-// fieldExpr is a related row's field as jsonb, transforms applied.
+// relFieldExpr is a related row's field as jsonb, transforms applied.
 func relFieldExpr(b *builder, a string, types map[string]string, f Field) string {
 	col, path, hasPath := strings.Cut(f.From, ".")
 	v := "to_jsonb(" + a + "." + q(col) + ")"
@@ -353,12 +419,12 @@ func (n *relNode) value(b *builder, pa string, d int) string {
 	if n.rel.Type == OneToOne {
 		return "(SELECT " + elem + n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + " LIMIT 1)"
 	}
-	limit := ""
-	if n.rel.Limit > 0 {
-		limit = " LIMIT " + strconv.Itoa(n.rel.Limit)
+	if n.rel.Limit == 0 {
+		return "(SELECT COALESCE(jsonb_agg(" + elem + " ORDER BY " + n.orderBy(a) + "), '[]'::jsonb)" + n.relFrom(pa, a) + ")"
 	}
+	// The first Limit rows in order, aggregated in that order.
 	return "(SELECT COALESCE(jsonb_agg(z.v ORDER BY z.i), '[]'::jsonb) FROM (SELECT " + elem + " AS v, row_number() OVER (ORDER BY " + n.orderBy(a) + ") AS i" +
-		n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + limit + ") z)"
+		n.relFrom(pa, a) + " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit) + ") z)"
 }
 
 // element is one related row (alias a, depth d) as it appears in the
@@ -369,7 +435,14 @@ func (n *relNode) element(b *builder, a string, d int) string {
 	}
 	var pairs, merges []string
 	for _, f := range n.rel.Fields {
-		pairs = append(pairs, b.c(f.Name, "text"), relFieldExpr(b, a, n.types, f))
+		v := relFieldExpr(b, a, n.types, f)
+		if !strings.Contains(f.From, ".") && len(f.Transforms) == 0 {
+			// A plain column: jsonb_build_object converts it as to_jsonb
+			// would, without a jsonb datum built and taken apart (as the
+			// root's fields, compile.go).
+			v = a + "." + q(f.From)
+		}
+		pairs = append(pairs, b.c(f.Name, "text"), v)
 	}
 	for _, ch := range n.children {
 		if ch.rel.Variant == VariantFlatten {
@@ -395,9 +468,9 @@ func (n *relNode) flatValue(b *builder, pa string, d int) string {
 	return "COALESCE(" + n.value(b, pa, d) + ", jsonb_build_object(" + strings.Join(nulls, ", ") + "))"
 }
 
-// problem is the first related row under the parent row pa (depth d)
-// that breaks a field check, as "relation path [key=value]: message";
-// NULL when none does.
+// problem is the first related row in the document under the parent row
+// pa (depth d) that breaks a field check, as "relation path [key=value]:
+// message"; NULL when none does.
 func (n *relNode) problem(b *builder, pa string, d int) string {
 	a := relAlias(d)
 	var terms []string
@@ -417,7 +490,16 @@ func (n *relNode) problem(b *builder, pa string, d int) string {
 			terms = append(terms, ch.problem(b, a, d+1))
 		}
 	}
-	return "(SELECT z.p FROM (SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + n.relFrom(pa, a) + ") z WHERE z.p IS NOT NULL LIMIT 1)"
+	// Only the rows the document holds: the first in order of a
+	// one_to_one, the first limit of a one_to_many.
+	rows := n.relFrom(pa, a)
+	switch {
+	case n.rel.Type == OneToOne:
+		rows = " FROM (SELECT " + a + ".*" + rows + " ORDER BY " + n.orderBy(a) + " LIMIT 1) " + a
+	case n.rel.Limit > 0:
+		rows = " FROM (SELECT " + a + ".*" + rows + " ORDER BY " + n.orderBy(a) + " LIMIT " + strconv.Itoa(n.rel.Limit) + ") " + a
+	}
+	return "(SELECT z.p FROM (SELECT COALESCE(" + strings.Join(terms, ", ") + ") AS p" + rows + ") z WHERE z.p IS NOT NULL LIMIT 1)"
 }
 
 // relationColumns are the root's relation values (r1..rn) and problems
@@ -443,9 +525,9 @@ func (c *compiled) relationColumns(b *builder) (cols []string, pairs []string, m
 }
 
 // relUpsertTail is upsertTail for a relation job: a document that differs
-// from the stored one at the same index version (and processor version)
-// is a change too, written at the stored version + 1 (see the top of this
-// file).
+// from the stored one at the same index version, or comes from another
+// processor version, is written at the stored version + 1
+// (relReturnedVersion; see the top of this file).
 const relUpsertTail = `
   ON CONFLICT (source, source_id) DO UPDATE SET
     document = EXCLUDED.document,
@@ -458,10 +540,29 @@ const relUpsertTail = `
      OR (n.vanished AND NOT EXCLUDED.deleted)
   RETURNING n.source_id, n.source_version, n.document, n.deleted`
 
+// relReturnedVersion is the index version a relation job's upsert writes:
+// upsertTail's, or the stored version + 1 for a document that differs at
+// the same version. A document of another processor version is written one
+// above the stored version too: one root version may carry different
+// related rows, so the generation it goes to (a rollback's old one) may
+// hold that version with other content, and would refuse the same version
+// as a conflict.
 const relReturnedVersion = `greatest(EXCLUDED.source_version + n.version_offset,
       CASE WHEN n.vanished AND NOT EXCLUDED.deleted THEN n.source_version + 1 END,
-      CASE WHEN n.source_version = EXCLUDED.source_version + n.version_offset AND n.processor_version = EXCLUDED.processor_version
-                AND (n.deleted <> EXCLUDED.deleted OR n.document IS DISTINCT FROM EXCLUDED.document) THEN n.source_version + 1 END)`
+      CASE WHEN n.source_version = EXCLUDED.source_version + n.version_offset
+                AND (n.processor_version <> EXCLUDED.processor_version OR n.deleted <> EXCLUDED.deleted OR n.document IS DISTINCT FROM EXCLUDED.document)
+           THEN n.source_version + 1 END)`
+
+// unpartitioned is c for statements over every partition of the job: no
+// single-partition term; a listed partition set becomes a filter term.
+func (c *compiled) unpartitioned() *compiled {
+	all := *c
+	all.spec.Source.Partition = ""
+	if p := c.spec.Source.Partition; p != "" && len(c.spec.Source.Partitions) > 0 {
+		all.spec.Source.Filter = append(slices.Clone(c.spec.Source.Filter), Condition{Column: p, Op: "in", Values: c.spec.Source.Partitions})
+	}
+	return &all
+}
 
 // relTables lists the related and join tables with the capture nodes each
 // feeds, in spec order.
@@ -492,6 +593,23 @@ func (c *compiled) relTables() []*relTable {
 	return out
 }
 
+// relTruncated is the node (and key) of a TRUNCATE's capture: every root
+// of the job is rebuilt.
+const relTruncated = "*"
+
+// captureHash identifies what a table's capture trigger records: the
+// nodes the table feeds and their columns. A trigger installed for another
+// hash records the wrong nodes or columns; a change of fields, transforms
+// or order does not change it.
+func (t *relTable) captureHash() string {
+	h := sha256.New()
+	fmt.Fprintf(h, "%q.%q", t.schema, t.table)
+	for _, n := range t.nodes {
+		fmt.Fprintf(h, " %q:%q", n.node, n.col)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
 // relFunction names job's capture function and triggers on a table.
 func relFunction(job, schema, table string) string {
 	h := sha256.Sum256([]byte(job + "\x00" + schema + "\x00" + table))
@@ -505,14 +623,15 @@ func sqlLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''")
 // job, the follow NOTIFY and the capture triggers: statement-level AFTER
 // INSERT, UPDATE and DELETE triggers that copy, with one INSERT … SELECT
 // per statement, the distinct join values of the changed rows (old and
-// new) into batch_relation_changes. As the delete capture's, each function
+// new) into batch_relation_changes, and an AFTER TRUNCATE one whose
+// capture makes the next run rebuild every root in scope. As the delete capture's, each function
 // is the table's own (static SQL, a cached plan) and runs as its owner
 // (SECURITY DEFINER with the installer's search_path). Its body carries the
-// document's hash: a run refuses a function installed for another document.
+// capture hash: a run refuses a function installed for other relations.
 func (c *compiled) relationTriggerSQL() string {
 	var sb strings.Builder
-	hash := c.spec.Document.Hash()
 	for _, t := range c.relTables() {
+		hash := t.captureHash()
 		fn := relFunction(c.spec.Job, t.schema, t.table)
 		table := q(t.schema, t.table)
 		vals := func(x string) string {
@@ -522,10 +641,12 @@ func (c *compiled) relationTriggerSQL() string {
 			}
 			return "SELECT DISTINCT " + sqlLiteral(c.spec.Job) + ", v.node, v.key FROM " + x + " CROSS JOIN LATERAL (VALUES " + strings.Join(v, ", ") + ") v(node, key) WHERE v.key IS NOT NULL"
 		}
-		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+		sb.WriteString(`CREATE OR REPLACE FUNCTION ` + q(fn) + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $outboxrelay_rel$
 BEGIN
-    -- outboxrelay relation capture of job ` + strings.ReplaceAll(c.spec.Job, "\n", " ") + `, document ` + hash + `
-    IF TG_OP = 'INSERT' THEN
+    -- outboxrelay relation capture ` + hash + `
+    IF TG_OP = 'TRUNCATE' THEN
+        INSERT INTO batch_relation_changes (job, node, key) VALUES (` + sqlLiteral(c.spec.Job) + `, '` + relTruncated + `', '` + relTruncated + `');
+    ELSIF TG_OP = 'INSERT' THEN
         INSERT INTO batch_relation_changes (job, node, key) ` + vals("outboxrelay_new") + `;
     ELSIF TG_OP = 'DELETE' THEN
         INSERT INTO batch_relation_changes (job, node, key) ` + vals("outboxrelay_old") + `;
@@ -533,13 +654,15 @@ BEGIN
         INSERT INTO batch_relation_changes (job, node, key) SELECT DISTINCT * FROM (` + vals("outboxrelay_old") + ` UNION ALL ` + vals("outboxrelay_new") + `) u;
     END IF;
     RETURN NULL;
-END $$;
+END $outboxrelay_rel$;
 CREATE OR REPLACE TRIGGER ` + q(fn+"_ins") + ` AFTER INSERT ON ` + table + `
     REFERENCING NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER ` + q(fn+"_upd") + ` AFTER UPDATE ON ` + table + `
     REFERENCING OLD TABLE AS outboxrelay_old NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER ` + q(fn+"_del") + ` AFTER DELETE ON ` + table + `
     REFERENCING OLD TABLE AS outboxrelay_old FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
+CREATE OR REPLACE TRIGGER ` + q(fn+"_trunc") + ` AFTER TRUNCATE ON ` + table + `
+    FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
 CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ` + table + `
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify();
 `)
@@ -547,32 +670,44 @@ CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR
 	return sb.String()
 }
 
-// relTriggerMissingSQL: whether table $1 lacks an enabled trigger $2 whose
-// function's body carries the document hash $3.
-const relTriggerMissingSQL = `SELECT NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
-WHERE tg.tgrelid = to_regclass($1) AND tg.tgname = $2 AND tg.tgenabled <> 'D' AND strpos(p.prosrc, $3) > 0)`
+// relTriggerMissingSQL returns the first (table, trigger) of the arrays
+// $1, $2 without an enabled trigger of that name on the table whose
+// function's body carries the capture hash ($3); nothing when all are
+// there. One statement for every table: it runs at the start of every run.
+const relTriggerMissingSQL = `
+SELECT u.tbl, u.trg FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(tbl, trg, hash, n)
+WHERE NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
+                  WHERE tg.tgrelid = to_regclass(u.tbl) AND tg.tgname = u.trg AND tg.tgenabled <> 'D' AND strpos(p.prosrc, u.hash) > 0)
+ORDER BY u.n LIMIT 1`
 
 // checkRelationTriggers refuses an incremental relation job whose capture
-// triggers are missing, disabled or were installed for another document:
+// triggers are missing, disabled or were installed for other relations:
 // its related changes would never reach the index.
 func (c *compiled) checkRelationTriggers(ctx context.Context, db querier) error {
-	hash := c.spec.Document.Hash()
+	var tables, triggers, hashes, names []string
 	for _, t := range c.relTables() {
 		fn := relFunction(c.spec.Job, t.schema, t.table)
-		for _, suffix := range []string{"_ins", "_upd", "_del"} {
-			var missing bool
-			if err := db.QueryRow(ctx, relTriggerMissingSQL, q(t.schema, t.table), fn+suffix, hash).Scan(&missing); err != nil {
-				return fmt.Errorf("job %s: read the capture triggers of %s.%s: %w", c.spec.Job, t.schema, t.table, err)
-			}
-			if missing {
-				return fmt.Errorf("%w: incremental job %s builds documents from %s.%s, but its capture trigger %s is not installed there for this document "+
-					"(missing, disabled, or installed for an earlier document section): changes of that table would never reach the index; "+
-					"run `batcher follow-trigger --install --spec <this spec>` (again after every change of document.relations), or use full mode",
-					ErrSpec, c.spec.Job, t.schema, t.table, fn+suffix)
-			}
+		for _, suffix := range []string{"_ins", "_upd", "_del", "_trunc"} {
+			tables, triggers, hashes = append(tables, q(t.schema, t.table)), append(triggers, fn+suffix), append(hashes, t.captureHash())
+			names = append(names, t.schema+"."+t.table)
 		}
 	}
-	return nil
+	var table, trigger string
+	err := db.QueryRow(ctx, relTriggerMissingSQL, tables, triggers, hashes).Scan(&table, &trigger)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("job %s: read the capture triggers of its related tables: %w", c.spec.Job, err)
+	}
+	name := table
+	if i := slices.Index(tables, table); i >= 0 {
+		name = names[i]
+	}
+	return fmt.Errorf("%w: incremental job %s builds documents from %s, but its capture trigger %s is not installed there for these relations "+
+		"(missing, disabled, or installed for other relations): changes of that table would never reach the index; "+
+		"run `batcher follow-trigger --install --spec <this spec>` (again after a change of the relations' tables, names or joins), or use full mode",
+		ErrSpec, c.spec.Job, name, trigger)
 }
 
 // resolveSQL turns the job's captures into work: it deletes the captures
@@ -587,15 +722,19 @@ func (c *compiled) resolveSQL() stmt {
 	walk = func(ns []*relNode) {
 		for _, n := range ns {
 			keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path, "text")
-			parts = append(parts, c.rootsOf(n, n.parentKeysOfRows(keys)))
+			pk, typ := n.parentKeysOfRows(keys, n.types[n.childCol])
+			parts = append(parts, c.rootsOf(b, n, pk, typ))
 			if n.through != nil {
 				keys := "SELECT cap.key AS k FROM cap WHERE cap.node = " + b.c(n.path+"#through", "text")
-				parts = append(parts, c.rootsOf(n, keys))
+				parts = append(parts, c.rootsOf(b, n, keys, n.through.types[n.through.thParent]))
 			}
 			walk(n.children)
 		}
 	}
 	walk(c.rels)
+	// A related table truncated: every root in scope.
+	parts = append(parts, "SELECT s."+q(c.spec.Source.ID)+"::text AS k FROM "+c.table+" s WHERE "+c.unpartitioned().scopeWhere(b)+
+		" AND EXISTS (SELECT FROM cap WHERE cap.node = '"+relTruncated+"')")
 	return b.stmt(`
 WITH cap AS MATERIALIZED (DELETE FROM batch_relation_changes WHERE job = ` + job + ` RETURNING node, key),
 roots AS (` + strings.Join(parts, "\nUNION\n") + `),
@@ -603,28 +742,38 @@ ins AS (INSERT INTO batch_relation_work (job, root_id) SELECT ` + job + `, roots
 SELECT (SELECT count(*) FROM cap), (SELECT count(*) FROM ins)`)
 }
 
-// parentKeysOfRows maps keys of n's own rows (values of n.childCol) to
-// values of the parent's join column (n.parentCol).
-func (n *relNode) parentKeysOfRows(keys string) string {
+// parentKeysOfRows maps keys of n's own rows (values of n.childCol, as
+// text of type typ) to values of the parent's join column (n.parentCol),
+// and returns them with their type.
+//
+// A key is read back as a value of the column it was captured from and
+// compared with the other column as the document's join compares them
+// (the two types may differ, checkComparable): cast to the other column's
+// type, a numeric 10.00 captured for an integer join failed the whole
+// resolution (and every run after it), a bigint beyond int4 overflowed.
+func (n *relNode) parentKeysOfRows(keys, typ string) (string, string) {
 	if n.through == nil {
-		return keys
+		return keys, typ
 	}
 	t := n.through
-	return "SELECT j." + q(t.thParent) + "::text AS k FROM " + t.table + " j WHERE j." + q(t.thChild) + " IN (SELECT z.k::" + t.types[t.thChild] + " FROM (" + keys + ") z)"
+	return "SELECT j." + q(t.thParent) + "::text AS k FROM " + t.table + " j WHERE j." + q(t.thChild) + " IN (SELECT z.k::" + typ + " FROM (" + keys + ") z)",
+		t.types[t.thParent]
 }
 
-// rootsOf maps values of n.parentCol (keys, a select of text column k) to
-// the root ids whose documents hold them, one join per level.
-func (c *compiled) rootsOf(n *relNode, keys string) string {
+// rootsOf maps values of n.parentCol (keys, a select of text column k,
+// values of type typ) to the root ids whose documents hold them, one join
+// per level.
+func (c *compiled) rootsOf(b *builder, n *relNode, keys, typ string) string {
 	p := n.parent
 	if p == nil {
 		return "SELECT s." + q(c.spec.Source.ID) + "::text AS k FROM " + c.table + " s WHERE s." + q(n.parentCol) +
-			" IN (SELECT z.k::" + c.types[n.parentCol] + " FROM (" + keys + ") z)"
+			" IN (SELECT z.k::" + typ + " FROM (" + keys + ") z) AND " + c.unpartitioned().scopeWhere(b)
 	}
 	// The parent's rows with these values, as values of its own join column.
 	own := "SELECT p." + q(p.childCol) + "::text AS k FROM " + p.table + " p WHERE p." + q(n.parentCol) +
-		" IN (SELECT z.k::" + p.types[n.parentCol] + " FROM (" + keys + ") z)"
-	return c.rootsOf(p, p.parentKeysOfRows(own))
+		" IN (SELECT z.k::" + typ + " FROM (" + keys + ") z)"
+	pk, pt := p.parentKeysOfRows(own, p.types[p.childCol])
+	return c.rootsOf(b, p, pk, pt)
 }
 
 // relWorkSQL takes up to $2 roots of job $1's work, deleting them, and
@@ -637,6 +786,13 @@ d AS (DELETE FROM batch_relation_work x USING w WHERE x.job = $1 AND x.root_id =
 SELECT COALESCE(array_agg(root_id ORDER BY root_id), '{}') FROM d`
 
 const (
+	// relLockSharedSQL is taken by every chunk of a relation job that
+	// writes documents, before its statement reads anything, and
+	// relLockSQL by a quarantine retry: the retry waits for the chunks in
+	// flight and the chunks after it read its commit, so rebuilds of one
+	// root never overlap (see the top of this file).
+	relLockSharedSQL = `SELECT pg_advisory_xact_lock_shared(hashtextextended('outboxrelay.rebuild:' || $1, 0))`
+	relLockSQL       = `SELECT pg_advisory_xact_lock(hashtextextended('outboxrelay.rebuild:' || $1, 0))`
 	// relPendingSQL: whether job $1 has captures or work left.
 	relPendingSQL = `SELECT EXISTS (SELECT FROM batch_relation_changes WHERE job = $1) OR EXISTS (SELECT FROM batch_relation_work WHERE job = $1)`
 	// relForgetSQL: a full run rebuilds every root, so the captures and

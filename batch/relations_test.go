@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outboxrelay/outboxrelay/batch"
@@ -141,13 +142,14 @@ func TestRelationsChangesAnywhereReachTheirRoots(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, sql)
 	require.NoError(t, err)
+	m := batch.NewMetrics(nil, pool)
 	step := func(name, change string) map[string]string {
 		t.Helper()
 		if change != "" {
 			_, err := pool.Exec(ctx, change)
 			require.NoError(t, err, name)
 		}
-		sum, err := run(t, pool, s, batch.Config{})
+		sum, err := run(t, pool, s, batch.Config{Metrics: m})
 		require.NoError(t, err, name)
 		require.True(t, sum.Done, name)
 		return relDocs(t, pool)
@@ -164,6 +166,8 @@ func TestRelationsChangesAnywhereReachTheirRoots(t *testing.T) {
 	require.Equal(t, []int64{1, 2}, v10, "one event at version 2: the product row's version did not change")
 	v12, _ := relEvents(t, pool, "12")
 	require.Equal(t, []int64{1}, v12, "product 12 has no brand")
+	require.Equal(t, 2.0, testutil.ToFloat64(m.RelationRoots.WithLabelValues(s.Job, "queued")), "batch_relation_roots_total{status=queued}")
+	require.Equal(t, 2.0, testutil.ToFloat64(m.RelationRoots.WithLabelValues(s.Job, "changed")), "batch_relation_roots_total{status=changed}")
 
 	d = step("child moved to another root", `UPDATE variants SET product_id = 11 WHERE id = 101`)
 	jsonEq(t, `[{"sku":"A-S","prices":[{"currency":"EUR","amount":9.5},{"currency":"USD","amount":10}]}]`, field(t, d["10"], "variants"), "variants of 10")
@@ -205,4 +209,169 @@ func field(t *testing.T, doc, k string) string {
 	v, ok := m[k]
 	require.True(t, ok, "%s has no %s", doc, k)
 	return string(v)
+}
+
+func TestRelationsTruncatedChildRebuildsEveryRoot(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	s := catalogSpec(batch.ModeIncremental)
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `TRUNCATE prices`)
+	require.NoError(t, err)
+	sum, err := run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.True(t, sum.Done)
+	d := relDocs(t, pool)
+	jsonEq(t, `[{"sku":"A-L","prices":[]},{"sku":"A-S","prices":[]}]`, field(t, d["10"], "variants"), "variants of 10")
+	jsonEq(t, `[{"sku":"R-1","prices":[]}]`, field(t, d["11"], "variants"), "variants of 11")
+	v12, _ := relEvents(t, pool, "12")
+	require.Equal(t, []int64{1}, v12, "product 12 was rebuilt, unchanged: no event")
+}
+
+func TestRelationsCaptureTriggersMatchTheRelations(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	s := catalogSpec(batch.ModeIncremental)
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+
+	// Another transform and processor version: the same captures.
+	v2 := catalogSpec(batch.ModeIncremental)
+	v2.ProcessorVersion = "v2"
+	v2.Document.Relations[0].Fields[0].Transforms = []string{"lower"}
+	_, err = run(t, pool, v2, batch.Config{})
+	require.NoError(t, err)
+
+	// A relation joined on another column: the installed capture records
+	// the old one, and the run says so.
+	v3 := catalogSpec(batch.ModeIncremental)
+	v3.ProcessorVersion = "v3"
+	v3.Document.Relations[1].Relations[0].Name = "price_list"
+	_, err = run(t, pool, v3, batch.Config{})
+	require.ErrorIs(t, err, batch.ErrSpec)
+	require.ErrorContains(t, err, "public.prices")
+	require.ErrorContains(t, err, "installed for other relations")
+}
+
+func TestRelationSpecErrorsNameTheSetting(t *testing.T) {
+	base := `job: j
+source: {table: products, version: version}
+processor_version: v1
+document:
+  fields: [{name: id}]
+  relations:
+`
+	for _, tc := range []struct{ rel, want string }{
+		{`    - {name: v, table: variants, type: many, fields: [{name: sku}]}`, `document.relations[v].type "many": want one_to_one`},
+		{`    - {name: v, table: variants, type: one_to_many, variant: flatten, fields: [{name: sku}]}`, `variant flatten needs type one_to_one`},
+		{`    - {name: v, table: variants, type: one_to_many, variant: scalar, fields: [{name: sku}, {name: id}]}`, `variant scalar needs exactly one field, has 2`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: []}`, `document.relations[v].fields: at least one field is required`},
+		{`    - {name: id, table: variants, type: one_to_many, fields: [{name: sku}]}`, `the key "id" appears twice`},
+		{`    - {name: v, table: variants, type: one_to_one, limit: 3, fields: [{name: sku}]}`, `only a one_to_many relation has a limit`},
+		{`    - {name: v, table: variants, type: one_to_many, order_by: ["id sideways"], fields: [{name: sku}]}`, `order_by "id sideways"`},
+		{`    - {name: v, table: variants, type: one_to_many, foreign_key: {parent: id}, fields: [{name: sku}]}`, `foreign_key needs both parent and child`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: [{name: sku, transforms: [shout]}]}`, `document.relations[v].fields[0] (sku): transform "shout"`},
+		{`    - {name: v, table: variants, type: one_to_many, fields: [{name: sku}], relations: [{name: p, table: prices, type: one_to_many, fields: [{name: a}], relations: [{name: q, table: q, type: one_to_one, fields: [{name: a}], relations: [{name: r, table: r, type: one_to_one, fields: [{name: a}], relations: [{name: s, table: s, type: one_to_one, fields: [{name: a}]}]}]}]}]}`, `relations nest 5 deep; at most 4`},
+		{`    - {name: b, table: brands, type: one_to_one, variant: flatten, fields: [{name: id}]}`, `flattened key "id" is already in the parent object`},
+	} {
+		_, err := batch.ParseSpec([]byte(base+tc.rel), ".yaml")
+		require.ErrorContains(t, err, tc.want, tc.rel)
+	}
+}
+
+func TestRelationsNameTheJoinColumnsWithoutIndex(t *testing.T) {
+	pool := newCatalog(t)
+	ctx := context.Background()
+	missing, err := batch.UnindexedJoins(ctx, pool, catalogSpec(batch.ModeFull))
+	require.NoError(t, err)
+	require.Equal(t, []string{"public.products.brand_id (read to find the documents of a changed public.brands row): CREATE INDEX ON \"public\".\"products\" (\"brand_id\")"}, missing)
+	_, err = pool.Exec(ctx, `CREATE INDEX ON products (brand_id)`)
+	require.NoError(t, err)
+	missing, err = batch.UnindexedJoins(ctx, pool, catalogSpec(batch.ModeFull))
+	require.NoError(t, err)
+	require.Empty(t, missing)
+}
+
+func installCapture(t *testing.T, pool *pgxpool.Pool, s batch.Spec) {
+	t.Helper()
+	ctx := context.Background()
+	sql, err := batch.FollowTriggerSQLFor(ctx, pool, s)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sql)
+	require.NoError(t, err)
+}
+
+func TestRelationsReviewFixes(t *testing.T) {
+	ctx := context.Background()
+	t.Run("a relation job is the only writer of its source name", func(t *testing.T) {
+		pool := newCatalog(t)
+		_, err := run(t, pool, catalogSpec(batch.ModeFull), batch.Config{})
+		require.NoError(t, err)
+		other := catalogSpec(batch.ModeFull)
+		other.Job = "products-nightly"
+		_, err = run(t, pool, other, batch.Config{})
+		require.ErrorIs(t, err, batch.ErrSpec)
+		require.ErrorContains(t, err, `source_name "products" is also written by job products`)
+	})
+	t.Run("the relation phase stays in the listed partitions", func(t *testing.T) {
+		pool := newCatalog(t)
+		_, err := pool.Exec(ctx, `ALTER TABLE products ADD shard int NOT NULL DEFAULT 1; UPDATE products SET shard = 2 WHERE id = 11`)
+		require.NoError(t, err)
+		s := catalogSpec(batch.ModeIncremental)
+		s.Source.Partition, s.Source.Partitions = "shard", []string{"1"}
+		installCapture(t, pool, s)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		require.NotContains(t, relDocs(t, pool), "11")
+		_, err = pool.Exec(ctx, `UPDATE variants SET sku = 'R-9' WHERE product_id = 11; UPDATE brands SET name = 'Acme 2' WHERE id = 1; TRUNCATE prices`)
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		d := relDocs(t, pool)
+		require.NotContains(t, d, "11", "product 11 is in shard 2, outside the job")
+		jsonEq(t, `{"name":"ACME 2"}`, field(t, d["10"], "brand"), "brand of 10")
+		v11, _ := relEvents(t, pool, "11")
+		require.Empty(t, v11)
+	})
+	t.Run("only the rows the document holds can make it bad", func(t *testing.T) {
+		pool := newCatalog(t)
+		s := catalogSpec(batch.ModeFull)
+		s.Errors.Policy = batch.PolicyQuarantine
+		s.Document.Relations[1].Limit = 1
+		s.Document.Relations[1].Fields[0].Required = true
+		_, err := pool.Exec(ctx, `INSERT INTO variants VALUES (104, 10, NULL, 7, NULL)`)
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		var bad int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM batch_quarantine`).Scan(&bad))
+		require.Zero(t, bad, "variant 104 is past the limit: not in the document")
+		_, err = pool.Exec(ctx, `UPDATE variants SET position = -1 WHERE id = 104`)
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		var msg string
+		require.NoError(t, pool.QueryRow(ctx, `SELECT source_id || ': ' || message FROM batch_quarantine`).Scan(&msg))
+		require.Equal(t, "10: variants [id=104] field sku (sku) is missing", msg)
+	})
+	t.Run("another processor version is written one version up", func(t *testing.T) {
+		pool := newCatalog(t)
+		_, err := run(t, pool, catalogSpec(batch.ModeFull), batch.Config{})
+		require.NoError(t, err)
+		v2 := catalogSpec(batch.ModeFull)
+		v2.ProcessorVersion = "v2" // the same documents: only the version says v2
+		_, err = run(t, pool, v2, batch.Config{})
+		require.NoError(t, err)
+		v10, _ := relEvents(t, pool, "10")
+		require.Equal(t, []int64{1, 2}, v10, "the v2 document of product 10 (row version 1)")
+	})
 }

@@ -207,6 +207,15 @@ func (r *Runner) Prepare(ctx context.Context) (string, error) {
 		return "", err
 	}
 	r.c = c
+	if len(c.rels) > 0 && !r.cfg.follower {
+		missing, err := c.unindexedJoins(ctx, r.pool)
+		if err != nil {
+			return "", err
+		}
+		for _, m := range missing {
+			r.cfg.Logger.Warn("a join column of the job's relations has no index", slog.String("job", r.spec.Job), slog.String("column", m))
+		}
+	}
 	id, err := prepareRun(ctx, r.pool, c, r.cfg.StartOptions, time.Now(), openWriters{db: r.pool, wait: r.cfg.OpenWritersWait, metrics: r.cfg.Metrics, follower: r.cfg.follower})
 	if err != nil {
 		return "", err

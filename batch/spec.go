@@ -237,7 +237,7 @@ type Relation struct {
 	Deleted string `json:"deleted,omitempty" yaml:"deleted,omitempty"`
 	// OrderBy orders a one_to_many array (and picks a one_to_one row):
 	// column names, each optionally followed by " desc". Default: the
-	// related table's primary key.
+	// related table's primary key, which also breaks ties.
 	OrderBy []string `json:"order_by,omitempty" yaml:"order_by,omitempty"`
 	// Limit bounds a one_to_many array. 0: no limit.
 	Limit int `json:"limit,omitempty" yaml:"limit,omitempty"`

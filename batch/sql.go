@@ -104,7 +104,7 @@ UPDATE batch_sweeps SET cursor = $5, swept_count = swept_count + $6, deleted_cou
 )
 
 const sweepStatusSQL = `
-SELECT job, logical_run_id, state, cursor, swept_count, deleted_count, attempt, lease_owner, error, checkpoint_at, finished_at
+SELECT job, logical_run_id, state, cursor, swept_count, deleted_count, rebuilt_count, rebuilt_changed, attempt, lease_owner, error, checkpoint_at, finished_at
 FROM (SELECT *, row_number() OVER (PARTITION BY job ORDER BY created_at DESC) AS rn FROM batch_sweeps WHERE $1 = '' OR job = $1) w
 WHERE rn <= $2
 ORDER BY job, created_at DESC`

@@ -265,8 +265,9 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			return "", fmt.Errorf("job %s: delete the unread delete captures: %w", s.Job, err)
 		}
 	}
+	var queued int64
 	if len(c.rels) > 0 {
-		if err := prepareRelations(ctx, tx, c, runID); err != nil {
+		if queued, err = prepareRelations(ctx, tx, c, runID); err != nil {
 			return "", err
 		}
 	}
@@ -288,6 +289,7 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 	if drained {
 		hit(failpointDeletesAfterCommit)
 	}
+	ow.metrics.relationRoots(s.Job, "queued", queued)
 	return runID, nil
 }
 
@@ -484,29 +486,29 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 // incremental run needs the capture triggers; it resolves the captures
 // into work for its relation phase, which runs in its sweep (created when
 // there is work).
-func prepareRelations(ctx context.Context, tx pgx.Tx, c *compiled, runID string) error {
+func prepareRelations(ctx context.Context, tx pgx.Tx, c *compiled, runID string) (queued int64, err error) {
 	s := c.spec
 	if s.Mode == ModeFull {
 		if _, err := tx.Exec(ctx, relForgetSQL, s.Job); err != nil {
-			return fmt.Errorf("job %s: drop the relation captures a full run covers: %w", s.Job, err)
+			return 0, fmt.Errorf("job %s: drop the relation captures a full run covers: %w", s.Job, err)
 		}
-		return nil
+		return 0, nil
 	}
 	if err := c.checkRelationTriggers(ctx, tx); err != nil {
-		return err
+		return 0, err
 	}
-	var captures, queued int64
+	var captures int64
 	if err := tx.QueryRow(ctx, c.resolveRel.sql, c.resolveRel.bind(&args{Job: s.Job})...).Scan(&captures, &queued); err != nil {
-		return fmt.Errorf("job %s: resolve the related changes into roots: %w", s.Job, err)
+		return 0, fmt.Errorf("job %s: resolve the related changes into roots: %w", s.Job, err)
 	}
 	var work bool
 	if err := tx.QueryRow(ctx, relWorkExistsSQL, s.Job).Scan(&work); err != nil {
-		return fmt.Errorf("job %s: read the relation work: %w", s.Job, err)
+		return 0, fmt.Errorf("job %s: read the relation work: %w", s.Job, err)
 	}
 	if work {
 		if _, err := tx.Exec(ctx, createSweepSQL, s.Job, runID); err != nil {
-			return fmt.Errorf("create the relation phase of run %s/%s: %w", s.Job, runID, err)
+			return 0, fmt.Errorf("create the relation phase of run %s/%s: %w", s.Job, runID, err)
 		}
 	}
-	return nil
+	return queued, nil
 }

@@ -325,11 +325,14 @@ type SweepStatus struct {
 	// Swept counts the rows checked (live rows, and soft-deleted ones not
 	// yet marked vanished), Deleted the tombstones written.
 	Swept, Deleted int64
-	Attempt        int
-	LeaseOwner     *string
-	Error          *string
-	CheckpointAt   *time.Time
-	FinishedAt     *time.Time
+	// Rebuilt counts the roots a relation job's sweep phase rebuilt for
+	// related changes, RebuiltChanged those whose document changed.
+	Rebuilt, RebuiltChanged int64
+	Attempt                 int
+	LeaseOwner              *string
+	Error                   *string
+	CheckpointAt            *time.Time
+	FinishedAt              *time.Time
 }
 
 // Sweeps lists the sweeps of the newest runs (at most runs per job; job ""
@@ -341,7 +344,7 @@ func Sweeps(ctx context.Context, db DB, job string, runs int) ([]SweepStatus, er
 	}
 	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (SweepStatus, error) {
 		var s SweepStatus
-		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
+		err := r.Scan(&s.Job, &s.RunID, &s.State, &s.Cursor, &s.Swept, &s.Deleted, &s.Rebuilt, &s.RebuiltChanged, &s.Attempt, &s.LeaseOwner, &s.Error, &s.CheckpointAt, &s.FinishedAt)
 		return s, err
 	})
 }
@@ -398,6 +401,15 @@ func checkSharedSourceName(ctx context.Context, tx pgx.Tx, s Spec) error {
 		}
 		if err := checkSameEvents(s, o); err != nil {
 			return err
+		}
+		if s.Document.HasRelations() || o.Document.HasRelations() {
+			// Rebuilds of one document must not overlap (relations.go):
+			// one job's runs never do, two jobs' could, and a stale
+			// rebuild would then be written above a newer one.
+			return fmt.Errorf("%w: spec %s: source_name %q is also written by job %s, and a job whose documents join related tables must be the only writer of its source name "+
+				"(two jobs could rebuild one document at once, and the older rebuild would win): give one of the jobs its own source_name "+
+				"(a retired job: DELETE FROM batch_jobs WHERE job = '%s')",
+				ErrSpec, s.Job, s.SourceName, o.Job, o.Job)
 		}
 		if rowScope(o) == mine {
 			continue

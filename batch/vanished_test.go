@@ -200,8 +200,8 @@ func TestVanishedSweepCrashAndResume(t *testing.T) {
 
 			p = testproc.Run(t, time.Minute, bin, env(url), "status", "--job", "records")
 			require.Equal(t, 0, p.ExitCode(), p.Stderr())
-			require.Regexp(t, `SWEEP +CURSOR +CHECKED +DELETED`, p.Stdout())
-			require.Regexp(t, `succeeded +\S+ +600 +300 +2 `, p.Stdout(), "the resumed sweep: 600 rows checked, 300 deleted, in 2 attempts")
+			require.Regexp(t, `SWEEP +CURSOR +CHECKED +DELETED +REBUILT +CHANGED +ATTEMPTS`, p.Stdout())
+			require.Regexp(t, `succeeded +\S+ +600 +300 +0 +0 +2 `, p.Stdout(), "the resumed sweep: 600 rows checked, 300 deleted, no relation rebuild, in 2 attempts")
 		})
 	}
 }

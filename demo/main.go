@@ -160,9 +160,9 @@ func (d *run) main(ctx context.Context) error {
 	}
 	defer d.pool.Close()
 
-	step("seed", "creating source_records with %d rows (every 10,000th row has no title and will be quarantined)", d.rows)
+	step("seed", "creating source_records with %d rows (every 10,000th row has no title and will be quarantined), every 3rd with two comments in record_comments (nested in its document)", d.rows)
 	t := time.Now()
-	err := demo.Seed(ctx, d.pool, demo.SeedOptions{Rows: d.rows, BadEvery: 10_000, Progress: func(done int) {
+	err := demo.Seed(ctx, d.pool, demo.SeedOptions{Rows: d.rows, BadEvery: 10_000, CommentEvery: 3, Progress: func(done int) {
 		d.line("  seeded %d/%d rows", done, d.rows)
 	}})
 	if err != nil {
@@ -201,13 +201,26 @@ func (d *run) main(ctx context.Context) error {
 	var updatedID, deletedID string
 	_ = d.pool.QueryRow(ctx, `SELECT id::text FROM source_records WHERE deleted_at IS NULL AND version > 1 ORDER BY id LIMIT 1`).Scan(&updatedID)
 	_ = d.pool.QueryRow(ctx, `SELECT id::text FROM source_records WHERE deleted_at IS NOT NULL ORDER BY id LIMIT 1`).Scan(&deletedID)
+	// A comment on a record whose own row does not change: its document
+	// changes all the same, and so does its index version.
+	var commentedID string
+	err = d.pool.QueryRow(ctx, `
+WITH r AS (SELECT s.id FROM source_records s WHERE s.deleted_at IS NULL AND s.version = 1 AND s.payload->>'title' IS NOT NULL
+           AND EXISTS (SELECT FROM record_comments c WHERE c.record_id = s.id) ORDER BY s.id LIMIT 1),
+gone AS (UPDATE record_comments c SET deleted_at = now() FROM r WHERE c.id = (SELECT min(id) FROM record_comments WHERE record_id = r.id) RETURNING 1),
+i AS (INSERT INTO record_comments (record_id, author, body) SELECT r.id, 'demo', 'A new comment: the record row did not change' FROM r RETURNING 1)
+SELECT r.id::text FROM r, i`).Scan(&commentedID)
+	if err != nil {
+		return fmt.Errorf("comment on a record: %w", err)
+	}
+	fmt.Printf("  record %s (its row unchanged): one comment soft-deleted, one comment added\n", commentedID)
 
 	step("run 2", "batcher: the next run; unchanged rows produce no event, changed and deleted rows do")
 	second, err := d.pipelineRun(ctx, 2, d.specFile, live, "")
 	if err != nil {
 		return err
 	}
-	if err := d.showFollowing(ctx, updatedID, deletedID); err != nil {
+	if err := d.showFollowing(ctx, updatedID, deletedID, commentedID); err != nil {
 		return err
 	}
 
@@ -512,7 +525,7 @@ func derefVersion(v *int64) int64 {
 	return *v
 }
 
-func (d *run) showFollowing(ctx context.Context, updatedID, deletedID string) error {
+func (d *run) showFollowing(ctx context.Context, updatedID, deletedID, commentedID string) error {
 	if updatedID != "" {
 		res, err := d.es.Search(d.alias).Query(elastic.NewIdsQuery().Ids(updatedID)).Version(true).Do(ctx)
 		if err != nil {
@@ -532,6 +545,31 @@ func (d *run) showFollowing(ctx context.Context, updatedID, deletedID string) er
 			return err
 		}
 		fmt.Printf("  soft-deleted row %s: %d hits through the read alias (a versioned tombstone keeps it deleted)\n", deletedID, res.TotalHits())
+	}
+	if commentedID != "" {
+		res, err := d.es.Search(d.alias).Query(elastic.NewIdsQuery().Ids(commentedID)).Version(true).Do(ctx)
+		if err != nil {
+			return err
+		}
+		for _, h := range res.Hits.Hits {
+			var doc struct {
+				Comments []struct {
+					Author string `json:"author"`
+					Body   string `json:"body"`
+				} `json:"comments"`
+			}
+			_ = json.Unmarshal(h.Source, &doc)
+			fmt.Printf("  commented record %s: the index now has _version=%d (its row is still at version 1) with %d comments:\n", commentedID, derefVersion(h.Version), len(doc.Comments))
+			for _, c := range doc.Comments {
+				fmt.Printf("    %s: %q\n", c.Author, c.Body)
+			}
+		}
+		q := elastic.NewMatchPhraseQuery("comments.body", "the record row did not change")
+		hits, err := d.es.Search(d.alias).Query(q).Size(0).Do(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("  search comments.body:\"the record row did not change\": %d hit(s)\n", hits.TotalHits())
 	}
 	return nil
 }

@@ -45,6 +45,9 @@ type writer struct {
 	// the other, after every other leg, and each row can be deleted once,
 	// so together they must not wrap around the table (row).
 	deleted int64
+	// idOf is the id of the row the writer changes for g (1..maxGroup);
+	// nil: source_records' 3g+g%2 (demo.Seed).
+	idOf func(g int64) int64
 }
 
 // enqueueFunc writes the application's event inside the writer's transaction.
@@ -131,6 +134,9 @@ func (w *writer) openLoop(b testing.TB, rate, n int, commits []time.Time, do fun
 				<-timer.C
 				g := row(first+i, int64(w.maxGroup))
 				id := g*3 + g%2
+				if w.idOf != nil {
+					id = w.idOf(g)
+				}
 				if err := do(ctx, pool, int(i), id); err != nil {
 					ol.errs <- fmt.Errorf("change row %d: %w", id, err)
 					return

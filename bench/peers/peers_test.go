@@ -15,6 +15,7 @@
 //     commit→searchable latency; then single-row hard DELETEs (which its
 //     triggers carry: the daemon deletes the document) at each
 //     BENCH_PEERS_DELETE_RATES (default 50,500/s): commit→gone from searches.
+//
 //   - outboxrelay: the real binaries (batcher, publisher, indexer) with the
 //     product defaults: initial sync of the same rows; then application
 //     events: outbox.Enqueue inside the writer's transaction (the same
@@ -26,9 +27,21 @@
 //     (commit→searchable, commit→gone from searches through the read
 //     alias, which filters the tombstones out).
 //
-// BENCH_PEERS_LEGS (default "changes,events,deletes,debezium": all) picks
-// the latency legs; the initial syncs always run (each tool needs its
-// documents first) and are reported too. "debezium" is read by `make
+//   - relations (relations_test.go): a product catalog whose documents
+//     come from five tables (BENCH_PEERS_REL_PRODUCTS products, default
+//     200,000, with 5 variants each, a brand, and categories through a join
+//     table; brand 1 shared by 10,000 of them), PGSync's `children` beside
+//     outboxrelay's `document.relations` (incremental, `batcher
+//     follow-trigger --install`, `batcher run` then `batcher run
+//     --follow`): initial sync of every product, variant UPDATEs at each
+//     BENCH_PEERS_REL_RATES (default 50,500/s) commit→its product
+//     searchable with the change, and brand 1 renamed: commit→all its
+//     products searchable with the new name.
+//
+// BENCH_PEERS_LEGS (default "changes,events,deletes,debezium,relations":
+// all) picks the legs; the initial syncs of the bench-e2e rows run with
+// any leg but relations (each tool needs its documents first; relations
+// has its own) and are reported too. "debezium" is read by `make
 // bench-peers`, which runs bench/peers/debezium only when it is listed. A
 // run of some legs only is a partial run: its results go to
 // bench/results/peers-partial/ unless BENCH_PEERS_OUT says otherwise, its
@@ -81,6 +94,8 @@ type settings struct {
 	DeleteRates []int         // BENCH_PEERS_DELETE_RATES: table hard deletes/s, default 50,500
 	Legs        []string      // BENCH_PEERS_LEGS: the latency legs run, default changes,events,deletes,debezium
 	LegDuration time.Duration // BENCH_PEERS_LEG: how long each rate is written, default 20s
+	RelProducts int           // BENCH_PEERS_REL_PRODUCTS: the relations leg's products (5 variants each), default 200,000
+	RelRates    []int         // BENCH_PEERS_REL_RATES: variant UPDATEs/s of the relations leg, default 50,500
 	Out         string        // BENCH_PEERS_OUT: results directory, default bench/results
 	PGSyncBin   string        // PGSYNC_BIN: the venv's bin directory (bench/peers/setup.sh)
 	RedisServer string        // REDIS_SERVER: the redis-server binary (bench/peers/setup.sh)
@@ -89,6 +104,7 @@ type settings struct {
 func load(tb testing.TB) settings {
 	s := settings{Rows: 1_000_000, Rounds: 1, ChangeRates: []int{50, 500}, EventRates: []int{50, 500, 5000}, DeleteRates: []int{50, 500},
 		Legs:        slices.Clone(allLegs),
+		RelProducts: 200_000, RelRates: []int{50, 500},
 		LegDuration: 20 * time.Second, Out: filepath.Join(stack.RepoRoot(), "bench", "results"),
 		PGSyncBin: os.Getenv("PGSYNC_BIN"), RedisServer: os.Getenv("REDIS_SERVER")}
 	num := func(name string, v *int) {
@@ -117,6 +133,8 @@ func load(tb testing.TB) settings {
 	rates("BENCH_PEERS_CHANGE_RATES", &s.ChangeRates)
 	rates("BENCH_PEERS_EVENT_RATES", &s.EventRates)
 	rates("BENCH_PEERS_DELETE_RATES", &s.DeleteRates)
+	num("BENCH_PEERS_REL_PRODUCTS", &s.RelProducts)
+	rates("BENCH_PEERS_REL_RATES", &s.RelRates)
 	if raw := os.Getenv("BENCH_PEERS_LEGS"); raw != "" {
 		s.Legs = nil
 		for _, f := range strings.Split(raw, ",") {
@@ -148,20 +166,29 @@ func load(tb testing.TB) settings {
 	return s
 }
 
-// The latency legs BENCH_PEERS_LEGS can name: table UPDATEs, outbox
-// events, table hard DELETEs, and bench/peers/debezium (run by the
-// Makefile, not here).
+// The legs BENCH_PEERS_LEGS can name: table UPDATEs, outbox events, table
+// hard DELETEs, bench/peers/debezium (run by the Makefile, not here), and
+// the catalog with related tables (relations_test.go: its own initial
+// syncs, variant UPDATEs and a shared brand renamed).
 const (
-	legChanges  = "changes"
-	legEvents   = "events"
-	legDeletes  = "deletes"
-	legDebezium = "debezium"
+	legChanges   = "changes"
+	legEvents    = "events"
+	legDeletes   = "deletes"
+	legDebezium  = "debezium"
+	legRelations = "relations"
 )
 
-var allLegs = []string{legChanges, legEvents, legDeletes, legDebezium}
+var allLegs = []string{legChanges, legEvents, legDeletes, legDebezium, legRelations}
 
 // Runs reports whether leg is one of the legs of this run.
 func (s settings) Runs(leg string) bool { return slices.Contains(s.Legs, leg) }
+
+// RunsRecords reports whether the run has a leg on the bench-e2e rows
+// (source_records), whose initial syncs it then runs: every leg but
+// relations, which has its own tables and initial syncs.
+func (s settings) RunsRecords() bool {
+	return slices.ContainsFunc(s.Legs, func(l string) bool { return l != legRelations })
+}
 
 // Partial reports whether the run leaves a leg out: its table is not the
 // README's.
@@ -215,13 +242,19 @@ func BenchmarkPeers(b *testing.B) {
 func TestPeersSmallRound(t *testing.T) {
 	s := load(t)
 	s.Rows, s.Rounds, s.ChangeRates, s.EventRates, s.DeleteRates, s.LegDuration, s.Out = 3000, 1, []int{20}, []int{20}, []int{20}, 2*time.Second, t.TempDir()
+	s.RelProducts, s.RelRates = 3000, []int{20}
 	s.Legs = slices.Clone(allLegs)
 	res := run(t, s)
 	require.NoError(t, res.write(s.Out))
 	kinds := map[string]int{}
 	for _, l := range res.Legs {
 		kinds[l.Tool+" / "+l.Kind]++
-		if l.Kind == kindInitial {
+		if l.Kind == kindInitial || l.Kind == kindRelInitial {
+			require.Positive(t, l.Seconds, "%+v", l)
+			continue
+		}
+		if l.Kind == kindRelRename {
+			require.Equal(t, int64(3000), l.Docs, "%+v", l)
 			require.Positive(t, l.Seconds, "%+v", l)
 			continue
 		}
@@ -230,7 +263,9 @@ func TestPeersSmallRound(t *testing.T) {
 		require.Len(t, l.latencies, l.Events)
 	}
 	require.Equal(t, map[string]int{pgsyncName + " / " + kindInitial: 1, pgsyncName + " / " + kindChanges: 1, pgsyncName + " / " + kindDeletes: 1,
-		ourName + " / " + kindInitial: 1, ourName + " / " + kindEvents: 1, ourName + " / " + kindChanges: 1, ourName + " / " + kindDeletes: 1}, kinds)
+		ourName + " / " + kindInitial: 1, ourName + " / " + kindEvents: 1, ourName + " / " + kindChanges: 1, ourName + " / " + kindDeletes: 1,
+		pgsyncName + " / " + kindRelInitial: 1, pgsyncName + " / " + kindRelChanges: 1, pgsyncName + " / " + kindRelRename: 1,
+		ourName + " / " + kindRelInitial: 1, ourName + " / " + kindRelChanges: 1, ourName + " / " + kindRelRename: 1}, kinds)
 	for _, f := range []string{"peers.md", "peers.json", "peers-throughput.png", "peers-latency.png"} {
 		st, err := os.Stat(filepath.Join(s.Out, f))
 		require.NoError(t, err)
@@ -245,9 +280,17 @@ func run(tb testing.TB, s settings) *results {
 	check(tb, err)
 	res := &results{Date: time.Now().UTC(), Machine: machine(), Rows: s.Rows, Rounds: s.Rounds, Settings: s, Debezium: dz}
 	for round := 1; round <= s.Rounds; round++ {
-		legs := []func(){func() { res.add(e.pgsync(tb, round)) }, func() { res.add(e.outboxrelay(tb, round)) }}
-		if round%2 == 0 {
-			legs[0], legs[1] = legs[1], legs[0]
+		var legs []func()
+		if s.RunsRecords() {
+			legs = append(legs, func() { res.add(e.pgsync(tb, round)) }, func() { res.add(e.outboxrelay(tb, round)) })
+		}
+		if s.Runs(legRelations) {
+			legs = append(legs, func() { res.add(e.pgsyncRelations(tb, round)) }, func() { res.add(e.outboxrelayRelations(tb, round)) })
+		}
+		if round%2 == 0 { // each pair in the other order
+			for i := 0; i+1 < len(legs); i += 2 {
+				legs[i], legs[i+1] = legs[i+1], legs[i]
+			}
 		}
 		for _, leg := range legs {
 			leg()
@@ -331,51 +374,15 @@ func (e *env) pgsync(b testing.TB, round int) []leg {
 	url, pool := e.database(b, dbName)
 	defer pool.Close()
 
-	dir := filepath.Join(e.dir, dbName)
-	check(b, os.MkdirAll(dir, 0o755))
 	schema := []map[string]any{{
 		"database": dbName, "index": index,
 		"nodes": map[string]any{"table": "source_records", "columns": []string{"id", "created_at", "tenant_id", "version", "deleted_at", "payload"}},
 	}}
-	raw, err := json.Marshal(schema)
-	check(b, err)
-	schemaFile := filepath.Join(dir, "schema.json")
-	check(b, os.WriteFile(schemaFile, raw, 0o644))
-	host, port := hostPort(b, url)
-	redisHost, redisPort, _ := strings.Cut(e.redis, ":")
-	pgEnv := []string{"PG_HOST=" + host, "PG_PORT=" + port, "PG_USER=postgres", "PG_PASSWORD=", "PG_DATABASE=" + dbName,
-		"ELASTICSEARCH_URL=" + e.search, "OPENSEARCH=true", "ELASTICSEARCH=false",
-		"REDIS_HOST=" + redisHost, "REDIS_PORT=" + redisPort, "CHECKPOINT_PATH=" + dir, "CONSOLE_LOGGING_HANDLER_MIN_LEVEL=WARNING",
-		// PGSync's search client gives up on a bulk after 10 s by default and
-		// exits; on two cores shared with make test's other packages a bulk
-		// into a new index took longer (ReadTimeoutError), twice.
-		"ELASTICSEARCH_TIMEOUT=120"}
+	pgEnv, schemaFile := e.pgsyncConfig(b, dbName, url, schema)
 	bin := func(n string) string { return filepath.Join(e.s.PGSyncBin, n) }
 
-	boot := testproc.Run(b, 10*time.Minute, bin("bootstrap"), pgEnv, "--config", schemaFile)
-	if boot.ExitCode() != 0 {
-		b.Fatalf("pgsync bootstrap: exit %d\n%s", boot.ExitCode(), lastLines(boot.Stderr(), 30))
-	}
-
-	// Initial sync: one-shot pgsync until every row is searchable.
 	want := int64(e.s.Rows)
-	start := time.Now()
-	p := testproc.Start(b, bin("pgsync"), pgEnv, "--config", schemaFile)
-	took := waitCount(b, e.search, index, want, 30*time.Minute, func() string {
-		select {
-		case <-p.Done():
-			if p.ExitCode() != 0 {
-				return fmt.Sprintf("pgsync exited %d\n%s", p.ExitCode(), lastLines(p.Stderr(), 30))
-			}
-		default:
-		}
-		return ""
-	}, start)
-	cpu := processCPU(p)
-	if err := p.Wait(5 * time.Minute); err != nil {
-		b.Fatalf("pgsync (initial sync) after every row was searchable: %v\n%s", err, lastLines(p.Stderr(), 40))
-	}
-	cpu = max(cpu, p.Cmd.ProcessState.UserTime()+p.Cmd.ProcessState.SystemTime())
+	took, cpu := e.pgsyncInitial(b, pgEnv, schemaFile, index, want)
 	legs := []leg{{Tool: pgsyncName, Kind: kindInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
 	b.Logf("pgsync round %d: %d rows searchable in %s (process CPU %s)", round, want, took.Round(time.Millisecond), cpu.Round(time.Millisecond))
 
@@ -402,59 +409,110 @@ func (e *env) pgsync(b testing.TB, round int) []leg {
 	return legs
 }
 
-// outboxrelay runs outboxrelay's legs of one round with the product defaults.
-func (e *env) outboxrelay(b testing.TB, round int) []leg {
-	ctx := context.Background()
-	dbName := fmt.Sprintf("outboxrelay_r%d", round)
-	defer e.dropDatabase(dbName)
-	url, pool := e.migratedSeeded(b, dbName)
-	defer pool.Close()
+// pgsyncConfig writes PGSync's schema for dbName (at url) and returns the
+// environment its commands run with and the schema file.
+func (e *env) pgsyncConfig(b testing.TB, dbName, url string, schema []map[string]any) ([]string, string) {
+	dir := filepath.Join(e.dir, dbName)
+	check(b, os.MkdirAll(dir, 0o755))
+	raw, err := json.Marshal(schema)
+	check(b, err)
+	schemaFile := filepath.Join(dir, "schema.json")
+	check(b, os.WriteFile(schemaFile, raw, 0o644))
+	host, port := hostPort(b, url)
+	redisHost, redisPort, _ := strings.Cut(e.redis, ":")
+	return []string{"PG_HOST=" + host, "PG_PORT=" + port, "PG_USER=postgres", "PG_PASSWORD=", "PG_DATABASE=" + dbName,
+		"ELASTICSEARCH_URL=" + e.search, "OPENSEARCH=true", "ELASTICSEARCH=false",
+		"REDIS_HOST=" + redisHost, "REDIS_PORT=" + redisPort, "CHECKPOINT_PATH=" + dir, "CONSOLE_LOGGING_HANDLER_MIN_LEVEL=WARNING",
+		// PGSync's search client gives up on a bulk after 10 s by default and
+		// exits; on two cores shared with make test's other packages a bulk
+		// into a new index took longer (ReadTimeoutError), twice.
+		"ELASTICSEARCH_TIMEOUT=120"}, schemaFile
+}
 
+// pgsyncInitial runs PGSync's bootstrap (not counted), then a one-shot
+// pgsync until index counts want documents: the time from its start and
+// its process CPU.
+func (e *env) pgsyncInitial(b testing.TB, pgEnv []string, schemaFile, index string, want int64) (time.Duration, time.Duration) {
+	bin := func(n string) string { return filepath.Join(e.s.PGSyncBin, n) }
+	boot := testproc.Run(b, 10*time.Minute, bin("bootstrap"), pgEnv, "--config", schemaFile)
+	if boot.ExitCode() != 0 {
+		b.Fatalf("pgsync bootstrap: exit %d\n%s", boot.ExitCode(), lastLines(boot.Stderr(), 30))
+	}
+	start := time.Now()
+	p := testproc.Start(b, bin("pgsync"), pgEnv, "--config", schemaFile)
+	took := waitCount(b, e.search, index, want, 30*time.Minute, func() string {
+		select {
+		case <-p.Done():
+			if p.ExitCode() != 0 {
+				return fmt.Sprintf("pgsync exited %d\n%s", p.ExitCode(), lastLines(p.Stderr(), 30))
+			}
+		default:
+		}
+		return ""
+	}, start)
+	cpu := processCPU(p)
+	if err := p.Wait(5 * time.Minute); err != nil {
+		b.Fatalf("pgsync (initial sync) after every row was searchable: %v\n%s", err, lastLines(p.Stderr(), 40))
+	}
+	return took, max(cpu, p.Cmd.ProcessState.UserTime()+p.Cmd.ProcessState.SystemTime())
+}
+
+// pipeline is outboxrelay's publisher and indexer for one database, with
+// a fresh topic and alias.
+type pipeline struct {
+	topic, alias string
+	env          []string // the processes' environment
+	pub, idx     *testproc.Proc
+	stop         func()
+}
+
+// alive reports why the publisher or the indexer is gone ("" while both run).
+func (p *pipeline) alive() string {
+	for _, pr := range []*testproc.Proc{p.pub, p.idx} {
+		select {
+		case <-pr.Done():
+			return fmt.Sprintf("%s exited %d\n%s", filepath.Base(pr.Cmd.Path), pr.ExitCode(), lastLines(pr.Stderr(), 30))
+		default:
+		}
+	}
+	return ""
+}
+
+// pipeline creates a topic and starts the publisher and the indexer on the
+// database at url; stop ends them and deletes the topic and the indices.
+func (e *env) pipeline(b testing.TB, url string) *pipeline {
+	ctx := context.Background()
 	topic, alias := stack.UniqueName("bench-peers"), stack.UniqueName("bench-peers")
-	defer deleteIndex(e.search, alias+"_v*")
 	kc := &kafka.Client{Addr: kafka.TCP(e.brokers...), Timeout: 30 * time.Second}
 	cr, err := kc.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{Topic: topic, NumPartitions: 8, ReplicationFactor: 1}}})
 	check(b, err)
 	for _, err := range cr.Errors {
 		check(b, err)
 	}
-	defer func() {
-		_, _ = kc.DeleteTopics(context.Background(), &kafka.DeleteTopicsRequest{Topics: []string{topic}})
-	}()
-
-	spec, err := batch.LoadSpec(filepath.Join(stack.RepoRoot(), "demo", "job.yaml"))
-	check(b, err)
-	spec.Topic = topic
-	raw, err := json.Marshal(spec)
-	check(b, err)
-	specFile := filepath.Join(e.dir, dbName+"-job.json")
-	check(b, os.WriteFile(specFile, raw, 0o644))
-	penv := []string{"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(e.brokers, ","), "ELASTICSEARCH_URL=" + e.search,
-		"TOPIC=" + topic, "GROUP=" + topic, "ALIAS=" + alias, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json", "LOG_LEVEL=warn"}
-	pub := testproc.Start(b, e.bins["publisher"], append(penv, "PUBLISHER_ID=bench-peers"), "run")
-	idx := testproc.Start(b, e.bins["indexer"], penv, "run")
-	defer func() {
-		for _, p := range []*testproc.Proc{pub, idx} {
+	pl := &pipeline{topic: topic, alias: alias,
+		env: []string{"DATABASE_URL=" + url, "KAFKA_BROKERS=" + strings.Join(e.brokers, ","), "ELASTICSEARCH_URL=" + e.search,
+			"TOPIC=" + topic, "GROUP=" + topic, "ALIAS=" + alias, "METRICS_ADDR=", "PROGRESS=off", "LOG_FORMAT=json", "LOG_LEVEL=warn"}}
+	pl.pub = testproc.Start(b, e.bins["publisher"], append(slices.Clone(pl.env), "PUBLISHER_ID=bench-peers"), "run")
+	pl.idx = testproc.Start(b, e.bins["indexer"], pl.env, "run")
+	pl.stop = func() {
+		for _, p := range []*testproc.Proc{pl.pub, pl.idx} {
 			_ = p.Signal(syscall.SIGTERM)
 			_ = p.Wait(30 * time.Second)
 		}
-	}()
-	alive := func() string {
-		for _, p := range []*testproc.Proc{pub, idx} {
-			select {
-			case <-p.Done():
-				return fmt.Sprintf("%s exited %d\n%s", filepath.Base(p.Cmd.Path), p.ExitCode(), lastLines(p.Stderr(), 30))
-			default:
-			}
-		}
-		return ""
+		_, _ = kc.DeleteTopics(context.Background(), &kafka.DeleteTopicsRequest{Topics: []string{topic}})
+		deleteIndex(e.search, alias+"_v*")
 	}
+	return pl
+}
 
-	want := int64(e.s.Rows - e.bad)
-	cpu0 := processCPU(pub) + processCPU(idx)
+// batcherInitial runs `batcher run --spec specFile` (one run) until alias
+// counts want documents, and waits for it to end: the time from its start
+// and the CPU of the batcher, the publisher and the indexer meanwhile.
+func (e *env) batcherInitial(b testing.TB, pl *pipeline, specFile string, want int64) (time.Duration, time.Duration) {
+	cpu0 := processCPU(pl.pub) + processCPU(pl.idx)
 	start := time.Now()
-	bp := testproc.Start(b, e.bins["batcher"], penv, "run", "--spec", specFile)
-	took := waitCount(b, e.search, alias, want, 30*time.Minute, func() string {
+	bp := testproc.Start(b, e.bins["batcher"], pl.env, "run", "--spec", specFile)
+	took := waitCount(b, e.search, pl.alias, want, 30*time.Minute, func() string {
 		select {
 		case <-bp.Done():
 			if bp.ExitCode() != 0 {
@@ -462,10 +520,45 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 			}
 		default:
 		}
-		return alive()
+		return pl.alive()
 	}, start)
 	check(b, bp.Wait(5*time.Minute))
-	cpu := processCPU(pub) + processCPU(idx) - cpu0 + bp.Cmd.ProcessState.UserTime() + bp.Cmd.ProcessState.SystemTime()
+	return took, processCPU(pl.pub) + processCPU(pl.idx) - cpu0 + bp.Cmd.ProcessState.UserTime() + bp.Cmd.ProcessState.SystemTime()
+}
+
+// followTrigger runs `batcher follow-trigger --install` for specFile.
+func (e *env) followTrigger(b testing.TB, pl *pipeline, specFile string) {
+	tr := testproc.Run(b, time.Minute, e.bins["batcher"], pl.env, "follow-trigger", "--spec", specFile, "--install")
+	if tr.ExitCode() != 0 {
+		b.Fatalf("batcher follow-trigger: exit %d\n%s", tr.ExitCode(), tr.Stderr())
+	}
+}
+
+// outboxrelay runs outboxrelay's legs of one round with the product defaults.
+func (e *env) outboxrelay(b testing.TB, round int) []leg {
+	dbName := fmt.Sprintf("outboxrelay_r%d", round)
+	defer e.dropDatabase(dbName)
+	url, pool := e.migratedSeeded(b, dbName)
+	defer pool.Close()
+
+	pl := e.pipeline(b, url)
+	defer pl.stop()
+	topic, alias, pub, idx := pl.topic, pl.alias, pl.pub, pl.idx
+
+	spec, err := batch.LoadSpec(filepath.Join(stack.RepoRoot(), "demo", "job.yaml"))
+	check(b, err)
+	spec.Topic = topic
+	// The demo's root fields, without its comments relation: these legs
+	// compare one table with PGSync's one-table schema (the relations leg
+	// compares documents from several tables).
+	spec.Document.Relations = nil
+	raw, err := json.Marshal(spec)
+	check(b, err)
+	specFile := filepath.Join(e.dir, dbName+"-job.json")
+	check(b, os.WriteFile(specFile, raw, 0o644))
+
+	want := int64(e.s.Rows - e.bad)
+	took, cpu := e.batcherInitial(b, pl, specFile, want)
 	legs := []leg{{Tool: ourName, Kind: kindInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
 	b.Logf("outboxrelay round %d: %d documents searchable in %s (processes CPU %s)", round, want, took.Round(time.Millisecond), cpu.Round(time.Millisecond))
 
@@ -479,7 +572,7 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 		l := w.run(b, rate, e.s.LegDuration, int64(round*100+50+i)*100_000_000, enqueue(topic), pub, idx)
 		l.Tool, l.Kind, l.Round = ourName, kindEvents, round
 		legs = append(legs, l)
-		if msg := alive(); msg != "" {
+		if msg := pl.alive(); msg != "" {
 			b.Fatal(msg)
 		}
 	}
@@ -502,12 +595,9 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 	check(b, err)
 	fspecFile := filepath.Join(e.dir, dbName+"-follow.json")
 	check(b, os.WriteFile(fspecFile, raw, 0o644))
-	tr := testproc.Run(b, time.Minute, e.bins["batcher"], penv, "follow-trigger", "--spec", fspecFile, "--install")
-	if tr.ExitCode() != 0 {
-		b.Fatalf("batcher follow-trigger: exit %d\n%s", tr.ExitCode(), tr.Stderr())
-	}
+	e.followTrigger(b, pl, fspecFile)
 	catchUp := time.Now()
-	fp := testproc.Start(b, e.bins["batcher"], penv, "run", "--spec", fspecFile, "--follow")
+	fp := testproc.Start(b, e.bins["batcher"], pl.env, "run", "--spec", fspecFile, "--follow")
 	defer func() { _ = fp.Signal(syscall.SIGTERM); _ = fp.Wait(time.Minute) }()
 	w.warmUp(b, fp, pub, idx)
 	b.Logf("outboxrelay round %d: follower's first run and one change searchable in %s", round, time.Since(catchUp).Round(time.Millisecond))
@@ -532,11 +622,16 @@ func (e *env) outboxrelay(b testing.TB, round int) []leg {
 // batcher binary and seeds the rows.
 func (e *env) migratedSeeded(b testing.TB, name string) (string, *pgxpool.Pool) {
 	url := e.createDatabase(b, name)
+	e.migrate(b, url)
+	return url, e.seed(b, name, url)
+}
+
+// migrate runs `batcher migrate` on the database at url.
+func (e *env) migrate(b testing.TB, url string) {
 	mig := testproc.Run(b, 5*time.Minute, e.bins["batcher"], []string{"DATABASE_URL=" + url, "LOG_LEVEL=warn"}, "migrate")
 	if mig.ExitCode() != 0 {
 		b.Fatalf("batcher migrate: exit %d\n%s", mig.ExitCode(), mig.Stderr())
 	}
-	return url, e.seed(b, name, url)
 }
 
 func machine() string {

@@ -33,7 +33,7 @@ type leg struct {
 	Kind       string  `json:"kind"`
 	Round      int     `json:"round"`
 	Docs       int64   `json:"docs,omitempty"`        // initial sync: documents searchable at the end
-	Seconds    float64 `json:"seconds,omitempty"`     // initial sync: start → all searchable
+	Seconds    float64 `json:"seconds,omitempty"`     // initial sync: start → all searchable; rename: commit → all searchable
 	ProcessCPU float64 `json:"process_cpu,omitempty"` // initial sync: CPU-s of the tool's own processes
 	Rate       int     `json:"rate,omitempty"`        // changes or events per second asked for
 	Achieved   float64 `json:"achieved,omitempty"`    // and committed
@@ -43,6 +43,9 @@ type leg struct {
 	P99ms      float64 `json:"p99_ms,omitempty"`
 	MaxMs      float64 `json:"max_ms,omitempty"`
 	latencies  []float64
+
+	// FirstSeconds: rename, commit → the first document searchable with the new name.
+	FirstSeconds float64 `json:"first_seconds,omitempty"`
 }
 
 type results struct {
@@ -177,11 +180,23 @@ const pgsyncName, ourName = "PGSync 7.3.0", "outboxrelay"
 
 func (r *results) markdown() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "`make bench-peers` — %s, %s; %d rows (bench-e2e seed), %d round(s), OpenSearch %s; medians over rounds\n\n",
-		r.Date.Format("2006-01-02 15:04 UTC"), r.Machine, r.Rows, r.Rounds, searchVersion())
+	var data []string
+	if r.Settings.RunsRecords() {
+		data = append(data, fmt.Sprintf("%d rows (bench-e2e seed)", r.Rows))
+	}
+	if r.Settings.Runs(legRelations) {
+		data = append(data, fmt.Sprintf("relations: a catalog of %d products, %d variants, brand 1 shared by %d products",
+			r.Settings.RelProducts, r.Settings.RelProducts*relVariants, r.Settings.relShared()))
+	}
+	fmt.Fprintf(&b, "`make bench-peers` — %s, %s; %s, %d round(s), OpenSearch %s; medians over rounds\n\n",
+		r.Date.Format("2006-01-02 15:04 UTC"), r.Machine, strings.Join(data, "; "), r.Rounds, searchVersion())
 	if r.Settings.Partial() {
-		fmt.Fprintf(&b, "**Partial run: only the latency legs %s (BENCH_PEERS_LEGS), beside the initial syncs every run needs; not the README's table.**\n\n",
-			strings.Join(r.Settings.Legs, ", "))
+		beside := ", beside the initial syncs every run needs"
+		if !r.Settings.RunsRecords() {
+			beside = ""
+		}
+		fmt.Fprintf(&b, "**Partial run: only the latency legs %s (BENCH_PEERS_LEGS)%s; not the README's table.**\n\n",
+			strings.Join(r.Settings.Legs, ", "), beside)
 	}
 	b.WriteString("| measurement | peer (PGSync 7.3.0; Debezium 3.6.1.Final) | outboxrelay | outboxrelay / peer |\n|---|---|---|---|\n")
 	sec := func(l leg) float64 { return l.Seconds }
@@ -199,11 +214,13 @@ func (r *results) markdown() string {
 	if okP && okO {
 		ratio = fmt.Sprintf("**%.2f×** time", os_/ps)
 	}
-	fmt.Fprintf(&b, "| initial sync, source → all searchable | %s | %s | %s |\n",
-		cell(okP, fmt.Sprintf("%.1f s (%.0f docs/s)", ps, float64(r.Rows)/ps)),
-		cell(okO, fmt.Sprintf("%.1f s (%.0f docs/s)", os_, float64(r.Rows-r.Rows/10_000)/os_)), ratio)
-	fmt.Fprintf(&b, "| initial sync, CPU-s of the tool's processes | %s | %s (batcher+publisher+indexer) | |\n",
-		cell(okP, fmt.Sprintf("%.1f", pcpu)), cell(okO, fmt.Sprintf("%.1f", ocpu)))
+	if r.Settings.RunsRecords() || okP || okO {
+		fmt.Fprintf(&b, "| initial sync, source → all searchable | %s | %s | %s |\n",
+			cell(okP, fmt.Sprintf("%.1f s (%.0f docs/s)", ps, float64(r.Rows)/ps)),
+			cell(okO, fmt.Sprintf("%.1f s (%.0f docs/s)", os_, float64(r.Rows-r.Rows/10_000)/os_)), ratio)
+		fmt.Fprintf(&b, "| initial sync, CPU-s of the tool's processes | %s | %s (batcher+publisher+indexer) | |\n",
+			cell(okP, fmt.Sprintf("%.1f", pcpu)), cell(okO, fmt.Sprintf("%.1f", ocpu)))
+	}
 	lat := func(tool, kind string, rate int) (string, float64, bool) {
 		p50, ok := r.median(tool, kind, rate, func(l leg) float64 { return l.P50ms })
 		if !ok {
@@ -259,14 +276,17 @@ func (r *results) markdown() string {
 		}
 		fmt.Fprintf(&b, "| outbox.Enqueue events at %d/s (UPDATE + event in one transaction), commit → searchable | no outbox (PGSync follows tables) | %s | |\n", rate, cell(o != "", o))
 	}
+	r.relationsRows(&b, lat)
 	r.debeziumRows(&b)
 	b.WriteString("| Camel OpenSearch sink connector (indexer's peer) | not measured: not attempted in this version (see bench/peers/README.md) | | |\n")
 
 	b.WriteString("\nEvery leg:\n\n| round | tool | leg | result |\n|---|---|---|---|\n")
 	for _, l := range r.Legs {
 		var res string
-		if l.Kind == kindInitial {
+		if l.Kind == kindInitial || l.Kind == kindRelInitial {
 			res = fmt.Sprintf("%d docs in %.1f s, process CPU %.1f s", l.Docs, l.Seconds, l.ProcessCPU)
+		} else if l.Kind == kindRelRename {
+			res = fmt.Sprintf("%d products searchable with the new brand name %.2f s after the commit (the first after %.2f s)", l.Docs, l.Seconds, l.FirstSeconds)
 		} else {
 			lost := "not searchable"
 			if l.Kind == kindDeletes {
@@ -281,6 +301,59 @@ func (r *results) markdown() string {
 	}
 	b.WriteString("\n![throughput](peers-throughput.png) ![latency](peers-latency.png)\n")
 	return b.String()
+}
+
+// relationsRows are the table rows of the relations leg (relations_test.go).
+func (r *results) relationsRows(b *strings.Builder, lat func(tool, kind string, rate int) (string, float64, bool)) {
+	if !r.Settings.Runs(legRelations) {
+		return
+	}
+	cell := func(ok bool, s string) string {
+		if !ok {
+			return "—"
+		}
+		return s
+	}
+	sec := func(l leg) float64 { return l.Seconds }
+	ps, okP := r.median(pgsyncName, kindRelInitial, 0, sec)
+	os_, okO := r.median(ourName, kindRelInitial, 0, sec)
+	pcpu, _ := r.median(pgsyncName, kindRelInitial, 0, func(l leg) float64 { return l.ProcessCPU })
+	ocpu, _ := r.median(ourName, kindRelInitial, 0, func(l leg) float64 { return l.ProcessCPU })
+	ratio := "—"
+	if okP && okO {
+		ratio = fmt.Sprintf("**%.2f×** time", os_/ps)
+	}
+	n := float64(r.Settings.RelProducts)
+	fmt.Fprintf(b, "| relations: initial sync of %d products with brand (object), %d variants (objects), categories through a join table (scalars) → all searchable (PGSync `children`; outboxrelay `document.relations`, incremental) | %s | %s | %s |\n",
+		r.Settings.RelProducts, r.Settings.RelProducts*relVariants,
+		cell(okP, fmt.Sprintf("%.1f s (%.0f docs/s), CPU %.1f s", ps, n/ps, pcpu)),
+		cell(okO, fmt.Sprintf("%.1f s (%.0f docs/s), CPU %.1f s", os_, n/os_, ocpu)), ratio)
+	for _, rate := range r.Settings.RelRates {
+		p, p99p, okP := lat(pgsyncName, kindRelChanges, rate)
+		o, p99o, okO := lat(ourName, kindRelChanges, rate)
+		ratio := "—"
+		if okP && okO {
+			ratio = fmt.Sprintf("**%.2f×** p99", p99o/p99p)
+		}
+		fmt.Fprintf(b, "| relations: variant UPDATEs at %d/s, commit → its product searchable with the change (PGSync `--daemon`; outboxrelay `batcher run --follow`) | %s | %s | %s |\n",
+			rate, cell(p != "", p), cell(o != "", o), ratio)
+	}
+	rename := func(tool string) (string, float64, bool) {
+		all, ok := r.median(tool, kindRelRename, 0, sec)
+		if !ok {
+			return "", 0, false
+		}
+		first, _ := r.median(tool, kindRelRename, 0, func(l leg) float64 { return l.FirstSeconds })
+		return fmt.Sprintf("%.2f s (the first after %.2f s)", all, first), all, true
+	}
+	p, pAll, okP := rename(pgsyncName)
+	o, oAll, okO := rename(ourName)
+	ratio = "—"
+	if okP && okO {
+		ratio = fmt.Sprintf("**%.2f×** time", oAll/pAll)
+	}
+	fmt.Fprintf(b, "| relations: brand shared by %d products renamed, commit → all of them searchable with the new name | %s | %s | %s |\n",
+		r.Settings.relShared(), cell(okP, p), cell(okO, o), ratio)
 }
 
 func b2f(b bool) float64 {
@@ -310,13 +383,18 @@ func searchVersion() string {
 
 func (r *results) throughputPlot(file string) error {
 	p := plot.New()
-	p.Title.Text = fmt.Sprintf("Initial sync of %d rows: documents searchable per second", r.Rows)
+	p.Title.Text = "Initial sync: documents searchable per second"
 	p.Y.Label.Text = "docs/s (median over rounds)"
 	var names []string
 	var vals plotter.Values
-	for _, tool := range []string{pgsyncName, ourName} {
-		if v, ok := r.median(tool, kindInitial, 0, func(l leg) float64 { return float64(l.Docs) / l.Seconds }); ok {
-			names, vals = append(names, tool), append(vals, v)
+	for _, k := range []struct{ kind, what string }{
+		{kindInitial, fmt.Sprintf("%d records", r.Rows)},
+		{kindRelInitial, fmt.Sprintf("%d products (relations)", r.Settings.RelProducts)},
+	} {
+		for _, tool := range []string{pgsyncName, ourName} {
+			if v, ok := r.median(tool, k.kind, 0, func(l leg) float64 { return float64(l.Docs) / l.Seconds }); ok {
+				names, vals = append(names, tool+", "+k.what), append(vals, v)
+			}
 		}
 	}
 	if len(vals) == 0 {
@@ -329,7 +407,7 @@ func (r *results) throughputPlot(file string) error {
 	bars.Color = color.RGBA{R: 60, G: 110, B: 180, A: 255}
 	p.Add(bars)
 	p.NominalX(names...)
-	return p.Save(6*vg.Inch, 4*vg.Inch, file)
+	return p.Save(max(6, 3.2*vg.Length(len(vals)))*vg.Inch, 4*vg.Inch, file) // room for each bar's label
 }
 
 func (r *results) latencyPlot(file string) error {
@@ -343,7 +421,7 @@ func (r *results) latencyPlot(file string) error {
 	groups := map[string][]float64{}
 	var keys []string
 	for _, l := range r.Legs {
-		if l.Kind == kindInitial || len(l.latencies) == 0 {
+		if l.Kind == kindInitial || l.Kind == kindRelInitial || l.Kind == kindRelRename || len(l.latencies) == 0 {
 			continue
 		}
 		k := fmt.Sprintf("%s %s %d/s", l.Tool, l.Kind, l.Rate)

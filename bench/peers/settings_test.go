@@ -74,3 +74,49 @@ func TestReportLegWithNothingSeen(t *testing.T) {
 	require.Contains(t, string(md), "| single-row hard DELETEs at 20/s, commit → gone from searches (PGSync `--daemon`; outboxrelay `batcher run --follow`, `vanished: delete`) | none gone from searches within 60 s (40/s committed) | p50 1.00 s / p99 1.95 s (40/s committed) | — |")
 	require.Contains(t, string(md), "| 1 | PGSync 7.3.0 | table deletes | 2 at 20/s (40/s committed): all 2 still searchable after 60 s |")
 }
+
+// TestReportRelationsRows: a relations-only run reports the catalog's
+// rows (initial sync with CPU, variant UPDATEs per rate, the shared brand's
+// rename with its first document) for both tools with their ratios, and
+// neither the bench-e2e rows' initial sync it did not run nor their count.
+func TestReportRelationsRows(t *testing.T) {
+	t.Setenv("PGSYNC_BIN", "/nonexistent")
+	t.Setenv("REDIS_SERVER", "/nonexistent")
+	t.Setenv("BENCH_PEERS_LEGS", "relations")
+	t.Setenv("BENCH_PEERS_REL_PRODUCTS", "20000")
+	t.Setenv("BENCH_PEERS_REL_RATES", "50")
+	s := load(t)
+	require.False(t, s.RunsRecords())
+	require.True(t, s.Partial())
+	ol := &openLoop{start: time.Now(), interval: 20 * time.Millisecond}
+	commits := []time.Time{ol.start, ol.start.Add(20 * time.Millisecond)}
+	slow := ol.result(50, 2, commits, []time.Time{ol.start.Add(4 * time.Second), ol.start.Add(8 * time.Second)})
+	slow.Tool, slow.Kind, slow.Round = pgsyncName, kindRelChanges, 1
+	fast := ol.result(50, 2, commits, []time.Time{ol.start.Add(time.Second), ol.start.Add(2 * time.Second)})
+	fast.Tool, fast.Kind, fast.Round = ourName, kindRelChanges, 1
+	r := &results{Settings: s, Rows: s.Rows, Rounds: 1, Legs: []leg{
+		{Tool: pgsyncName, Kind: kindRelInitial, Round: 1, Docs: 20000, Seconds: 20, ProcessCPU: 8},
+		{Tool: ourName, Kind: kindRelInitial, Round: 1, Docs: 20000, Seconds: 5, ProcessCPU: 1},
+		{Tool: pgsyncName, Kind: kindRelRename, Round: 1, Docs: 10000, Seconds: 40, FirstSeconds: 30},
+		{Tool: ourName, Kind: kindRelRename, Round: 1, Docs: 10000, Seconds: 10, FirstSeconds: 2},
+		slow, fast,
+	}}
+	dir := t.TempDir()
+	require.NoError(t, r.write(dir))
+	raw, err := os.ReadFile(filepath.Join(dir, "peers.md"))
+	require.NoError(t, err)
+	md := string(raw)
+	require.Contains(t, md, "; relations: a catalog of 20000 products, 100000 variants, brand 1 shared by 10000 products, 1 round(s)")
+	require.Contains(t, md, "**Partial run: only the latency legs relations (BENCH_PEERS_LEGS); not the README's table.**")
+	require.NotContains(t, md, "bench-e2e seed")
+	require.NotContains(t, md, "| initial sync, source → all searchable")
+	require.Contains(t, md, "→ all searchable (PGSync `children`; outboxrelay `document.relations`, incremental) | 20.0 s (1000 docs/s), CPU 8.0 s | 5.0 s (4000 docs/s), CPU 1.0 s | **0.25×** time |")
+	require.Contains(t, md, "| relations: variant UPDATEs at 50/s, commit → its product searchable with the change (PGSync `--daemon`; outboxrelay `batcher run --follow`) | p50 4.00 s / p99 7.98 s (100/s committed) | p50 1.00 s / p99 1.98 s (100/s committed) | **0.25×** p99 |")
+	require.Contains(t, md, "| relations: brand shared by 10000 products renamed, commit → all of them searchable with the new name | 40.00 s (the first after 30.00 s) | 10.00 s (the first after 2.00 s) | **0.25×** time |")
+	require.Contains(t, md, "| 1 | outboxrelay | relations: shared brand renamed | 10000 products searchable with the new brand name 10.00 s after the commit (the first after 2.00 s) |")
+	for _, f := range []string{"peers-throughput.png", "peers-latency.png"} {
+		st, err := os.Stat(filepath.Join(dir, f))
+		require.NoError(t, err)
+		require.Positive(t, st.Size(), f)
+	}
+}

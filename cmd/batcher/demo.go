@@ -12,18 +12,20 @@ import (
 // demoCommands returns `demo seed` and `demo change`, which create and
 // change the demo source table (source_records) for trying the pipeline.
 func demoCommands(stdout io.Writer) []cli.Command {
-	var rows, bad int
+	var rows, bad, comments int
 	var update, del, salt int
 	return []cli.Command{
 		cli.DBCommand{
 			Name:    "demo seed",
-			Summary: "create the demo table source_records and fill it (for trying the pipeline)",
+			Summary: "create the demo tables source_records and record_comments and fill them (for trying the pipeline)",
 			Synopsis: "Creates source_records (id, created_at, tenant_id, version, change_seq, deleted_at,\n" +
-				"payload) with its update trigger when missing and appends rows of ~500-byte payloads.\n" +
+				"payload) with its update trigger, and record_comments (comments on records, nested in the\n" +
+				"demo job's documents), when missing, and appends rows of ~500-byte payloads.\n" +
 				"Run the demo job on it: batcher run --spec demo/job.yaml",
 			Flags: func(fs *cli.FlagSet) {
 				fs.Int(&rows, "rows", "ROWS", 200_000, "rows to append")
 				fs.Int(&bad, "bad-every", "", 0, "make every N-th row malformed (no title), to try the quarantine; 0 = none")
+				fs.Int(&comments, "comments-every", "", 3, "give every N-th row two comments in record_comments (nested in the demo job's documents); 0 = none")
 			},
 			Check: func() error {
 				if rows <= 0 {
@@ -32,7 +34,7 @@ func demoCommands(stdout io.Writer) []cli.Command {
 				return nil
 			},
 			Run: func(ctx context.Context, db cli.DB) error {
-				if err := demo.Seed(ctx, db.Pool, demo.SeedOptions{Rows: rows, BadEvery: bad}); err != nil {
+				if err := demo.Seed(ctx, db.Pool, demo.SeedOptions{Rows: rows, BadEvery: bad, CommentEvery: comments}); err != nil {
 					return err
 				}
 				fmt.Fprintf(stdout, "source_records: %d rows appended\n", rows)

@@ -132,8 +132,15 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 		return fmt.Errorf("install the follow trigger on %s: %w", spec.Source.Table, err)
 	}
 	fmt.Fprintf(stdout, "follow trigger installed on %s (NOTIFY %s), with the delete capture (%s)\n", spec.Source.Table, batch.FollowChannel, batch.CaptureTrigger)
+	missing, err := batch.UnindexedJoins(ctx, pool, spec)
+	if err != nil {
+		return err
+	}
+	for _, m := range missing {
+		fmt.Fprintf(stdout, "warning: no index leads with join column %s\n", m)
+	}
 	if tables := batch.RelationTables(spec); len(tables) > 0 {
-		fmt.Fprintf(stdout, "relation capture and follow triggers installed on %s; install them again after every change of document.relations\n", strings.Join(tables, ", "))
+		fmt.Fprintf(stdout, "relation capture and follow triggers installed on %s; install them again after a change of the relations' tables, names or joins\n", strings.Join(tables, ", "))
 	}
 	return nil
 }

@@ -291,7 +291,9 @@ func printStatus(ctx context.Context, stdout io.Writer, pool *pgxpool.Pool, st [
 	if err := printOpenWritersWaits(ctx, stdout, pool, job); err != nil {
 		return err
 	}
-	// A full run's sweep of rows that vanished from its scope.
+	// A full run's sweep of rows that vanished from its scope, and a
+	// relation job's rebuild of the roots of related changes (REBUILT:
+	// roots read, CHANGED: documents that changed).
 	sweeps, err := batch.Sweeps(ctx, pool, job, runs)
 	if err != nil {
 		return err
@@ -299,9 +301,9 @@ func printStatus(ctx context.Context, stdout io.Writer, pool *pgxpool.Pool, st [
 	if len(sweeps) > 0 {
 		fmt.Fprintln(stdout)
 		tw = tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "JOB\tRUN\tSWEEP\tCURSOR\tCHECKED\tDELETED\tATTEMPTS\tOWNER\tERROR")
+		fmt.Fprintln(tw, "JOB\tRUN\tSWEEP\tCURSOR\tCHECKED\tDELETED\tREBUILT\tCHANGED\tATTEMPTS\tOWNER\tERROR")
 		for _, w := range sweeps {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", w.Job, w.RunID, w.State, deref(w.Cursor), w.Swept, w.Deleted, w.Attempt,
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\n", w.Job, w.RunID, w.State, deref(w.Cursor), w.Swept, w.Deleted, w.Rebuilt, w.RebuiltChanged, w.Attempt,
 				deref(w.LeaseOwner), strings.ReplaceAll(deref(w.Error), "\t", " "))
 		}
 		if err := tw.Flush(); err != nil {

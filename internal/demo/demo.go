@@ -35,9 +35,21 @@ type SeedOptions struct {
 	Rows int
 	// BadEvery makes every BadEvery-th row malformed (no title); 0 = none.
 	BadEvery int
+	// CommentEvery gives every CommentEvery-th new row two comments in
+	// record_comments (nested in the demo job's documents); 0 = none.
+	CommentEvery int
 	// Progress, if set, is called after each batch with the rows so far.
 	Progress func(done int)
 }
+
+// commentSQL gives every $3-th row of rows $1+1 .. $1+$2 (seedSQL's ids)
+// two comments.
+const commentSQL = `
+INSERT INTO record_comments (record_id, author, body, created_at)
+SELECT g * 3 + (g % 2), (ARRAY['ana','bo','chen','dara'])[1 + (g + c) % 4], 'Comment ' || c || ' on record ' || g,
+       timestamptz '2026-01-02 00:00:00+00' + g * interval '1 second' + c * interval '1 minute'
+FROM generate_series($1::bigint + 1, $1::bigint + $2::bigint) AS g, generate_series(1, 2) AS c
+WHERE g % $3 = 0`
 
 // Seed creates source_records when missing and inserts opts.Rows rows after
 // the ones already there, in batches of 50,000.
@@ -49,7 +61,7 @@ func Seed(ctx context.Context, pool *pgxpool.Pool, opts SeedOptions) error {
 	// writers: run it only when the table is missing, so seeding more rows
 	// into a live table does not stall the batchers reading it.
 	var exists bool
-	if err := pool.QueryRow(ctx, `SELECT to_regclass('source_records') IS NOT NULL`).Scan(&exists); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT to_regclass('source_records') IS NOT NULL AND to_regclass('record_comments') IS NOT NULL`).Scan(&exists); err != nil {
 		return fmt.Errorf("look for source_records: %w", err)
 	}
 	if !exists {
@@ -67,12 +79,17 @@ func Seed(ctx context.Context, pool *pgxpool.Pool, opts SeedOptions) error {
 		if _, err := pool.Exec(ctx, seedSQL, start+int64(done), n, opts.BadEvery); err != nil {
 			return fmt.Errorf("seed rows %d..%d: %w", done, done+n, err)
 		}
+		if opts.CommentEvery > 0 {
+			if _, err := pool.Exec(ctx, commentSQL, start+int64(done), n, opts.CommentEvery); err != nil {
+				return fmt.Errorf("seed the comments of rows %d..%d: %w", done, done+n, err)
+			}
+		}
 		done += n
 		if opts.Progress != nil {
 			opts.Progress(done)
 		}
 	}
-	if _, err := pool.Exec(ctx, `ANALYZE source_records`); err != nil {
+	if _, err := pool.Exec(ctx, `ANALYZE source_records, record_comments`); err != nil {
 		return fmt.Errorf("analyze source_records: %w", err)
 	}
 	return nil

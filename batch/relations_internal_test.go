@@ -1,0 +1,74 @@
+package batch
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// Test hooks of relations_more_test.go (package batch_test), which holds
+// the catalog fixture.
+
+// RelationPlans returns the EXPLAIN (FORMAT JSON) plans, with bound
+// arguments, of spec s's statements that read related rows: "chunk" (the
+// first keyset chunk, up to the last key), "work" (a relation chunk of up
+// to chunk.size queued roots) and "resolve" (the resolution of the
+// captures into roots). Nothing is forced: the planner picks.
+func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error) {
+	s = s.withDefaults()
+	c, err := compile(ctx, db, s)
+	if err != nil {
+		return nil, err
+	}
+	var last []string
+	if err := db.QueryRow(ctx, "SELECT "+c.cursorText("x.")+" FROM (SELECT "+c.rowColumnsKeysOnly()+" FROM "+c.table+" s ORDER BY "+c.orderBy(true)+" LIMIT 1) x").Scan(&last); err != nil {
+		return nil, err
+	}
+	var ids []string
+	if err := db.QueryRow(ctx, "SELECT array_agg(s."+q(s.Source.ID)+"::text) FROM (SELECT * FROM "+c.table+" s ORDER BY random() LIMIT $1) s", s.Chunk.Size).Scan(&ids); err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for name, x := range map[string]struct {
+		st stmt
+		a  *args
+	}{
+		"chunk":   {c.chunkFirst, &args{Boundary: last, Limit: s.Chunk.Size, Job: s.Job, Run: "r", Source: s.SourceName, PV: s.ProcessorVersion}},
+		"work":    {c.chunkWork, &args{IDs: ids, Job: s.Job, Run: "r", Source: s.SourceName, PV: s.ProcessorVersion}},
+		"resolve": {c.resolveRel, &args{Job: s.Job}},
+	} {
+		var plan string
+		if err := db.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+x.st.sql, x.st.bind(x.a)...).Scan(&plan); err != nil {
+			return nil, err
+		}
+		out[name] = plan
+	}
+	return out, nil
+}
+
+// PlanIndexes lists the indexes an EXPLAIN (FORMAT JSON) plan scans (index,
+// index-only and bitmap index scans).
+func PlanIndexes(t *testing.T, plan string) []string {
+	t.Helper()
+	var top []map[string]any
+	require.NoError(t, json.NewDecoder(strings.NewReader(plan)).Decode(&top))
+	var out []string
+	var walk func(map[string]any)
+	walk = func(n map[string]any) {
+		switch n["Node Type"] {
+		case "Index Scan", "Index Only Scan", "Bitmap Index Scan":
+			out = append(out, n["Index Name"].(string))
+		}
+		kids, _ := n["Plans"].([]any)
+		for _, k := range kids {
+			walk(k.(map[string]any))
+		}
+	}
+	for _, p := range top {
+		walk(p["Plan"].(map[string]any))
+	}
+	return out
+}
