@@ -208,6 +208,8 @@ func rfKinds(c *indexCheck) string {
 type rfHistory struct {
 	t *testing.T
 	p *pipeline
+	// followerEnv, when set, adds settings ("K=V") to each follower started.
+	followerEnv func() []string
 
 	rngMu sync.Mutex
 	rng   *rand.Rand // forks the writers' own
@@ -569,7 +571,11 @@ func (h *rfHistory) start(kind string) *testproc.Proc {
 	case "indexer":
 		return p.startIndexer("LOG_LEVEL=warn", "FLUSH_INTERVAL=100ms", "SESSION_TIMEOUT="+rfSession.String(), "HEARTBEAT_INTERVAL=1s")
 	default:
-		return p.startFollower("LOG_LEVEL=warn", "LEASE_TTL="+rfFollowerLease.String(), "OPEN_WRITERS_WAIT="+rfOpenWritersWait.String())
+		env := []string{"LOG_LEVEL=warn", "LEASE_TTL=" + rfFollowerLease.String(), "OPEN_WRITERS_WAIT=" + rfOpenWritersWait.String()}
+		if h.followerEnv != nil {
+			env = append(env, h.followerEnv()...)
+		}
+		return p.startFollower(env...)
 	}
 }
 
