@@ -2,13 +2,10 @@ package batch
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"strconv"
 	"time"
-
-	"github.com/cenkalti/backoff/v4"
 
 	"github.com/outboxrelay/outboxrelay/internal/tracing"
 )
@@ -31,7 +28,6 @@ const (
 // rebuildRelations works through the job's relation work. stopped is true
 // when a soft stop ended it at a chunk boundary (the lease released).
 func (r *Runner) rebuildRelations(soft, hard, ctx context.Context, l *sweepLease, cleanup context.Context, token string, log *slog.Logger) (stopped bool, err error) {
-	job, run := r.spec.Job, r.runID
 	size := r.spec.Chunk.Size
 	var roots, changed int64
 	start := time.Now()
@@ -43,26 +39,13 @@ func (r *Runner) rebuildRelations(soft, hard, ctx context.Context, l *sweepLease
 			log.Info("relation rebuild stopped at a chunk boundary", slog.Int64("roots", roots))
 			return true, nil
 		}
-		n, ch, err := r.relChunkWithRetry(ctx, token, size, log)
+		var n, ch int64
+		err := r.retrySweepChunk(ctx, "relation", log, func() (err error) {
+			n, ch, err = r.relChunk(ctx, token, size)
+			return err
+		})
 		if err != nil {
-			if cause := context.Cause(ctx); cause != nil && errors.Is(cause, ErrLeaseLost) {
-				err = cause
-			}
-			if isIdleTimeout(err) {
-				err = fmt.Errorf("%w: the relation rebuild of %s/%s: this worker stalled past its lease: %w", ErrLeaseLost, job, run, err)
-			}
-			switch {
-			case errors.Is(err, ErrLeaseLost):
-				log.Error("sweep lease lost; stopping without writing", slog.String("error", err.Error()))
-				return false, err
-			case hard.Err() != nil:
-				_ = l.release(cleanup)
-				return false, context.Cause(hard)
-			}
-			if ferr := l.fail(cleanup, err); ferr != nil {
-				log.Error("record sweep failure", slog.String("error", ferr.Error()))
-			}
-			return false, fmt.Errorf("relation rebuild of %s/%s: %w", job, run, err)
+			return false, r.sweepChunkFailed(ctx, hard, cleanup, l, "relation rebuild", log, err)
 		}
 		roots, changed = roots+n, changed+ch
 		if n > 0 {
@@ -76,30 +59,6 @@ func (r *Runner) rebuildRelations(soft, hard, ctx context.Context, l *sweepLease
 		log.Info("relation rebuild done", slog.Int64("roots", roots), slog.Int64("changed", changed), slog.Duration("took", time.Since(start)))
 	}
 	return false, nil
-}
-
-func (r *Runner) relChunkWithRetry(ctx context.Context, token string, size int, log *slog.Logger) (n, changed int64, err error) {
-	expo := backoff.NewExponentialBackOff()
-	expo.InitialInterval = time.Duration(r.spec.Errors.InitialBackoff)
-	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
-	expo.MaxElapsedTime = 0
-	bo := backoff.WithContext(backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries)), ctx)
-	op := func() error {
-		var err error
-		n, changed, err = r.relChunk(ctx, token, size)
-		if err != nil && (ctx.Err() != nil || !IsRetryable(err)) {
-			return backoff.Permanent(err)
-		}
-		return err
-	}
-	notify := func(err error, d time.Duration) {
-		if r.cfg.Metrics != nil {
-			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, reasonSweep).Inc()
-		}
-		log.Warn("relation chunk rolled back; retrying", slog.String("error", err.Error()), slog.Duration("backoff", d))
-	}
-	err = backoff.RetryNotify(op, bo, notify)
-	return n, changed, err
 }
 
 func (r *Runner) relChunk(ctx context.Context, token string, size int) (n, changed int64, err error) {

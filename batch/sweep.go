@@ -193,30 +193,14 @@ func (r *Runner) sweep(soft, hard context.Context) (bool, error) {
 			log.Info("sweep stopped at the last committed checkpoint", slog.Any("cursor", cursor))
 			return false, nil
 		}
-		n, last, dels, err := r.sweepChunkWithRetry(ctx, st, token, cursor, keys, size, log)
+		var n, dels int64
+		var last *string
+		err := r.retrySweepChunk(ctx, "sweep", log, func() (err error) {
+			n, last, dels, err = r.sweepChunk(ctx, st, token, cursor, keys, size)
+			return err
+		})
 		if err != nil {
-			if cause := context.Cause(ctx); cause != nil && errors.Is(cause, ErrLeaseLost) {
-				err = cause
-			}
-			if isIdleTimeout(err) {
-				// The server ended the chunk's session because this worker
-				// sent nothing for a lease TTL (stopped, starved): the
-				// lease is another worker's to take, the sweep is not
-				// failed.
-				err = fmt.Errorf("%w: the sweep of %s/%s: this worker stalled past its lease: %w", ErrLeaseLost, job, run, err)
-			}
-			switch {
-			case errors.Is(err, ErrLeaseLost):
-				log.Error("sweep lease lost; stopping without writing", slog.String("error", err.Error()))
-				return false, err
-			case hard.Err() != nil:
-				_ = l.release(cleanup)
-				return false, context.Cause(hard)
-			}
-			if ferr := l.fail(cleanup, err); ferr != nil {
-				log.Error("record sweep failure", slog.String("error", ferr.Error()))
-			}
-			return false, fmt.Errorf("sweep of %s/%s: %w", job, run, err)
+			return false, r.sweepChunkFailed(ctx, hard, cleanup, l, "sweep", log, err)
 		}
 		swept, deleted = swept+n, deleted+dels
 		if n > 0 {
@@ -242,17 +226,17 @@ func (r *Runner) finishSweep(cleanup context.Context, l *sweepLease, log *slog.L
 	return true, nil
 }
 
-// sweepChunkWithRetry runs one sweep chunk, retrying transient errors with
-// the spec's bounded backoff.
-func (r *Runner) sweepChunkWithRetry(ctx context.Context, st stmt, token string, cursor *string, keys []string, size int, log *slog.Logger) (n int64, last *string, deleted int64, err error) {
+// retrySweepChunk runs chunk, one chunk of the sweep phase (what: "sweep"
+// or "relation"), retrying transient errors with the spec's bounded
+// backoff.
+func (r *Runner) retrySweepChunk(ctx context.Context, what string, log *slog.Logger, chunk func() error) error {
 	expo := backoff.NewExponentialBackOff()
 	expo.InitialInterval = time.Duration(r.spec.Errors.InitialBackoff)
 	expo.MaxInterval = time.Duration(r.spec.Errors.MaxBackoff)
 	expo.MaxElapsedTime = 0
 	bo := backoff.WithContext(backoff.WithMaxRetries(expo, uint64(r.spec.Errors.MaxRetries)), ctx)
 	op := func() error {
-		var err error
-		n, last, deleted, err = r.sweepChunk(ctx, st, token, cursor, keys, size)
+		err := chunk()
 		if err != nil && (ctx.Err() != nil || !IsRetryable(err)) {
 			return backoff.Permanent(err)
 		}
@@ -262,10 +246,38 @@ func (r *Runner) sweepChunkWithRetry(ctx context.Context, st stmt, token string,
 		if r.cfg.Metrics != nil {
 			r.cfg.Metrics.Retries.WithLabelValues(r.spec.Job, reasonSweep).Inc()
 		}
-		log.Warn("sweep chunk rolled back; retrying", slog.String("error", err.Error()), slog.Duration("backoff", d))
+		log.Warn(what+" chunk rolled back; retrying", slog.String("error", err.Error()), slog.Duration("backoff", d))
 	}
-	err = backoff.RetryNotify(op, bo, notify)
-	return n, last, deleted, err
+	return backoff.RetryNotify(op, bo, notify)
+}
+
+// sweepChunkFailed ends the sweep phase after a chunk failed for good
+// (what: "sweep" or "relation rebuild") and returns the error to return: a
+// lost lease (another worker's to take, nothing recorded), a hard stop (the
+// lease released), or the failure, recorded on the sweep.
+func (r *Runner) sweepChunkFailed(ctx, hard, cleanup context.Context, l *sweepLease, what string, log *slog.Logger, err error) error {
+	job, run := r.spec.Job, r.runID
+	if cause := context.Cause(ctx); cause != nil && errors.Is(cause, ErrLeaseLost) {
+		err = cause
+	}
+	if isIdleTimeout(err) {
+		// The server ended the chunk's session because this worker sent
+		// nothing for a lease TTL (stopped, starved): the lease is another
+		// worker's to take, the sweep is not failed.
+		err = fmt.Errorf("%w: the %s of %s/%s: this worker stalled past its lease: %w", ErrLeaseLost, what, job, run, err)
+	}
+	switch {
+	case errors.Is(err, ErrLeaseLost):
+		log.Error("sweep lease lost; stopping without writing", slog.String("error", err.Error()))
+		return err
+	case hard.Err() != nil:
+		_ = l.release(cleanup)
+		return context.Cause(hard)
+	}
+	if ferr := l.fail(cleanup, err); ferr != nil {
+		log.Error("record sweep failure", slog.String("error", ferr.Error()))
+	}
+	return fmt.Errorf("%s of %s/%s: %w", what, job, run, err)
 }
 
 func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {

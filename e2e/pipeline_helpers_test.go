@@ -298,21 +298,9 @@ type indexDoc struct {
 // alias.
 func (p *pipeline) readIndex(ctx context.Context) map[string]indexDoc {
 	p.tb.Helper()
-	out := map[string]indexDoc{}
-	scroll := p.es.Scroll(p.alias + "-write").Size(5000).Version(true).KeepAlive("2m")
-	defer scroll.Clear(context.WithoutCancel(ctx))
-	for {
-		res, err := scroll.Do(ctx)
-		if err == io.EOF {
-			return out
-		}
-		require.NoError(p.tb, err)
-		for _, h := range res.Hits.Hits {
-			var src map[string]any
-			require.NoError(p.tb, json.Unmarshal(h.Source, &src))
-			out[h.Id] = indexDoc{Version: *h.Version, Source: src}
-		}
-	}
+	out, err := p.tryReadIndex(ctx)
+	require.NoError(p.tb, err)
+	return out
 }
 
 // normalized is a normalized_records row.

@@ -73,8 +73,9 @@ func (p *pipeline) commentsDiffer(ctx context.Context, withAt bool) (int, string
 	return bad, first
 }
 
-// tryReadIndex is readIndex for an index that may not exist or answer
-// yet (its first documents are on their way).
+// tryReadIndex reads every document (tombstones included) through the
+// write alias, or says why it could not (an index that does not exist or
+// answer yet: its first documents are on their way).
 func (p *pipeline) tryReadIndex(ctx context.Context) (map[string]indexDoc, error) {
 	out := map[string]indexDoc{}
 	scroll := p.es.Scroll(p.alias + "-write").Size(5000).Version(true).KeepAlive("2m")
