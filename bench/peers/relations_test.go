@@ -201,7 +201,7 @@ func (e *env) pgsyncRelations(b testing.TB, round int) []leg {
 
 	d := testproc.Start(b, filepath.Join(e.s.PGSyncBin, "pgsync"), pgEnv, "--config", schemaFile, "--daemon")
 	defer func() { _ = d.Signal(syscall.SIGTERM); _ = d.Wait(30 * time.Second) }()
-	return append(legs, e.relationsLive(b, pool, index, pgsyncName, round, 0, d)...)
+	return append(legs, e.relationsLive(b, pool, index, pgsyncName, round, 0, nil, d)...)
 }
 
 // relationsSpecYAML is outboxrelay's job for the catalog: the products
@@ -264,7 +264,9 @@ func (e *env) outboxrelayRelations(b testing.TB, round int) []leg {
 
 	fp := testproc.Start(b, e.bins["batcher"], pl.env, "run", "--spec", specFile, "--follow")
 	defer func() { _ = fp.Signal(syscall.SIGTERM); _ = fp.Wait(time.Minute) }()
-	return append(legs, e.relationsLive(b, pool, pl.alias, ourName, round, 50, fp, pl.pub, pl.idx)...)
+	tw := watchTopic(b, e.brokers, pl.topic)
+	defer tw.stop()
+	return append(legs, e.relationsLive(b, pool, pl.alias, ourName, round, 50, tw.seen, fp, pl.pub, pl.idx)...)
 }
 
 // relationsLive measures a running follower (PGSync's daemon, outboxrelay's
@@ -275,8 +277,12 @@ func (e *env) outboxrelayRelations(b testing.TB, round int) []leg {
 // time (PGSync's at 500/s on 200,000 products was: 2,000 of its changes
 // still not searchable a minute after the last commit). markBase keeps
 // the two tools' marks apart.
-func (e *env) relationsLive(b testing.TB, pool *pgxpool.Pool, index, tool string, round, markBase int, procs ...*testproc.Proc) []leg {
+func (e *env) relationsLive(b testing.TB, pool *pgxpool.Pool, index, tool string, round, markBase int, onTopic func(int64) (time.Time, bool), procs ...*testproc.Proc) []leg {
 	w := e.relWriter(pool, index)
+	w.onTopic = onTopic
+	if onTopic != nil {
+		w.docOf = func(variant int64) int64 { return (variant-1)/relVariants + 1 }
+	}
 	w.warmUp(b, procs...)
 	logDocument(b, e.search, index, "1")
 	l := renameBrand(b, pool, e.search, index, fmt.Sprintf("Brand 1 renamed r%d%s", round, stack.UniqueName("x")), int64(e.s.relShared()), procs...)

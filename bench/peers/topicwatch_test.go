@@ -1,0 +1,192 @@
+package bench_peers
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+)
+
+// topicWatch reads every partition of a topic from its end and notes when
+// each mark (any number under a "mark" key, at any depth of a message's
+// JSON value) first arrived: with the writer's commit times, commit → on
+// the topic, which splits a commit → searchable latency into the batcher
+// and publisher's part and the indexer and engine's part.
+type topicWatch struct {
+	mu     sync.Mutex
+	first  map[int64]time.Time
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// watchTopic starts reading topic's partitions (from their current ends).
+func watchTopic(b testing.TB, brokers []string, topic string) *topicWatch {
+	ctx, cancel := context.WithCancel(context.Background())
+	tw := &topicWatch{first: map[int64]time.Time{}, cancel: cancel}
+	conn, err := kafka.Dial("tcp", brokers[0])
+	check(b, err)
+	parts, err := conn.ReadPartitions(topic)
+	_ = conn.Close()
+	check(b, err)
+	for _, p := range parts {
+		r := kafka.NewReader(kafka.ReaderConfig{Brokers: brokers, Topic: topic, Partition: p.ID, MinBytes: 1, MaxBytes: 10 << 20, MaxWait: 100 * time.Millisecond})
+		check(b, r.SetOffset(kafka.LastOffset))
+		tw.wg.Add(1)
+		go func() {
+			defer tw.wg.Done()
+			defer r.Close()
+			for {
+				m, err := r.ReadMessage(ctx)
+				if err != nil {
+					if errors.Is(err, context.Canceled) || ctx.Err() != nil {
+						return
+					}
+					continue
+				}
+				now := time.Now()
+				var v any
+				if json.Unmarshal(m.Value, &v) != nil {
+					continue
+				}
+				tw.mu.Lock()
+				eachMark(v, func(mark int64) {
+					if _, ok := tw.first[mark]; !ok {
+						tw.first[mark] = now
+					}
+				})
+				tw.mu.Unlock()
+			}
+		}()
+	}
+	return tw
+}
+
+// eachMark calls f with every integer under a "mark" key in v.
+func eachMark(v any, f func(int64)) {
+	switch v := v.(type) {
+	case map[string]any:
+		for k, x := range v {
+			if n, ok := x.(float64); ok && k == "mark" {
+				f(int64(n))
+				continue
+			}
+			eachMark(x, f)
+		}
+	case []any:
+		for _, x := range v {
+			eachMark(x, f)
+		}
+	}
+}
+
+// seen returns when mark first arrived on the topic.
+func (tw *topicWatch) seen(mark int64) (time.Time, bool) {
+	tw.mu.Lock()
+	defer tw.mu.Unlock()
+	t, ok := tw.first[mark]
+	return t, ok
+}
+
+func (tw *topicWatch) stop() { tw.cancel(); tw.wg.Wait() }
+
+// realtimeWatch polls the documents of committed changes with a realtime
+// _mget (it reads what the engine has written, refreshed or not) and notes
+// when each first carried its change's mark: commit → indexed.
+type realtimeWatch struct {
+	docs      []atomic.Int64 // change i's document _id (0: not written yet)
+	committed []atomic.Bool
+	got       []time.Time // read after stop
+	cancel    context.CancelFunc
+	done      chan struct{}
+}
+
+func newRealtimeWatch(w *writer, n int, base int64) *realtimeWatch {
+	ctx, cancel := context.WithCancel(context.Background())
+	rt := &realtimeWatch{docs: make([]atomic.Int64, n), committed: make([]atomic.Bool, n), got: make([]time.Time, n), cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(rt.done)
+		tick := time.NewTicker(pollEvery)
+		defer tick.Stop()
+		lowest := 0
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			var ask []int
+			for i := lowest; i < n && len(ask) < 500; i++ {
+				if rt.got[i].IsZero() && rt.committed[i].Load() {
+					ask = append(ask, i)
+				}
+			}
+			if len(ask) == 0 {
+				continue
+			}
+			ids := make([]string, len(ask))
+			for k, i := range ask {
+				ids[k] = strconv.FormatInt(rt.docs[i].Load(), 10)
+			}
+			var res struct {
+				Docs []struct {
+					Source json.RawMessage `json:"_source"`
+				} `json:"docs"`
+			}
+			if err := searchPost(ctx, w.search, "/"+url.PathEscape(w.index)+"/_mget", map[string]any{"ids": ids}, &res); err != nil || len(res.Docs) != len(ask) {
+				continue
+			}
+			now := time.Now()
+			for k, i := range ask {
+				var v any
+				if json.Unmarshal(res.Docs[k].Source, &v) != nil {
+					continue
+				}
+				eachMark(v, func(m int64) {
+					if m == base+int64(i) {
+						rt.got[i] = now
+					}
+				})
+			}
+			for lowest < n && !rt.got[lowest].IsZero() {
+				lowest++
+			}
+		}
+	}()
+	return rt
+}
+
+func (rt *realtimeWatch) stop() {
+	rt.cancel()
+	<-rt.done
+}
+
+// refreshStats is the engine's refresh count and time on index so far.
+func refreshStats(search, index string) (count, millis int64, err error) {
+	resp, err := httpClient.Get(strings.TrimRight(search, "/") + "/" + url.PathEscape(index) + "/_stats/refresh")
+	if err != nil {
+		return 0, 0, err
+	}
+	defer resp.Body.Close()
+	var res struct {
+		All struct {
+			Primaries struct {
+				Refresh struct {
+					Total  int64 `json:"total"`
+					Millis int64 `json:"total_time_in_millis"`
+				} `json:"refresh"`
+			} `json:"primaries"`
+		} `json:"_all"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&res); err != nil {
+		return 0, 0, err
+	}
+	return res.All.Primaries.Refresh.Total, res.All.Primaries.Refresh.Millis, nil
+}
