@@ -157,6 +157,7 @@ type result struct {
 	rows                            int
 	total, batched, drained, caught time.Duration
 	cpu                             cpu
+	statements                      []clientShare // PostgreSQL's share by client (nil: not measured)
 }
 
 func BenchmarkPipeline(b *testing.B) {
@@ -215,6 +216,11 @@ func resultTable(results []result, ownServers bool) string {
 			r.name, r.rows, r.total.Seconds(), r.batched.Seconds(), r.drained.Seconds(), r.caught.Seconds(),
 			per(c.Postgres), per(c.Kafka), per(c.Search), per(c.Batcher), per(c.Publisher), per(c.Indexer), per(c.Bench), per(sum))
 	}
+	for _, r := range results {
+		if r.statements != nil {
+			out.WriteString("\n" + statementsTable(r.name, r.rows, r.cpu.Postgres, r.statements))
+		}
+	}
 	return out.String()
 }
 
@@ -271,14 +277,14 @@ func runOnce(b *testing.B, s settings, srv *servers) result {
 		if !s.Defaults {
 			e = append(e, "BATCH_SIZE="+strconv.Itoa(s.PublisherBatch))
 		}
-		publishers = append(publishers, testproc.Start(b, bins["publisher"], append(e, envList(s.PublisherEnv)...), "run"))
+		publishers = append(publishers, testproc.Start(b, bins["publisher"], asRole(append(e, envList(s.PublisherEnv)...), clientRoles["publisher"]), "run"))
 	}
 	for range s.Indexers {
 		e := with()
 		if !s.Defaults {
 			e = append(e, "LANES="+strconv.Itoa(s.IndexerLanes), "BATCH_SIZE="+strconv.Itoa(s.IndexerBatch), "BATCH_BYTES="+strconv.Itoa(16<<20))
 		}
-		indexers = append(indexers, testproc.Start(b, bins["indexer"], append(e, envList(s.IndexerEnv)...), "run"))
+		indexers = append(indexers, testproc.Start(b, bins["indexer"], asRole(append(e, envList(s.IndexerEnv)...), clientRoles["indexer"]), "run"))
 	}
 	procs := slices.Concat(publishers, indexers)
 	logs := func() string {
@@ -289,6 +295,11 @@ func runOnce(b *testing.B, s settings, srv *servers) result {
 		return out.String()
 	}
 
+	stmts, why, err := prepareStatements(ctx, pool)
+	check(b, err)
+	if !stmts {
+		b.Logf("no split of PostgreSQL's share by client: %s", why)
+	}
 	cpu0 := srv.read()
 	b.StartTimer()
 	start := time.Now()
@@ -296,7 +307,7 @@ func runOnce(b *testing.B, s settings, srv *servers) result {
 	if !s.Defaults {
 		args = append(args, "--workers", strconv.Itoa(s.BatcherWorkers))
 	}
-	bp := testproc.Start(b, bins["batcher"], with(), args...)
+	bp := testproc.Start(b, bins["batcher"], asRole(with(), clientRoles["batcher"]), args...)
 	var batched, drained, caught time.Duration
 	var peakBacklog int64
 	deadline := start.Add(20 * time.Minute)
@@ -355,6 +366,12 @@ func runOnce(b *testing.B, s settings, srv *servers) result {
 		used.Indexer += procCPU(p)
 	}
 
+	var shares []clientShare
+	if stmts {
+		shares, err = readStatements(ctx, pool)
+		check(b, err)
+	}
+
 	docs := float64(int64(s.Rows) - bad)
 	b.ReportMetric(total.Seconds(), "e2e_s")
 	b.ReportMetric(float64(s.Rows)/total.Seconds(), "rows/s_e2e")
@@ -367,7 +384,7 @@ func runOnce(b *testing.B, s settings, srv *servers) result {
 		drained.Round(time.Millisecond), docs/drained.Seconds(), caught.Round(time.Millisecond), docs/caught.Seconds(), total.Round(time.Millisecond), peakBacklog)
 	b.Log(msg)
 	fmt.Println("bench-e2e:", msg)
-	return result{rows: s.Rows, total: total, batched: batched, drained: drained, caught: caught, cpu: used}
+	return result{rows: s.Rows, total: total, batched: batched, drained: drained, caught: caught, cpu: used, statements: shares}
 }
 
 // envList splits "K=V,K=V" into environment entries.

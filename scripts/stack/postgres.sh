@@ -93,6 +93,8 @@ full_page_writes = off
 max_wal_size = 4GB
 checkpoint_timeout = 30min
 log_min_messages = warning
+# Per-statement time and WAL: bench-e2e splits PostgreSQL's share by client.
+shared_preload_libraries = 'pg_stat_statements'
 CONF
   fi
   [[ $(id -u) -eq 0 ]] && chown -R postgres "$STATE"
