@@ -28,6 +28,8 @@ import (
 	kjson "k8s.io/apimachinery/pkg/runtime/serializer/json"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	kyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/kustomize/api/krusty"
+	"sigs.k8s.io/kustomize/kyaml/filesys"
 	"sigs.k8s.io/yaml"
 
 	"github.com/outboxrelay/outboxrelay/deploy/kubernetes/internal/configmaps"
@@ -181,6 +183,41 @@ func TestManifestsDecodeStrictly(t *testing.T) {
 	got := slices.Sorted(slices.Values(k.Resources))
 	if !slices.Equal(got, want) {
 		t.Errorf("kustomization.yaml resources %v, want the manifests %v", got, want)
+	}
+}
+
+// TestKustomizationBuilds renders kustomization.yaml as `kubectl apply -k`
+// does (kustomize's Go API) and decodes what it gives strictly: the same
+// objects as the files, the Secret's example aside.
+func TestKustomizationBuilds(t *testing.T) {
+	m, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(filesys.MakeFsOnDisk(), ".")
+	if err != nil {
+		t.Fatalf("kustomize build: %v", err)
+	}
+	out, err := m.AsYaml()
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := func(o runtime.Object) string {
+		return fmt.Sprintf("%T %s", o, o.(metav1.Object).GetName())
+	}
+	var got, want []string
+	for i, doc := range splitDocuments(t, out) {
+		obj, err := decodeStrict(doc)
+		if err != nil {
+			t.Fatalf("kustomize build, document %d: %v", i+1, err)
+		}
+		got = append(got, name(obj))
+	}
+	for _, d := range documents(t) {
+		if d.file != secretExample {
+			want = append(want, name(d.obj))
+		}
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("kustomize build gives %v, want the manifests' %v", got, want)
 	}
 }
 
