@@ -221,6 +221,112 @@ func TestKustomizationBuilds(t *testing.T) {
 	}
 }
 
+// TestReadmeOverlayBuilds builds the overlay of README.md on top of this
+// directory, in memory, and checks it sets what it says: the image, the
+// namespace and the patched setting.
+func TestReadmeOverlayBuilds(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var overlay string
+	for _, b := range fencedBlocks(string(readme), "yaml") {
+		if strings.Contains(b, "kind: Kustomization") {
+			overlay = b
+		}
+	}
+	if overlay == "" {
+		t.Fatal("README.md: no yaml block with kind: Kustomization")
+	}
+	fs := filesys.MakeFsInMemory()
+	files, err := filepath.Glob("*.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := fs.WriteFile("/deploy/kubernetes/"+f, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := fs.WriteFile("/deploy/my-cluster/kustomization.yaml", []byte(overlay)); err != nil {
+		t.Fatal(err)
+	}
+	m, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(fs, "/deploy/my-cluster")
+	if err != nil {
+		t.Fatalf("kustomize build of the README's overlay: %v", err)
+	}
+	out, err := m.AsYaml()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var objects, containers int
+	var url string
+	for i, doc := range splitDocuments(t, out) {
+		obj, err := decodeStrict(doc)
+		if err != nil {
+			t.Fatalf("the README's overlay, document %d: %v", i+1, err)
+		}
+		objects++
+		if ns := obj.(metav1.Object).GetNamespace(); ns != "outboxrelay" {
+			t.Errorf("the README's overlay: %T %s in namespace %q", obj, obj.(metav1.Object).GetName(), ns)
+		}
+		var spec *corev1.PodSpec
+		switch o := obj.(type) {
+		case *appsv1.Deployment:
+			spec = &o.Spec.Template.Spec
+		case *batchv1.Job:
+			spec = &o.Spec.Template.Spec
+		case *batchv1.CronJob:
+			spec = &o.Spec.JobTemplate.Spec.Template.Spec
+		default:
+			continue
+		}
+		for _, c := range allContainers(spec) {
+			containers++
+			if c.Image != "registry.example.com/outboxrelay:1.0" {
+				t.Errorf("the README's overlay: container %s has image %q", c.Name, c.Image)
+			}
+			if c.Name == "indexer" {
+				url, _ = env(c, "ELASTICSEARCH_URL")
+				if n := len(c.Env); n < 10 {
+					t.Errorf("the README's overlay: the indexer has %d environment variables left: the patch replaced the list", n)
+				}
+			}
+		}
+	}
+	if objects == 0 || containers == 0 {
+		t.Fatalf("the README's overlay: %d objects, %d containers", objects, containers)
+	}
+	if url != "https://search.prod.internal:9200" {
+		t.Errorf("the README's overlay: indexer ELASTICSEARCH_URL %q, want the patched one", url)
+	}
+}
+
+// fencedBlocks returns the fenced code blocks of markdown in the given
+// language, without the indentation of their fence.
+func fencedBlocks(markdown, lang string) []string {
+	var out []string
+	var block []string
+	indent, in := "", false
+	for _, line := range strings.Split(markdown, "\n") {
+		trimmed := strings.TrimLeft(line, " ")
+		switch {
+		case !in && trimmed == "```"+lang:
+			in, indent, block = true, line[:len(line)-len(trimmed)], nil
+		case in && trimmed == "```":
+			in = false
+			out = append(out, strings.Join(block, "\n")+"\n")
+		case in:
+			block = append(block, strings.TrimPrefix(line, indent))
+		}
+	}
+	return out
+}
+
 // TestStrictDecodingCatchesTypos shows the decoding above fails on a
 // misspelt field, at any depth and in any letter case, where a lenient
 // decoding (or kubectl apply --validate=false) would drop it silently.
