@@ -23,7 +23,7 @@ build: ## build the three binaries into bin/
 	$(GO) build -o bin/ ./cmd/batcher ./cmd/publisher ./cmd/indexer
 
 .PHONY: test
-test: test-alerts test-fuzz ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round)
+test: test-alerts test-deploy test-fuzz ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round)
 	@$(WITH_STACK) $(STACK) versions && \
 	eval "$$(bench/peers/setup.sh)" && \
 	$(GO) test $(TEST_FLAGS) -v -run 'Smoke|PostgresApart' ./internal/stack/ && \
@@ -36,6 +36,14 @@ test-alerts: ## check the Prometheus alert rules and run their unit tests (promt
 	@scripts/stack/prometheus.sh version >/dev/null # installs Debian's prometheus (promtool) when missing
 	promtool check rules deploy/prometheus/alerts.yml
 	cd deploy/prometheus && promtool test rules alerts_test.yml
+
+.PHONY: test-deploy
+test-deploy: ## check the Kubernetes manifests: strict decoding into k8s.io/api types, probes, PDBs, secrets, every setting against the binaries' --help (nested module deploy/kubernetes)
+	cd deploy/kubernetes && $(GO) vet ./... && $(GO) test -count=1 ./...
+
+.PHONY: k8s-configmaps
+k8s-configmaps: ## regenerate the Kubernetes ConfigMaps of the alert rules and the Grafana dashboard (deploy/kubernetes)
+	cd deploy/kubernetes && $(GO) generate ./...
 
 # Each fuzz target, its package and its budget in inputs (about 20 s each on
 # this 2-core machine). A count, not a duration: with -fuzztime=<duration>,
