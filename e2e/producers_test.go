@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,14 +24,16 @@ type producerExample struct {
 	lang string   // also the value of its "producer" header
 	dir  string   // under examples/producers
 	cmd  []string // run in dir, followed by id, name, price
-	// ready is a file the setup (`make producers`) leaves behind.
-	ready string
+	// ready is a file the setup (`make producers`) leaves behind, in dir;
+	// or, with readyCmd, a command that succeeds once it ran.
+	ready    string
+	readyCmd []string
 }
 
 // examples/producers/setup.sh installs python3-psycopg for Debian's
 // python3, hence its path.
 var producerExamples = []producerExample{
-	{lang: "python", dir: "python", cmd: []string{"/usr/bin/python3", "produce.py"}, ready: "/usr/lib/python3/dist-packages/psycopg/__init__.py"},
+	{lang: "python", dir: "python", cmd: []string{"/usr/bin/python3", "produce.py"}, readyCmd: []string{"/usr/bin/python3", "-c", "import psycopg"}},
 	{lang: "node", dir: "node", cmd: []string{"node", "produce.js"}, ready: "node_modules/pg/package.json"},
 	{lang: "java", dir: "java", cmd: []string{"java", "-jar", "target/produce.jar"}, ready: "target/produce.jar"},
 }
@@ -57,11 +60,16 @@ func TestProducerExamples(t *testing.T) {
 	ctx := context.Background()
 	root := filepath.Join(stack.RepoRoot(), "examples", "producers")
 	for _, ex := range producerExamples {
-		ready := ex.ready
-		if !filepath.IsAbs(ready) {
-			ready = filepath.Join(root, ex.dir, ready)
+		var err error
+		if ex.readyCmd != nil {
+			var out []byte
+			out, err = exec.Command(ex.readyCmd[0], ex.readyCmd[1:]...).CombinedOutput()
+			if err != nil {
+				err = fmt.Errorf("%v: %w: %s", ex.readyCmd, err, out)
+			}
+		} else {
+			_, err = os.Stat(filepath.Join(root, ex.dir, ex.ready))
 		}
-		_, err := os.Stat(ready)
 		require.NoErrorf(t, err, "the %s example is not set up: run `make producers` (examples/producers/setup.sh)", ex.lang)
 	}
 
