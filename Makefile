@@ -23,13 +23,17 @@ build: ## build the three binaries into bin/
 	$(GO) build -o bin/ ./cmd/batcher ./cmd/publisher ./cmd/indexer
 
 .PHONY: test
-test: test-alerts test-deploy test-fuzz ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round)
+test: test-alerts test-deploy test-fuzz producers ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round, and the producer examples' dependencies)
 	@$(WITH_STACK) $(STACK) versions && \
 	eval "$$(bench/peers/setup.sh)" && \
 	$(GO) test $(TEST_FLAGS) -v -run 'Smoke|PostgresApart' ./internal/stack/ && \
 	$(GO) test $(TEST_FLAGS) $$($(GO) list ./... | grep -v -e '/internal/stack$$' -e '/outboxrelay/outbox$$' -e '/outboxrelay/e2e$$') && \
 	$(GO) test $(TEST_FLAGS) ./outbox/ && \
 	$(GO) test $(TEST_FLAGS) ./e2e/
+
+.PHONY: producers
+producers: ## install and build the producer examples e2e/producers_test.go runs (python3-psycopg, npm ci, mvn package)
+	@examples/producers/setup.sh
 
 .PHONY: test-alerts
 test-alerts: ## check the Prometheus alert rules and run their unit tests (promtool)

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"encoding/json"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -17,7 +18,7 @@ func TestInsertEventsSQLWritesLikeEnqueue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := stack.Pool(t, stack.Database(t))
-	n, err := outbox.Enqueue(ctx, pool, outbox.Event{ID: outbox.EventID("src", "1", 1, "v1"), Topic: "t", AggregateType: "rec", AggregateID: "1", AggregateVersion: 1})
+	n, err := outbox.Enqueue(ctx, pool, outbox.Event{ID: outbox.EventID("src", "1", 1, "v1"), Topic: "t", AggregateType: "rec", AggregateID: "1", AggregateVersion: 1, Payload: json.RawMessage(`{}`)})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 

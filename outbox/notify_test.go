@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"encoding/json"
 	"slices"
 	"strconv"
 	"strings"
@@ -31,7 +32,7 @@ func TestNotifyNamesShards(t *testing.T) {
 	events := func(ids ...string) []outbox.Event {
 		var out []outbox.Event
 		for _, id := range ids {
-			out = append(out, outbox.Event{ID: outbox.EventID("notify", id, 1, "v1"), Topic: "t", AggregateID: id, AggregateVersion: 1})
+			out = append(out, outbox.Event{ID: outbox.EventID("notify", id, 1, "v1"), Topic: "t", AggregateID: id, AggregateVersion: 1, Payload: json.RawMessage(`{}`)})
 		}
 		return out
 	}
@@ -84,7 +85,7 @@ func TestWakeFromNotificationWithoutPolling(t *testing.T) {
 		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_shard_leases WHERE owner = $1`, pub.ID()).Scan(&held))
 		return held == outbox.NumShards
 	})
-	ev := outbox.Event{ID: outbox.EventID("wake", "42", 1, "v1"), Topic: topic, AggregateID: "42", AggregateVersion: 1}
+	ev := outbox.Event{ID: outbox.EventID("wake", "42", 1, "v1"), Topic: topic, AggregateID: "42", AggregateVersion: 1, Payload: json.RawMessage(`{}`)}
 	_, err := outbox.Enqueue(ctx, pool, ev)
 	require.NoError(t, err)
 	msgs := consumeAll(t, brokers, topic, map[string]bool{ev.ID: true}, time.Minute)

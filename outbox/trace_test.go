@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"encoding/json"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -24,9 +25,9 @@ func TestEnqueueCarriesTheCallersTraceParent(t *testing.T) {
 	defer span.End()
 	const own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 	_, err := outbox.Enqueue(ctx, pool,
-		outbox.Event{ID: outbox.EventID("s", "1", 1, "v1"), Topic: "t", AggregateID: "1", AggregateVersion: 1},
-		outbox.Event{ID: outbox.EventID("s", "2", 1, "v1"), Topic: "t", AggregateID: "2", AggregateVersion: 1, Headers: map[string]string{"x": "y"}},
-		outbox.Event{ID: outbox.EventID("s", "3", 1, "v1"), Topic: "t", AggregateID: "3", AggregateVersion: 1, Headers: map[string]string{outbox.HeaderTraceParent: own}},
+		outbox.Event{ID: outbox.EventID("s", "1", 1, "v1"), Topic: "t", AggregateID: "1", AggregateVersion: 1, Payload: json.RawMessage(`{}`)},
+		outbox.Event{ID: outbox.EventID("s", "2", 1, "v1"), Topic: "t", AggregateID: "2", AggregateVersion: 1, Payload: json.RawMessage(`{}`), Headers: map[string]string{"x": "y"}},
+		outbox.Event{ID: outbox.EventID("s", "3", 1, "v1"), Topic: "t", AggregateID: "3", AggregateVersion: 1, Payload: json.RawMessage(`{}`), Headers: map[string]string{outbox.HeaderTraceParent: own}},
 	)
 	require.NoError(t, err)
 	got := map[string]map[string]string{}

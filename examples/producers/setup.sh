@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs and builds what the producer examples need, for `make test`
+# (e2e/producers_test.go runs each example as a process):
+#   - python3-psycopg from Debian (psycopg 3 for Debian's /usr/bin/python3),
+#     with apt-get when missing
+#   - node/node_modules: `npm ci` from package-lock.json (pg)
+#   - java/target/produce.jar: `mvn package` (the PostgreSQL JDBC driver from
+#     Maven Central, cached in $CACHE_DIR/m2)
+# Needs node, npm, java (17+) and mvn on PATH; says which one is missing.
+set -euo pipefail
+
+DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$DIR/../.." && pwd)"
+CACHE_DIR="${CACHE_DIR:-$REPO/.cache}"
+PYTHON=/usr/bin/python3
+
+log() { echo "producers setup: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+for tool in node npm java mvn; do
+  command -v "$tool" >/dev/null || die "$tool not found: install it (Debian: apt-get install nodejs npm openjdk-17-jdk-headless maven)"
+done
+[[ -x $PYTHON ]] || die "$PYTHON not found: apt-get install python3"
+
+if ! "$PYTHON" -c 'import psycopg' 2>/dev/null; then
+  log "psycopg not importable by $PYTHON; installing Debian's python3-psycopg"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends python3-psycopg >&2 ||
+    die "apt-get install python3-psycopg failed (run it as root)"
+fi
+
+log "npm ci in examples/producers/node"
+(cd "$DIR/node" && npm ci --no-audit --no-fund --loglevel=error >&2) || die "npm ci failed in $DIR/node"
+
+jar="$DIR/java/target/produce.jar"
+if [[ -f $jar && -z "$(find "$DIR/java/pom.xml" "$DIR/java/src" -newer "$jar" -print -quit)" ]]; then
+  log "java/target/produce.jar is up to date"
+else
+  log "mvn package in examples/producers/java"
+  mkdir -p "$CACHE_DIR"
+  mvn -q -B -ntp -Dstyle.color=never -Dmaven.repo.local="$CACHE_DIR/m2" -f "$DIR/java/pom.xml" package >&2 ||
+    die "mvn package failed in $DIR/java"
+fi
