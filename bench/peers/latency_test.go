@@ -51,11 +51,6 @@ type writer struct {
 	// onTopic, when set, tells when a mark first arrived on the topic
 	// (topicWatch): the legs then report commit → on the topic too.
 	onTopic func(mark int64) (time.Time, bool)
-	// docOf maps a changed row's id to its document's _id: with onTopic,
-	// the legs also poll the changed documents with a realtime _mget and
-	// report commit → indexed (written, before the engine's refresh makes
-	// it searchable).
-	docOf func(id int64) int64
 }
 
 // enqueueFunc writes the application's event inside the writer's transaction.
@@ -99,9 +94,6 @@ func (w *writer) run(b testing.TB, rate int, d time.Duration, base int64, enq en
 		w.index, rate, l.Events, l.Achieved, l.P50ms, l.P99ms, l.MaxMs, l.Lost)
 	if l.TopicP99ms > 0 {
 		b.Logf("%s at %d/s: commit → on the topic p50 %.0f ms, p99 %.0f ms", w.index, rate, l.TopicP50ms, l.TopicP99ms)
-	}
-	if l.IndexedP99ms > 0 {
-		b.Logf("%s at %d/s: commit → indexed (realtime get) p50 %.0f ms, p99 %.0f ms", w.index, rate, l.IndexedP50ms, l.IndexedP99ms)
 	}
 	return l
 }
@@ -197,21 +189,9 @@ func (ol *openLoop) result(rate, n int, commits, seen []time.Time) leg {
 func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
 	ctx := context.Background()
 	commits, seen := make([]time.Time, n), make([]time.Time, n)
-	var rt *realtimeWatch
-	if w.docOf != nil {
-		rt = newRealtimeWatch(w, n, base)
-		defer rt.stop()
-	}
 	ol := w.openLoop(b, rate, n, commits, func(ctx context.Context, pool *pgxpool.Pool, i int, id int64) error {
-		if rt != nil {
-			rt.docs[i].Store(w.docOf(id))
-		}
 		return w.change(ctx, pool, id, base+int64(i), enq)
-	}, func(i int) {
-		if rt != nil {
-			rt.committed[i].Store(true)
-		}
-	})
+	}, nil)
 	defer ol.pool.Close()
 	errs, written := ol.errs, ol.written
 
@@ -271,19 +251,6 @@ func (w *writer) runN(b testing.TB, rate, n int, grace time.Duration, base int64
 		slices.Sort(lat)
 		if len(lat) > 0 {
 			l.TopicP50ms, l.TopicP99ms = quantile(lat, 0.50), quantile(lat, 0.99)
-		}
-	}
-	if rt != nil {
-		rt.stop()
-		var lat []float64
-		for i := range n {
-			if t := rt.got[i]; !t.IsZero() && !commits[i].IsZero() {
-				lat = append(lat, max(0, float64(t.Sub(commits[i]).Microseconds())/1000))
-			}
-		}
-		slices.Sort(lat)
-		if len(lat) > 0 {
-			l.IndexedP50ms, l.IndexedP99ms = quantile(lat, 0.50), quantile(lat, 0.99)
 		}
 	}
 	return l

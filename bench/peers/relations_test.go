@@ -280,13 +280,6 @@ func (e *env) outboxrelayRelations(b testing.TB, round int) []leg {
 func (e *env) relationsLive(b testing.TB, pool *pgxpool.Pool, index, tool string, round, markBase int, onTopic func(int64) (time.Time, bool), procs ...*testproc.Proc) []leg {
 	w := e.relWriter(pool, index)
 	w.onTopic = onTopic
-	// The realtime _mget is asked for (BENCH_PEERS_SPLIT=1), not always
-	// on: a realtime get of a document written since the last refresh
-	// makes the engine refresh its internal reader, work the measured
-	// latencies would otherwise not include.
-	if onTopic != nil && os.Getenv("BENCH_PEERS_SPLIT") == "1" {
-		w.docOf = func(variant int64) int64 { return (variant-1)/relVariants + 1 }
-	}
 	w.warmUp(b, procs...)
 	logDocument(b, e.search, index, "1")
 	l := renameBrand(b, pool, e.search, index, fmt.Sprintf("Brand 1 renamed r%d%s", round, stack.UniqueName("x")), int64(e.s.relShared()), procs...)

@@ -5,10 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"net/url"
-	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -96,77 +94,6 @@ func (tw *topicWatch) seen(mark int64) (time.Time, bool) {
 }
 
 func (tw *topicWatch) stop() { tw.cancel(); tw.wg.Wait() }
-
-// realtimeWatch polls the documents of committed changes with a realtime
-// _mget (it reads what the engine has written, refreshed or not) and notes
-// when each first carried its change's mark: commit → indexed.
-type realtimeWatch struct {
-	docs      []atomic.Int64 // change i's document _id (0: not written yet)
-	committed []atomic.Bool
-	got       []time.Time // read after stop
-	cancel    context.CancelFunc
-	done      chan struct{}
-}
-
-func newRealtimeWatch(w *writer, n int, base int64) *realtimeWatch {
-	ctx, cancel := context.WithCancel(context.Background())
-	rt := &realtimeWatch{docs: make([]atomic.Int64, n), committed: make([]atomic.Bool, n), got: make([]time.Time, n), cancel: cancel, done: make(chan struct{})}
-	go func() {
-		defer close(rt.done)
-		tick := time.NewTicker(pollEvery)
-		defer tick.Stop()
-		lowest := 0
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
-			var ask []int
-			for i := lowest; i < n && len(ask) < 500; i++ {
-				if rt.got[i].IsZero() && rt.committed[i].Load() {
-					ask = append(ask, i)
-				}
-			}
-			if len(ask) == 0 {
-				continue
-			}
-			ids := make([]string, len(ask))
-			for k, i := range ask {
-				ids[k] = strconv.FormatInt(rt.docs[i].Load(), 10)
-			}
-			var res struct {
-				Docs []struct {
-					Source json.RawMessage `json:"_source"`
-				} `json:"docs"`
-			}
-			if err := searchPost(ctx, w.search, "/"+url.PathEscape(w.index)+"/_mget", map[string]any{"ids": ids}, &res); err != nil || len(res.Docs) != len(ask) {
-				continue
-			}
-			now := time.Now()
-			for k, i := range ask {
-				var v any
-				if json.Unmarshal(res.Docs[k].Source, &v) != nil {
-					continue
-				}
-				eachMark(v, func(m int64) {
-					if m == base+int64(i) {
-						rt.got[i] = now
-					}
-				})
-			}
-			for lowest < n && !rt.got[lowest].IsZero() {
-				lowest++
-			}
-		}
-	}()
-	return rt
-}
-
-func (rt *realtimeWatch) stop() {
-	rt.cancel()
-	<-rt.done
-}
 
 // refreshStats is the engine's refresh count and time on index so far.
 func refreshStats(search, index string) (count, millis int64, err error) {
