@@ -16,8 +16,8 @@
 // (the topic it creates, the index it reads) use no TLS, SASL or search
 // credentials, so it refuses to start when a Kafka or search security
 // setting is in the environment rather than hand it to the binaries it
-// starts and connect around it. See README, "Connecting to a secured
-// cluster", for running the binaries against a secured cluster.
+// starts and connect around it. See docs/secured-clusters.md for running
+// the binaries against a secured cluster.
 package main
 
 import (
@@ -79,7 +79,7 @@ func main() {
 		os.Exit(2)
 	}
 	if set := securitySettings(os.Environ()); len(set) > 0 {
-		fmt.Fprintf(os.Stderr, "demo: %s set: the demo runs on the local plaintext stack only; unset them (see README, \"Connecting to a secured cluster\", to run the binaries on a secured cluster)\n", strings.Join(set, ", "))
+		fmt.Fprintf(os.Stderr, "demo: %s set: the demo runs on the local plaintext stack only; unset them (see docs/secured-clusters.md to run the binaries on a secured cluster)\n", strings.Join(set, ", "))
 		os.Exit(2)
 	}
 	if c.rows <= 0 {
@@ -240,7 +240,26 @@ SELECT r.id::text FROM r, i`).Scan(&commentedID)
 	fmt.Printf("  dead-lettered             %d (publisher + indexer)\n", dl)
 	fmt.Printf("  total demo time           %s\n", time.Since(start).Round(time.Millisecond))
 	fmt.Printf("\nSearch it yourself: curl '%s/%s/_search?q=title:kafka&size=3&pretty'\n", d.searchURL, d.alias)
+	printNextSteps(os.Stdout)
 	return nil
+}
+
+// nextSteps are the pages a demo user reads next, the first one the
+// walk-through with a table of their own.
+var nextSteps = [][2]string{
+	{"your own table, step by step", "docs/getting-started.md"},
+	{"job specs: fields, transforms, relations", "docs/job-specs.md"},
+	{"follow changes continuously, deletes", "docs/following-changes.md"},
+	{"run it in production", "docs/operating.md"},
+}
+
+// printNextSteps tells where to go from the demo.
+func printNextSteps(w io.Writer) {
+	fmt.Fprintf(w, "\n== where to go next ==\n")
+	for _, s := range nextSteps {
+		fmt.Fprintf(w, "  %-42s %s\n", s[0], s[1])
+	}
+	fmt.Fprintf(w, "  (README.md lists every page; make demo-down stops the stack)\n")
 }
 
 func step(name, format string, args ...any) {

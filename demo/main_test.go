@@ -1,6 +1,10 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -24,5 +28,20 @@ func TestSecuritySettingsAreRefused(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			require.Equal(t, tc.want, securitySettings(tc.environ))
 		})
+	}
+}
+
+// The demo ends by naming the pages to read next, the walk-through with
+// one's own table first, and each page it names exists.
+func TestNextStepsNameExistingPages(t *testing.T) {
+	t.Parallel()
+	var out strings.Builder
+	printNextSteps(&out)
+	pages := regexp.MustCompile(`docs/[a-z-]+\.md`).FindAllString(out.String(), -1)
+	require.NotEmpty(t, pages, out.String())
+	require.Equal(t, "docs/getting-started.md", pages[0], out.String())
+	for _, p := range pages {
+		_, err := os.Stat(filepath.Join("..", p))
+		require.NoError(t, err, "the demo points at %s", p)
 	}
 }

@@ -204,19 +204,19 @@ func TestCheckSelectorCatchesRenames(t *testing.T) {
 }
 
 // TestAlertsHaveRunbooks: every alert has a severity, a summary and a
-// runbook that names a README section.
+// runbook that names its section of docs/operating.md.
 func TestAlertsHaveRunbooks(t *testing.T) {
 	alerts, err := deploy.Alerts()
 	require.NoError(t, err)
 	require.NotEmpty(t, alerts)
-	readme := readFile(t, "../README.md")
+	page := readFile(t, "../docs/operating.md")
 	for _, a := range alerts {
 		require.Contains(t, []string{"page", "warning"}, a.Labels["severity"], a.Name)
 		require.NotEmpty(t, a.Annotations["summary"], a.Name)
-		anchor := "README.md#" + strings.ToLower(a.Name)
+		anchor := "docs/operating.md#" + strings.ToLower(a.Name)
 		require.Equal(t, anchor, a.Annotations["runbook"], a.Name)
-		// GitHub's anchor of a "#### OutboxBacklogOld" heading.
-		require.True(t, strings.Contains(readme, "\n#### "+a.Name+"\n"), "README has no runbook section \"#### %s\"", a.Name)
+		// GitHub's anchor of a "### OutboxBacklogOld" heading.
+		require.True(t, strings.Contains(page, "\n### "+a.Name+"\n"), "docs/operating.md has no runbook section \"### %s\"", a.Name)
 	}
 }
 

@@ -85,7 +85,7 @@ func TestNullValueDeleteReplayKeepsLaterRecord(t *testing.T) {
 
 // With NULL_VALUES=delete the indexer writes _pos into every document; an
 // index whose mapping is strict (it declares _deleted, _bucket and _idv,
-// as the README asks) must take it, or every document would be
+// the reserved fields docs/services.md lists) must take it, or every document would be
 // dead-lettered.
 func TestNullValueDeleteStrictMapping(t *testing.T) {
 	t.Parallel()

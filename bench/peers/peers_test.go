@@ -45,7 +45,8 @@
 // bench-peers`, which runs bench/peers/debezium only when it is listed. A
 // run of some legs only is a partial run: its results go to
 // bench/results/peers-partial/ unless BENCH_PEERS_OUT says otherwise, its
-// table says which legs it has, and it never rewrites the README's block.
+// table says which legs it has, and it never rewrites the block in
+// docs/benchmarks.md.
 //
 // Both tools read the same private PostgreSQL cluster (wal_level=logical,
 // which PGSync needs; one database per leg, seeded by the same SQL as
@@ -54,8 +55,8 @@
 //
 // Results go to bench/results/ (BENCH_PEERS_OUT): peers.md (the table),
 // peers.json, peers-throughput.png and peers-latency.png (CDFs); a full run
-// into the default directory also rewrites the README's "Latest make
-// bench-peers" block with the table.
+// into the default directory also rewrites the "Latest make bench-peers"
+// block of docs/benchmarks.md with the table.
 package bench_peers
 
 import (
@@ -191,7 +192,7 @@ func (s settings) RunsRecords() bool {
 }
 
 // Partial reports whether the run leaves a leg out: its table is not the
-// README's.
+// one in docs/benchmarks.md.
 func (s settings) Partial() bool {
 	for _, l := range allLegs {
 		if !s.Runs(l) {
@@ -201,10 +202,10 @@ func (s settings) Partial() bool {
 	return false
 }
 
-// RewritesReadme reports whether the run's table goes into the README's
-// bench-peers block: a full run into bench/results only, the block stands
+// RewritesBenchmarksPage reports whether the run's table goes into the
+// bench-peers block of docs/benchmarks.md: a full run into bench/results only, the block stands
 // for `make bench-peers`.
-func (s settings) RewritesReadme() bool {
+func (s settings) RewritesBenchmarksPage() bool {
 	rel, err := filepath.Rel(stack.RepoRoot(), s.Out)
 	return err == nil && rel == filepath.Join("bench", "results") && !s.Partial()
 }
@@ -231,8 +232,8 @@ func BenchmarkPeers(b *testing.B) {
 		table, err := os.ReadFile(filepath.Join(s.Out, "peers.md"))
 		check(b, err)
 		fmt.Printf("bench-peers:\n%s\n", table)
-		if s.RewritesReadme() {
-			check(b, updateReadme(filepath.Join(stack.RepoRoot(), "README.md"), filepath.Join("bench", "results"), string(table)))
+		if s.RewritesBenchmarksPage() {
+			check(b, updateBenchmarksPage(filepath.Join(stack.RepoRoot(), "docs", "benchmarks.md"), filepath.Join("..", "bench", "results"), string(table)))
 		}
 	}
 }

@@ -200,7 +200,7 @@ func (r *results) markdown() string {
 		if !r.Settings.RunsRecords() {
 			beside = ""
 		}
-		fmt.Fprintf(&b, "**Partial run: only the latency legs %s (BENCH_PEERS_LEGS)%s; not the README's table.**\n\n",
+		fmt.Fprintf(&b, "**Partial run: only the latency legs %s (BENCH_PEERS_LEGS)%s; not the table of docs/benchmarks.md.**\n\n",
 			strings.Join(r.Settings.Legs, ", "), beside)
 	}
 	b.WriteString("| measurement | peer (PGSync 7.3.0; Debezium 3.6.1.Final) | outboxrelay | outboxrelay / peer |\n|---|---|---|---|\n")
@@ -459,11 +459,11 @@ func (r *results) latencyPlot(file string) error {
 	return p.Save(8*vg.Inch, 5*vg.Inch, file)
 }
 
-// updateReadme puts the table and plots of the run between the bench-peers
-// markers of the README, so it shows the latest run; resultsDir is the
-// results' path relative to the README.
-func updateReadme(readme, resultsDir, table string) error {
-	raw, err := os.ReadFile(readme)
+// updateBenchmarksPage puts the table and plots of the run between the
+// bench-peers markers of docs/benchmarks.md, so it shows the latest run;
+// resultsDir is the results' path relative to the page.
+func updateBenchmarksPage(page, resultsDir, table string) error {
+	raw, err := os.ReadFile(page)
 	if err != nil {
 		return err
 	}
@@ -471,8 +471,8 @@ func updateReadme(readme, resultsDir, table string) error {
 	s := string(raw)
 	i, j := strings.Index(s, begin), strings.Index(s, end)
 	if i < 0 || j < i {
-		return fmt.Errorf("%s: no %q … %q markers", readme, strings.TrimSpace(begin), end)
+		return fmt.Errorf("%s: no %q … %q markers", page, strings.TrimSpace(begin), end)
 	}
 	table = strings.NewReplacer("](peers-", "]("+resultsDir+"/peers-").Replace(table)
-	return os.WriteFile(readme, []byte(s[:i+len(begin)]+table+s[j:]), 0o644)
+	return os.WriteFile(page, []byte(s[:i+len(begin)]+table+s[j:]), 0o644)
 }

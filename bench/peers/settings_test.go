@@ -12,12 +12,12 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/stack"
 )
 
-// TestPartialRunLeavesTheReadme: a run of some legs (BENCH_PEERS_LEGS)
+// TestPartialRunLeavesTheBenchmarksPage: a run of some legs (BENCH_PEERS_LEGS)
 // writes its own directory, says at the top of its table that it is
 // partial, has no rows of the legs it left out, and does not rewrite the
-// README's block, even when BENCH_PEERS_OUT names bench/results; a full run
+// block in docs/benchmarks.md, even when BENCH_PEERS_OUT names bench/results; a full run
 // into bench/results does.
-func TestPartialRunLeavesTheReadme(t *testing.T) {
+func TestPartialRunLeavesTheBenchmarksPage(t *testing.T) {
 	t.Setenv("PGSYNC_BIN", "/nonexistent")
 	t.Setenv("REDIS_SERVER", "/nonexistent")
 	resultsDir := filepath.Join(stack.RepoRoot(), "bench", "results")
@@ -26,7 +26,7 @@ func TestPartialRunLeavesTheReadme(t *testing.T) {
 	full := load(t)
 	require.False(t, full.Partial())
 	require.Equal(t, resultsDir, full.Out)
-	require.True(t, full.RewritesReadme())
+	require.True(t, full.RewritesBenchmarksPage())
 	require.NotContains(t, (&results{Settings: full}).markdown(), "Partial run")
 
 	t.Setenv("BENCH_PEERS_LEGS", "changes, deletes")
@@ -34,7 +34,7 @@ func TestPartialRunLeavesTheReadme(t *testing.T) {
 	require.Equal(t, []string{legChanges, legDeletes}, part.Legs)
 	require.True(t, part.Partial())
 	require.Equal(t, filepath.Join(resultsDir, "peers-partial"), part.Out)
-	require.False(t, part.RewritesReadme())
+	require.False(t, part.RewritesBenchmarksPage())
 	md := (&results{Settings: part}).markdown()
 	require.Contains(t, md, "**Partial run: only the latency legs changes, deletes")
 	require.Contains(t, md, "single-row hard DELETEs at 500/s")
@@ -43,7 +43,34 @@ func TestPartialRunLeavesTheReadme(t *testing.T) {
 	t.Setenv("BENCH_PEERS_OUT", resultsDir)
 	part = load(t)
 	require.Equal(t, resultsDir, part.Out)
-	require.False(t, part.RewritesReadme())
+	require.False(t, part.RewritesBenchmarksPage())
+}
+
+// TestUpdateBenchmarksPage: a full run's table goes between the
+// bench-peers markers of docs/benchmarks.md, with its plots linked from
+// the page's directory, and nothing outside the markers changes; a page
+// without the markers is an error, not a page left as it was.
+func TestUpdateBenchmarksPage(t *testing.T) {
+	orig, err := os.ReadFile(filepath.Join(stack.RepoRoot(), "docs", "benchmarks.md"))
+	require.NoError(t, err)
+	const begin, end = "<!-- bench-peers:begin -->\n", "<!-- bench-peers:end -->"
+	i, j := strings.Index(string(orig), begin), strings.Index(string(orig), end)
+	require.True(t, i >= 0 && j > i, "docs/benchmarks.md has no bench-peers markers")
+
+	page := filepath.Join(t.TempDir(), "benchmarks.md")
+	require.NoError(t, os.WriteFile(page, orig, 0o644))
+	table := "| measurement | peer |\n|---|---|\n\n![throughput](peers-throughput.png) ![latency](peers-latency.png)\n"
+	require.NoError(t, updateBenchmarksPage(page, filepath.Join("..", "bench", "results"), table))
+	got, err := os.ReadFile(page)
+	require.NoError(t, err)
+	want := string(orig[:i+len(begin)]) +
+		"| measurement | peer |\n|---|---|\n\n![throughput](../bench/results/peers-throughput.png) ![latency](../bench/results/peers-latency.png)\n" +
+		string(orig[j:])
+	require.Equal(t, want, string(got))
+
+	bare := filepath.Join(t.TempDir(), "README.md")
+	require.NoError(t, os.WriteFile(bare, []byte("# no markers\n"), 0o644))
+	require.ErrorContains(t, updateBenchmarksPage(bare, "bench/results", table), "no \"<!-- bench-peers:begin -->\"")
 }
 
 // TestReportLegWithNothingSeen: a leg none of whose changes showed in
@@ -107,7 +134,7 @@ func TestReportRelationsRows(t *testing.T) {
 	require.NoError(t, err)
 	md := string(raw)
 	require.Contains(t, md, "; relations: a catalog of 20000 products, 100000 variants, brand 1 shared by 10000 products, 1 round(s)")
-	require.Contains(t, md, "**Partial run: only the latency legs relations (BENCH_PEERS_LEGS); not the README's table.**")
+	require.Contains(t, md, "**Partial run: only the latency legs relations (BENCH_PEERS_LEGS); not the table of docs/benchmarks.md.**")
 	require.NotContains(t, md, "bench-e2e seed")
 	require.NotContains(t, md, "| initial sync, source → all searchable")
 	require.Contains(t, md, "→ all searchable (PGSync `children`; outboxrelay `document.relations`, incremental) | 20.0 s (1000 docs/s), CPU 8.0 s | 5.0 s (4000 docs/s), CPU 1.0 s | **0.25×** time |")
