@@ -1,7 +1,8 @@
 // Command docgen renders docs/configuration.md, the configuration
 // reference, from the binaries' own settings: it builds batcher, publisher
 // and indexer, asks each for its settings (the hidden sub-command
-// cli.SettingsCommand, JSON) and writes one table per sub-command. `make
+// cli.SettingsCommand, JSON) and writes one table per sub-command; and
+// the keys of a job spec from the declaration of batch.Spec. `make
 // docs` runs it; TestConfigurationReferenceIsCurrent fails when the
 // committed page differs from what it renders.
 //
@@ -44,7 +45,11 @@ func main() {
 	if err != nil {
 		fail(err)
 	}
-	text := render(bins)
+	spec, err := specFields(root)
+	if err != nil {
+		fail(err)
+	}
+	text := render(bins, spec)
 	switch *out {
 	case "-":
 		_, err = os.Stdout.WriteString(text)

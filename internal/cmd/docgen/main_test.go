@@ -21,11 +21,13 @@ func TestConfigurationReferenceIsCurrent(t *testing.T) {
 	require.NoError(t, err)
 	bins, err := collect(context.Background(), root)
 	require.NoError(t, err)
-	want := render(bins)
+	spec, err := specFields(root)
+	require.NoError(t, err)
+	want := render(bins, spec)
 	got, err := os.ReadFile(filepath.Join(root, page))
 	require.NoError(t, err, "%s is missing: run %s", page, regenerate)
 	if string(got) != want {
-		t.Fatalf("%s differs from the binaries' settings: run %s and commit it\n%s", page, regenerate, firstDifference(string(got), want))
+		t.Fatalf("%s differs from what the code declares (the binaries' settings, batch.Spec): run %s and commit it\n%s", page, regenerate, firstDifference(string(got), want))
 	}
 }
 
@@ -61,7 +63,7 @@ func TestRenderCommandTable(t *testing.T) {
 			{Flag: "db-url-file", Env: "DB_URL_FILE", Kind: "string", Usage: "file holding --db-url", SecretFile: true, FileOf: "db-url"},
 			{Flag: "dry", Kind: "boolean", Default: "false", Usage: "a | b, *not* <both>"},
 		},
-	}}}})
+	}}}}, nil)
 	for _, line := range []string{
 		"- [tool](#tool): [sync all](#tool-sync-all)",
 		"### tool sync all",

@@ -8,9 +8,10 @@ import (
 	"github.com/outboxrelay/outboxrelay/internal/cli"
 )
 
-// render is the page for the binaries' settings. It depends on nothing
-// but bins, so the same settings always give the same bytes.
-func render(bins []cli.Binary) string {
+// render is the page for the binaries' settings and the job spec's keys.
+// It depends on nothing but its arguments, so the same settings always
+// give the same bytes.
+func render(bins []cli.Binary, spec []specField) string {
 	var w strings.Builder
 	p := func(format string, args ...any) { fmt.Fprintf(&w, format, args...) }
 	p("# Configuration reference\n\n")
@@ -28,8 +29,8 @@ func render(bins []cli.Binary) string {
 	p("`OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, over\n")
 	p("`http/protobuf` only; `OTEL_SDK_DISABLED=true` turns it off; `OTEL_SERVICE_NAME` and\n")
 	p("`OTEL_RESOURCE_ATTRIBUTES` name the service (default: the binary's name).\n\n")
-	p("The fields of a job spec (the file of `batcher run --spec`) are not settings of a binary; the\n")
-	p("job-spec page describes them.\n\n")
+	p("The keys of a job spec file (`batcher run --spec`) are listed at the end, in\n")
+	p("[Job spec keys](#job-spec-keys).\n\n")
 	p("## Contents\n\n")
 	p("- [Environment variables](#environment-variables): every variable and the commands that read it\n")
 	for _, b := range bins {
@@ -38,6 +39,9 @@ func render(bins []cli.Binary) string {
 			links = append(links, fmt.Sprintf("[%s](#%s)", c.Name, anchor(b.Name+" "+c.Name)))
 		}
 		p("- [%s](#%s): %s\n", b.Name, anchor(b.Name), strings.Join(links, " · "))
+	}
+	if len(spec) > 0 {
+		p("- [Job spec keys](#job-spec-keys): every key of a job spec file\n")
 	}
 	p("\n")
 	renderEnvIndex(&w, bins)
@@ -59,6 +63,9 @@ func render(bins []cli.Binary) string {
 			}
 			p("\n")
 		}
+	}
+	if len(spec) > 0 {
+		renderSpec(&w, spec)
 	}
 	return strings.TrimRight(w.String(), "\n") + "\n"
 }
