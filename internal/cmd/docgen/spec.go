@@ -215,4 +215,3 @@ func renderSpec(w *strings.Builder, fields []specField) {
 	}
 	fmt.Fprintf(w, "\n")
 }
-
