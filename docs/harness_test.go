@@ -27,9 +27,12 @@ func fixture(t *testing.T, name string) page {
 // The harness runs a runnable page's sh blocks in one shell, in a new
 // working directory where the repository's files resolve, against the
 // page's own database with the release binaries, stops its background
-// block at the end, and runs no other block.
+// blocks (SIGKILL for one that ignores SIGTERM) and what else it left
+// running at the end, and runs no other block.
 func TestHarnessRunsAPage(t *testing.T) {
 	env := newRunEnv(t, stack.RepoRoot())
+	env.stopGrace = time.Second
+	env.timeout = 2 * time.Minute
 	r, err := env.run(t, fixture(t, "runnable.md"))
 	require.NoError(t, err)
 
@@ -52,12 +55,14 @@ func TestHarnessRunsAPage(t *testing.T) {
 	require.NoError(t, conn.QueryRow(ctx, "SELECT count(*) FROM outboxrelay_migrations").Scan(&migrations))
 	require.Positive(t, migrations)
 
-	// The background block is gone when run returns.
-	b, err := os.ReadFile(filepath.Join(r.dir, "background.pid"))
-	require.NoError(t, err)
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	require.NoError(t, err)
-	require.False(t, running(pid), "background block (pid %d) still runs", pid)
+	// The background blocks and the page's own `sleep 300 &` end with it.
+	for _, name := range []string{"background.pid", "stubborn.pid", "stray.pid"} {
+		b, err := os.ReadFile(filepath.Join(r.dir, name))
+		require.NoError(t, err)
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { return !running(pid) }, 10*time.Second, 50*time.Millisecond, "%s: pid %d still runs", name, pid)
+	}
 }
 
 // A failing command fails the page, naming the page, the line and the

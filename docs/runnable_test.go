@@ -28,6 +28,10 @@ func TestMain(m *testing.M) { stack.Main(m) }
 // processes' shutdown included.
 const runnablePageTimeout = 5 * time.Minute
 
+// backgroundStopGrace is how long a background block has to end after the
+// SIGTERM at the end of its page before it is killed.
+const backgroundStopGrace = 20 * time.Second
+
 // Every runnable page (see the package doc) runs, command by command,
 // against the real stack with the binaries built from this tree.
 func TestRunnableDocs(t *testing.T) {
@@ -66,7 +70,8 @@ type runEnv struct {
 	root, bin string
 	// The shared stack.
 	kafka, search string
-	timeout       time.Duration
+	timeout       time.Duration // per page
+	stopGrace     time.Duration // for background blocks after SIGTERM
 }
 
 func newRunEnv(t *testing.T, root string) *runEnv {
@@ -74,7 +79,7 @@ func newRunEnv(t *testing.T, root string) *runEnv {
 	kafka, search := strings.Join(stack.KafkaBrokers(t), ","), stack.ElasticsearchURL(t)
 	bin, err := releaseBinaries(root)
 	require.NoError(t, err)
-	return &runEnv{root: root, bin: bin, kafka: kafka, search: search, timeout: runnablePageTimeout}
+	return &runEnv{root: root, bin: bin, kafka: kafka, search: search, timeout: runnablePageTimeout, stopGrace: backgroundStopGrace}
 }
 
 var release struct {
@@ -103,20 +108,22 @@ func releaseBinaries(root string) (string, error) {
 
 // pageRun is one run of a page: its database, its run id, its script.
 type pageRun struct {
-	page    page
-	dir     string // the working directory
-	dbURL   string
-	runID   string
-	script  string
-	trace   string         // the file the script reports progress to
-	lineMap map[int]int    // script line → page line
-	blockAt map[string]int // "block N" → the page line of its first line
+	page   page
+	dir    string // the working directory
+	dbURL  string
+	runID  string
+	script string
+	trace  string // the file the script reports progress to
+	// stopGrace is how long background blocks get to end after SIGTERM.
+	stopGrace time.Duration
+	lineMap   map[int]int    // script line → page line
+	blockAt   map[string]int // "block N" → the page line of its first line
 }
 
 // run runs page p's sh blocks; the error names the page and the line
 // that failed, with the end of the output.
 func (e *runEnv) run(t *testing.T, p page) (*pageRun, error) {
-	r := &pageRun{page: p, dir: t.TempDir(), runID: "docs-" + randomHex(6)}
+	r := &pageRun{page: p, dir: t.TempDir(), runID: "docs-" + randomHex(6), stopGrace: e.stopGrace}
 	r.dbURL = newDatabase(t, strings.ReplaceAll(r.runID, "-", "_"))
 	entries, err := os.ReadDir(e.root)
 	if err != nil {
@@ -152,6 +159,9 @@ func (e *runEnv) run(t *testing.T, p page) (*pageRun, error) {
 	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
 	cmd.WaitDelay = 10 * time.Second
 	runErr := cmd.Run()
+	// What the page started and left running: its own `cmd &` (in the
+	// script's process group) and the background blocks' groups.
+	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 	r.killBackground()
 	if runErr == nil {
 		return r, nil
@@ -202,8 +212,23 @@ func (r *pageRun) build(path string) error {
 	add("__docs_trace="+q, 0)
 	add(`trap 'echo "err $LINENO" >> "$__docs_trace"' ERR`, 0)
 	add("__docs_bg=()", 0)
-	add(`__docs_stop() { local s=$?; local p; for p in "${__docs_bg[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; for p in "${__docs_bg[@]}"; do wait "$p" 2>/dev/null || true; done; exit "$s"; }`, 0)
-	add("trap __docs_stop EXIT", 0)
+	// On exit: SIGTERM to each background block's process group, up to
+	// stopGrace for them to end (a service shuts down cleanly), then
+	// SIGKILL.
+	for _, l := range []string{
+		`__docs_stop() {`,
+		`  local s=$? p i`,
+		`  trap - ERR`,
+		`  for p in "${__docs_bg[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done`,
+		fmt.Sprintf(`  for i in $(seq %d); do [ -z "$(jobs -rp)" ] && break; sleep 0.1; done`, int(r.stopGrace/(100*time.Millisecond))),
+		`  for p in "${__docs_bg[@]}"; do kill -KILL -- "-$p" 2>/dev/null || true; done`,
+		`  for p in "${__docs_bg[@]}"; do wait "$p" 2>/dev/null || true; done`,
+		`  exit "$s"`,
+		`}`,
+		`trap __docs_stop EXIT`,
+	} {
+		add(l, 0)
+	}
 	n := 0
 	for _, b := range r.page.blocks {
 		background := false
