@@ -61,7 +61,7 @@ func TestRenderCommandTable(t *testing.T) {
 		Settings: []cli.DescribedSetting{
 			{Flag: "db-url", Env: "DB_URL", Kind: "string", Usage: "the database", Secret: true, FileFlag: "db-url-file"},
 			{Flag: "db-url-file", Env: "DB_URL_FILE", Kind: "string", Usage: "file holding --db-url", SecretFile: true, FileOf: "db-url"},
-			{Flag: "dry", Kind: "boolean", Default: "false", Usage: "a | b, *not* <both>"},
+			{Flag: "dry", Kind: "boolean", Default: "false", Usage: "a | b, *not* <both>, _id of A_B"},
 		},
 	}}}}, nil)
 	for _, line := range []string{
@@ -72,7 +72,7 @@ func TestRenderCommandTable(t *testing.T) {
 		"```text\nFormat:\n  {\"a\": 1}\n```",
 		"| `--db-url` | `DB_URL` | string | *empty* | the database. *Secret*; or from a file: `DB_URL_FILE`. |",
 		"| `--db-url-file` | `DB_URL_FILE` | string | *empty* | file holding --db-url. A file holding a secret: mode 0600 or 0400. |",
-		"| `--dry` | — | boolean | `false` | a \\| b, \\*not\\* &lt;both&gt; |",
+		"| `--dry` | — | boolean | `false` | a \\| b, \\*not\\* &lt;both&gt;, \\_id of A_B |",
 		"| `DB_URL` | `--db-url` | **tool** every command |",
 	} {
 		require.Contains(t, page, line)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"regexp"
 	"sort"
 	"strings"
 
@@ -203,14 +204,18 @@ func cell(s string) string {
 }
 
 // inline escapes what Markdown would read as HTML or emphasis outside
-// code spans.
+// code spans: <, >, * and a word's leading _ (as in "_id"; one inside a
+// word, as in DATABASE_URL, is no emphasis).
 func inline(s string) string {
 	parts := strings.Split(s, "`")
 	for i := 0; i < len(parts); i += 2 { // even parts are outside code spans
 		parts[i] = strings.NewReplacer("<", "&lt;", ">", "&gt;", "*", `\*`).Replace(parts[i])
+		parts[i] = leadingUnderscoreRE.ReplaceAllString(parts[i], `$1\_`)
 	}
 	return strings.Join(parts, "`")
 }
+
+var leadingUnderscoreRE = regexp.MustCompile(`(^|[\s("'])_`)
 
 func upperFirst(s string) string {
 	if s == "" {
