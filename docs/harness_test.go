@@ -2,7 +2,9 @@ package docs
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -57,6 +59,32 @@ func TestHarnessRunsAPage(t *testing.T) {
 
 	// The background blocks and the page's own `sleep 300 &` end with it.
 	for _, name := range []string{"background.pid", "stubborn.pid", "stray.pid"} {
+		b, err := os.ReadFile(filepath.Join(r.dir, name))
+		require.NoError(t, err)
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { return !running(pid) }, 10*time.Second, 50*time.Millisecond, "%s: pid %d still runs", name, pid)
+	}
+}
+
+// Services started by `sh background` blocks run beside the page's
+// commands (the documents arrive in the index) and are stopped when it
+// ends.
+func TestHarnessRunsServicesInTheBackground(t *testing.T) {
+	env := newRunEnv(t, stack.RepoRoot())
+	r, err := env.run(t, fixture(t, "pipeline.md"))
+	require.NoError(t, err)
+
+	resp, err := http.Get(env.search + "/" + r.runID + "-products/_count")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	var count struct {
+		Count int `json:"count"`
+	}
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&count))
+	require.Equal(t, 50, count.Count)
+
+	for _, name := range []string{"publisher.pid", "indexer.pid"} {
 		b, err := os.ReadFile(filepath.Join(r.dir, name))
 		require.NoError(t, err)
 		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
