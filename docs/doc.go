@@ -24,7 +24,20 @@
 //   - a new temporary working directory, in which every top-level entry of
 //     the repository appears as a symbolic link (so `demo/job.yaml` and
 //     `migrations/` resolve as in a clone); files the page writes land there;
-//   - a time limit (runnablePageTimeout).
+//   - a time limit (runnablePageTimeout, 5 minutes); background blocks get
+//     backgroundStopGrace (20 s) after SIGTERM before SIGKILL.
+//
+// Kafka and the search engine are shared with every other test and every
+// earlier run, so a page names its topics, indices, aliases and consumer
+// groups after DOCS_RUN_ID (`topic: ${DOCS_RUN_ID}.products` in its spec,
+// `indexer run --topic … --alias ${DOCS_RUN_ID}-products --group
+// ${DOCS_RUN_ID}`) rather than the defaults (outboxrelay.records, records),
+// which other runs' documents also reach. In a SQL identifier use
+// ${DOCS_RUN_ID//-/_}. A page waits for what a background service does
+// with a bounded loop (for i in $(seq 60); do …; sleep 1; done) and then
+// checks it; `exec` in a background block (echo "$BASHPID" > x.pid; exec
+// publisher run) makes the service the process that gets the SIGTERM.
+// docs/testdata/pipeline.md is a complete example.
 //
 // A command that fails fails the test, naming the page and the line.
 // TestDocsLinks checks every relative link of every page and README.md:
