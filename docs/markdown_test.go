@@ -2,6 +2,7 @@ package docs
 
 import (
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -72,13 +73,48 @@ func dropIndent(l string, n int) string {
 	return l
 }
 
-// pages are README.md and docs/*.md of the repository at root.
+// pages are README.md and the pages under docs/ (testdata left out): the
+// pages that may be runnable.
 func pages(root string) ([]page, error) {
-	files, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	files := []string{filepath.Join(root, "README.md")}
+	err := filepath.WalkDir(filepath.Join(root, "docs"), func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && d.Name() == "testdata" {
+			return filepath.SkipDir
+		}
+		if !d.IsDir() && strings.HasSuffix(path, ".md") {
+			files = append(files, path)
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
-	files = append([]string{filepath.Join(root, "README.md")}, files...)
+	return parsePages(root, files)
+}
+
+// allPages are every Markdown file of the repository (testdata, hidden
+// directories and node_modules left out): the pages whose links are
+// checked.
+func allPages(root string) ([]page, error) {
+	var files []string
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && path != root && (d.Name() == "testdata" || d.Name() == "node_modules" || strings.HasPrefix(d.Name(), ".")) {
+			return filepath.SkipDir
+		}
+		if !d.IsDir() && strings.HasSuffix(path, ".md") {
+			files = append(files, path)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
 	return parsePages(root, files)
 }
 
