@@ -1,7 +1,8 @@
 // Package docs holds the user documentation (Markdown pages) and the
 // tests that keep it true. It has no code.
 //
-// A page (docs/*.md, or README.md) that contains the line
+// A page (README.md, or a .md file under docs/ outside testdata) that
+// contains the line
 //
 //	<!-- runnable -->
 //
@@ -40,6 +41,7 @@
 // docs/testdata/pipeline.md is a complete example.
 //
 // A command that fails fails the test, naming the page and the line.
-// TestDocsLinks checks every relative link of every page and README.md:
+// TestDocsLinks checks every relative link of every Markdown file of the
+// repository:
 // the file exists and, with #anchor, the heading exists (GitHub's anchors).
 package docs
