@@ -42,6 +42,6 @@
 //
 // A command that fails fails the test, naming the page and the line.
 // TestDocsLinks checks every relative link of every Markdown file of the
-// repository:
-// the file exists and, with #anchor, the heading exists (GitHub's anchors).
+// repository: the file exists and, with #anchor, the heading exists
+// (GitHub's anchors).
 package docs
