@@ -22,6 +22,10 @@ help: ## list the targets
 build: ## build the three binaries into bin/
 	$(GO) build -o bin/ ./cmd/batcher ./cmd/publisher ./cmd/indexer
 
+.PHONY: docs
+docs: ## regenerate docs/configuration.md from the binaries' own settings (TestConfigurationReferenceIsCurrent fails when it is stale)
+	$(GO) run ./internal/cmd/docgen
+
 .PHONY: test
 test: test-alerts test-deploy test-fuzz producers ## run every test against the real stack (starts it when needed; installs PGSync and redis for bench/peers' small round, and the producer examples' dependencies)
 	@$(WITH_STACK) $(STACK) versions && \

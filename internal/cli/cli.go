@@ -78,6 +78,9 @@ func Dispatch(ctx context.Context, binary, about string, commands []Command, arg
 		usage(stdout)
 		return ExitOK
 	}
+	if args[0] == SettingsCommand {
+		return writeSettings(ctx, binary, about, commands, stdout, stderr)
+	}
 	// Allow two-word commands such as "quarantine list".
 	var cmd *Command
 	var rest []string
@@ -277,6 +280,9 @@ func (f *FlagSet) Duration(p *time.Duration, name, env string, def time.Duration
 // that does not parse is an error naming the variable and its value.
 func (f *FlagSet) Parse(args []string) ([]string, error) {
 	f.warnings = nil
+	if f.describeParse() {
+		return nil, flag.ErrHelp
+	}
 	for _, s := range f.settings {
 		if s.env == "" {
 			continue

@@ -1,0 +1,174 @@
+package docs
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/internal/stack"
+)
+
+// fixture reads a page of testdata.
+func fixture(t *testing.T, name string) page {
+	t.Helper()
+	p, err := parsePage(filepath.Join("testdata", name), "docs/testdata/"+name)
+	require.NoError(t, err)
+	return p
+}
+
+// The harness runs a runnable page's sh blocks in one shell, in a new
+// working directory where the repository's files resolve, against the
+// page's own database with the release binaries, stops its background
+// blocks (SIGKILL for one that ignores SIGTERM) and what else it left
+// running at the end, and runs no other block.
+func TestHarnessRunsAPage(t *testing.T) {
+	env := newRunEnv(t, stack.RepoRoot())
+	env.stopGrace = time.Second
+	env.timeout = 2 * time.Minute
+	r, err := env.run(t, fixture(t, "runnable.md"))
+	require.NoError(t, err)
+
+	wd, err := os.ReadFile(filepath.Join(r.dir, "workdir"))
+	require.NoError(t, err)
+	require.Equal(t, r.dir, strings.TrimSpace(string(wd)))
+	require.NotEqual(t, env.root, r.dir)
+
+	// What the page wrote, read over a new connection: batcher migrate
+	// ran, and the row names this run.
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, r.dbURL)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	var runID string
+	require.NoError(t, conn.QueryRow(ctx, "SELECT run_id FROM docs_fixture WHERE id = 1").Scan(&runID))
+	require.Equal(t, r.runID, runID)
+	require.Regexp(t, `^docs-[0-9a-f]{12}$`, runID)
+	var migrations int
+	require.NoError(t, conn.QueryRow(ctx, "SELECT count(*) FROM outboxrelay_migrations").Scan(&migrations))
+	require.Positive(t, migrations)
+
+	// The background blocks and the page's own `sleep 300 &` end with it.
+	for _, name := range []string{"background.pid", "stubborn.pid", "stray.pid"} {
+		b, err := os.ReadFile(filepath.Join(r.dir, name))
+		require.NoError(t, err)
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { return !running(pid) }, 10*time.Second, 50*time.Millisecond, "%s: pid %d still runs", name, pid)
+	}
+}
+
+// Services started by `sh background` blocks run beside the page's
+// commands (the documents arrive in the index) and are stopped when it
+// ends.
+func TestHarnessRunsServicesInTheBackground(t *testing.T) {
+	env := newRunEnv(t, stack.RepoRoot())
+	r, err := env.run(t, fixture(t, "pipeline.md"))
+	require.NoError(t, err)
+
+	resp, err := http.Get(env.search + "/" + r.runID + "-products/_count")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	var count struct {
+		Count int `json:"count"`
+	}
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&count))
+	require.Equal(t, 50, count.Count)
+
+	for _, name := range []string{"publisher.pid", "indexer.pid"} {
+		b, err := os.ReadFile(filepath.Join(r.dir, name))
+		require.NoError(t, err)
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { return !running(pid) }, 10*time.Second, 50*time.Millisecond, "%s: pid %d still runs", name, pid)
+	}
+}
+
+// A failing command fails the page, naming the page, the line and the
+// command; nothing after it runs.
+func TestHarnessNamesTheFailingLine(t *testing.T) {
+	env := newRunEnv(t, stack.RepoRoot())
+	_, err := env.run(t, fixture(t, "failing.md"))
+	require.Error(t, err)
+	msg := err.Error()
+	require.True(t, strings.HasPrefix(msg, `docs/testdata/failing.md:11: test "$DOCS_RUN_ID" = "not-this-run": exit status 1`), msg)
+	require.Contains(t, msg, "first block")
+	require.NotContains(t, msg, "after the failure")
+}
+
+// A page past its time limit fails naming its block, and its processes
+// are killed.
+func TestHarnessTimeLimit(t *testing.T) {
+	env := newRunEnv(t, stack.RepoRoot())
+	env.timeout = 3 * time.Second
+	r, err := env.run(t, fixture(t, "slow.md"))
+	require.Error(t, err)
+	require.True(t, strings.HasPrefix(err.Error(), "docs/testdata/slow.md:6: the block starting here: the page did not finish within 3s"), err.Error())
+	b, err := os.ReadFile(filepath.Join(r.dir, "sleep.pid"))
+	require.NoError(t, err)
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return !running(pid) }, 10*time.Second, 50*time.Millisecond, "the page's sleep (pid %d) still runs", pid)
+}
+
+// running: pid is a process that has not exited (a zombie has).
+func running(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// pid (comm) state ...: comm may hold spaces and parentheses.
+	s := string(b)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	return len(fields) > 0 && fields[0] != "Z"
+}
+
+// Only pages with the marker (outside code blocks) are run; in them,
+// only `sh` and `sh background` blocks.
+func TestHarnessSelectsPagesAndBlocks(t *testing.T) {
+	t.Parallel()
+	var ps []page
+	for _, name := range []string{"runnable.md", "not-runnable.md", "failing.md"} {
+		ps = append(ps, fixture(t, name))
+	}
+	var names []string
+	for _, p := range runnable(ps) {
+		names = append(names, p.path)
+	}
+	require.Equal(t, []string{"docs/testdata/runnable.md", "docs/testdata/failing.md"}, names)
+
+	r := &pageRun{page: fixture(t, "runnable.md"), trace: "/dev/null"}
+	require.NoError(t, r.build(filepath.Join(t.TempDir(), "page.sh")))
+	script, err := os.ReadFile(r.script)
+	require.NoError(t, err)
+	require.NotContains(t, string(script), "exit 1", "a console, bash or text block is in the script")
+	require.Contains(t, string(script), "batcher migrate")
+
+	bad := page{path: "x.md", blocks: []block{{info: "sh bg", line: 3, lines: []string{"true"}}}}
+	r = &pageRun{page: bad, trace: "/dev/null"}
+	require.EqualError(t, r.build(filepath.Join(t.TempDir(), "page.sh")),
+		"x.md:2: code block info string \"sh bg\": a runnable page's blocks are `sh` (run), `sh background` (run in the background) or another language (shown only)")
+}
+
+// Every relative link of the pages names an existing file and, with an
+// anchor, a heading of it.
+func TestLinkCheckerNamesBrokenLinks(t *testing.T) {
+	t.Parallel()
+	root := filepath.Join("testdata", "links")
+	ps, err := parsePages(root, []string{filepath.Join(root, "a.md"), filepath.Join(root, "b.md")})
+	require.NoError(t, err)
+	broken := checkLinks(root, ps)
+	require.Len(t, broken, 3, strings.Join(broken, "\n"))
+	require.Equal(t, "a.md:8: (missing.md): missing.md does not exist", broken[0])
+	require.True(t, strings.HasPrefix(broken[1], "a.md:8: (b.md#nope): b.md has no heading with anchor #nope (it has: page-b, repeat, repeat-1, second-heading-v2, the-batcher-run-command)"), broken[1])
+	require.True(t, strings.HasPrefix(broken[2], "a.md:8: (#not-here): a.md has no heading with anchor #not-here"), broken[2])
+}

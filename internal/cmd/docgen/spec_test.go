@@ -1,0 +1,67 @@
+package main
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outboxrelay/outboxrelay/batch"
+)
+
+// The keys read from batch.Spec's source are the keys its yaml tags
+// declare, walked by reflection on the compiled type: a key the page
+// would miss (a field the source walk cannot follow) fails here.
+func TestSpecKeysMatchTheType(t *testing.T) {
+	t.Parallel()
+	root, err := repoRoot()
+	require.NoError(t, err)
+	fields, err := specFields(root)
+	require.NoError(t, err)
+	var got []string
+	for _, f := range fields {
+		got = append(got, f.Key)
+		require.NotEmpty(t, f.Doc, "%s has no description", f.Key)
+	}
+	var want []string
+	var walk func(typ reflect.Type, prefix string, seen map[reflect.Type]bool)
+	walk = func(typ reflect.Type, prefix string, seen map[reflect.Type]bool) {
+		for i := 0; i < typ.NumField(); i++ {
+			f := typ.Field(i)
+			key, _, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+			if key == "" || key == "-" {
+				continue
+			}
+			want = append(want, prefix+key)
+			ft, sub := f.Type, prefix+key+"."
+			for ft.Kind() == reflect.Pointer || ft.Kind() == reflect.Slice {
+				if ft.Kind() == reflect.Slice {
+					sub = prefix + key + "[]."
+				}
+				ft = ft.Elem()
+			}
+			if ft.Kind() != reflect.Struct || seen[ft] {
+				continue
+			}
+			next := map[reflect.Type]bool{ft: true}
+			for k := range seen {
+				next[k] = true
+			}
+			walk(ft, sub, next)
+		}
+	}
+	spec := reflect.TypeOf(batch.Spec{})
+	walk(spec, "", map[reflect.Type]bool{spec: true})
+	require.Equal(t, want, got)
+}
+
+func TestSummaryKeepsDefaults(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "Size is the first chunk's size. Default 1000.",
+		summary("Size is the first chunk's size. It adapts. Default 1000."))
+	require.Equal(t, "Cursor lists columns (e.g. created_at, id). Default: [id].",
+		summary(oneLine("Cursor lists columns (e.g. created_at, id). Long detail here. Default: [id].")))
+	require.Equal(t, "Mode is one of them, see Relation. 0 means no limit.",
+		summary(oneLine("Mode is one of them, see [Relation]. Other text. 0 means no limit.")))
+}
