@@ -84,11 +84,13 @@ func (w *writer) warmUp(b testing.TB, procs ...*testproc.Proc) {
 // most a minute after the last commit) and returns the latencies.
 func (w *writer) run(b testing.TB, rate int, d time.Duration, base int64, enq enqueueFunc, procs ...*testproc.Proc) leg {
 	n := max(1, int(float64(rate)*d.Seconds()))
-	c0, ms0, _ := refreshStats(w.search, w.index)
+	s0, _ := indexStats(w.search, w.index)
 	t0 := time.Now()
 	l := w.runN(b, rate, n, time.Minute, base, enq, procs...)
-	if c1, ms1, err := refreshStats(w.search, w.index); err == nil && c1 > c0 {
-		b.Logf("%s at %d/s: %d refreshes in %.1f s, %.0f ms each on average", w.index, rate, c1-c0, time.Since(t0).Seconds(), float64(ms1-ms0)/float64(c1-c0))
+	if s1, err := indexStats(w.search, w.index); err == nil && s1.Refresh.Total > s0.Refresh.Total {
+		refreshes := s1.Refresh.Total - s0.Refresh.Total
+		b.Logf("%s at %d/s: %d refreshes in %.1f s, %.0f ms each on average; %d merges, %.1f s", w.index, rate, refreshes, time.Since(t0).Seconds(),
+			float64(s1.Refresh.Millis-s0.Refresh.Millis)/float64(refreshes), s1.Merges.Total-s0.Merges.Total, float64(s1.Merges.Millis-s0.Merges.Millis)/1000)
 	}
 	b.Logf("%s at %d/s: %d changes (achieved %.0f/s), p50 %.0f ms, p99 %.0f ms, max %.0f ms, %d not searchable",
 		w.index, rate, l.Events, l.Achieved, l.P50ms, l.P99ms, l.MaxMs, l.Lost)

@@ -287,6 +287,7 @@ func (e *env) relationsLive(b testing.TB, pool *pgxpool.Pool, index, tool string
 	b.Logf("%s: brand 1 renamed, its %d products searchable with the new name in %.2f s (the first after %.2f s)", index, l.Docs, l.Seconds, l.FirstSeconds)
 	legs := []leg{l}
 	for i, rate := range e.s.RelRates {
+		waitMerges(b, e.search, index, 2*time.Minute)
 		l := w.run(b, rate, e.s.LegDuration, int64(round*100+markBase+20+i)*100_000_000, nil, procs...)
 		l.Tool, l.Kind, l.Round = tool, kindRelChanges, round
 		legs = append(legs, l)

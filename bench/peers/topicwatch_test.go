@@ -95,25 +95,50 @@ func (tw *topicWatch) seen(mark int64) (time.Time, bool) {
 
 func (tw *topicWatch) stop() { tw.cancel(); tw.wg.Wait() }
 
-// refreshStats is the engine's refresh count and time on index so far.
-func refreshStats(search, index string) (count, millis int64, err error) {
-	resp, err := httpClient.Get(strings.TrimRight(search, "/") + "/" + url.PathEscape(index) + "/_stats/refresh")
+// engineStats is what the engine did on an index's primaries so far.
+type engineStats struct {
+	Refresh struct {
+		Total  int64 `json:"total"`
+		Millis int64 `json:"total_time_in_millis"`
+	} `json:"refresh"`
+	Merges struct {
+		Current int64 `json:"current"`
+		Total   int64 `json:"total"`
+		Millis  int64 `json:"total_time_in_millis"`
+	} `json:"merges"`
+}
+
+func indexStats(search, index string) (engineStats, error) {
+	resp, err := httpClient.Get(strings.TrimRight(search, "/") + "/" + url.PathEscape(index) + "/_stats/refresh,merge")
 	if err != nil {
-		return 0, 0, err
+		return engineStats{}, err
 	}
 	defer resp.Body.Close()
 	var res struct {
 		All struct {
-			Primaries struct {
-				Refresh struct {
-					Total  int64 `json:"total"`
-					Millis int64 `json:"total_time_in_millis"`
-				} `json:"refresh"`
-			} `json:"primaries"`
+			Primaries engineStats `json:"primaries"`
 		} `json:"_all"`
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&res); err != nil {
-		return 0, 0, err
+	err = json.NewDecoder(resp.Body).Decode(&res)
+	return res.All.Primaries, err
+}
+
+// waitMerges waits (at most timeout) until the engine runs no merge on
+// index: a leg then measures its own changes, not the merges of the leg
+// before it (10,000 products re-indexed by a rename).
+func waitMerges(b testing.TB, search, index string, timeout time.Duration) {
+	start := time.Now()
+	tick := time.NewTicker(pollEvery * 5)
+	defer tick.Stop()
+	for range tick.C {
+		st, err := indexStats(search, index)
+		if err == nil && st.Merges.Current == 0 {
+			b.Logf("%s: no merge running (waited %.1f s; merges so far %d, %.1f s)", index, time.Since(start).Seconds(), st.Merges.Total, float64(st.Merges.Millis)/1000)
+			return
+		}
+		if time.Since(start) > timeout {
+			b.Logf("%s: merges still running after %s; measuring anyway", index, timeout)
+			return
+		}
 	}
-	return res.All.Primaries.Refresh.Total, res.All.Primaries.Refresh.Millis, nil
 }
