@@ -820,10 +820,14 @@ func (c *compiled) rootsOf(b *builder, n *relNode, keys, typ string) string {
 // relWorkSQL takes up to $2 roots of job $1's work, deleting them, and
 // returns their ids (in the chunk's transaction: a rollback puts them
 // back). SKIP LOCKED: a sweeper whose lease was taken over still holding a
-// chunk does not block its successor.
+// chunk does not block its successor. The rows are deleted by the ctids
+// the locking read returned (a TID scan: the rows stay put while locked),
+// not by a join on root_id, which the planner, trusting the statistics of
+// a queue that was empty when last analyzed, made a nested loop comparing
+// every taken root with every queued one.
 const relWorkSQL = `
-WITH w AS (SELECT root_id FROM batch_relation_work WHERE job = $1 ORDER BY root_id LIMIT $2 FOR UPDATE SKIP LOCKED),
-d AS (DELETE FROM batch_relation_work x USING w WHERE x.job = $1 AND x.root_id = w.root_id RETURNING x.root_id)
+WITH w AS (SELECT ctid AS t FROM batch_relation_work WHERE job = $1 ORDER BY root_id LIMIT $2 FOR UPDATE SKIP LOCKED),
+d AS (DELETE FROM batch_relation_work x USING w WHERE x.ctid = w.t RETURNING x.root_id)
 SELECT COALESCE(array_agg(root_id ORDER BY root_id), '{}') FROM d`
 
 const (

@@ -39,6 +39,7 @@ func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error
 		"chunk":   {c.chunkFirst, &args{Boundary: last, Limit: s.Chunk.Size, Job: s.Job, Run: "r", Source: s.SourceName, PV: s.ProcessorVersion}},
 		"work":    {c.chunkWork, &args{IDs: ids, Job: s.Job, Run: "r", Source: s.SourceName, PV: s.ProcessorVersion}},
 		"resolve": {c.resolveRel, &args{Job: s.Job}},
+		"take":    {stmt{sql: relWorkSQL, params: []param{{field: func(a *args) any { return a.Job }}, {field: func(a *args) any { return a.Limit }}}}, &args{Job: s.Job, Limit: s.Chunk.Size}},
 	} {
 		var plan string
 		if err := db.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+x.st.sql, x.st.bind(x.a)...).Scan(&plan); err != nil {
@@ -47,6 +48,29 @@ func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error
 		out[name] = plan
 	}
 	return out, nil
+}
+
+// PlanJoinFilters lists the join filters of an EXPLAIN (FORMAT JSON) plan:
+// a join that compares every row of one side with every row of the other.
+func PlanJoinFilters(t *testing.T, plan string) []string {
+	t.Helper()
+	var top []map[string]any
+	require.NoError(t, json.NewDecoder(strings.NewReader(plan)).Decode(&top))
+	var out []string
+	var walk func(map[string]any)
+	walk = func(n map[string]any) {
+		if f, ok := n["Join Filter"].(string); ok {
+			out = append(out, n["Node Type"].(string)+": "+f)
+		}
+		kids, _ := n["Plans"].([]any)
+		for _, k := range kids {
+			walk(k.(map[string]any))
+		}
+	}
+	for _, p := range top {
+		walk(p["Plan"].(map[string]any))
+	}
+	return out
 }
 
 // PlanIndexes lists the indexes an EXPLAIN (FORMAT JSON) plan scans (index,

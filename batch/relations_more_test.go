@@ -423,6 +423,11 @@ ANALYZE`)
 	installCapture(t, pool, s)
 	// A few captures, as a run finds them: a renamed category.
 	mustExec(t, pool, `UPDATE categories SET name = name || '!' WHERE id IN (7, 8); ANALYZE batch_relation_changes`)
+	// And a queue of work as a follower's run finds it: autovacuum last saw
+	// the queue empty (the run before drained it), then a run queued 600
+	// roots.
+	mustExec(t, pool, `VACUUM ANALYZE batch_relation_work`)
+	mustExec(t, pool, `INSERT INTO batch_relation_work (job, root_id) SELECT 'products', g::text FROM generate_series(1000, 1599) g`)
 
 	plans, err := batch.RelationPlans(ctx, pool, s)
 	require.NoError(t, err)
@@ -438,6 +443,12 @@ ANALYZE`)
 	want("chunk", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
 	want("work", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
 	want("resolve", "product_categories_category_id_idx")
+	// Taking a chunk of work deletes the rows it locked: no join that
+	// compares each taken root with every queued one (quadratic in the
+	// queue: a 10,000-product brand rename in chunks of 2,000 spent most
+	// of its time there), whatever the queue's statistics say.
+	require.Empty(t, batch.PlanJoinFilters(t, plans["take"]), "take:\n%s", plans["take"])
+	require.Contains(t, plans["take"], `"Node Type": "Tid Scan"`, "take: the taken rows are deleted by ctid")
 }
 
 // A kill -9 in the relation phase (after a chunk's documents and events
