@@ -765,8 +765,10 @@ r AS (
 WITH src AS MATERIALIZED (
   SELECT x.id, x.ver, x.del, ` + strings.Join(kcols, ", ") + `,
          CASE WHEN x.del THEN NULL ELSE ` + doc + ` END AS doc,
-         CASE WHEN x.del THEN NULL ELSE ` + errCode + ` END AS err_code,
-         CASE WHEN x.del THEN NULL ELSE ` + errMsg + ` END AS err_msg
+         CASE WHEN x.id = '' THEN 'invalid_id' WHEN x.ver < 0 THEN 'invalid_version'
+              WHEN x.del THEN NULL ELSE ` + errCode + ` END AS err_code,
+         CASE WHEN x.id = '' THEN 'the id is empty: an event needs a key' WHEN x.ver < 0 THEN 'the version ' || x.ver || ' is negative'
+              WHEN x.del THEN NULL ELSE ` + errMsg + ` END AS err_msg
   FROM (
     SELECT ` + c.rowColumns() + `, ` + fieldCols + `
     FROM ` + c.table + ` s

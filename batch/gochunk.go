@@ -145,6 +145,15 @@ func (r *Runner) goProcess(ctx context.Context, src []SourceRow) goPart {
 	}
 	for i, sr := range src {
 		res := results[i]
+		// What no event can carry (the outbox refuses it: an empty key, a
+		// negative version), as the SQL path's chunk statement does.
+		if code, msg := keyProblem(sr.ID, sr.Version); code != "" {
+			if r.spec.Errors.Policy == PolicyQuarantine {
+				bad(sr.ID, code, msg)
+				continue
+			}
+			return goPart{err: &BadRowError{ID: sr.ID, Code: code, Message: msg}}
+		}
 		if !sr.Deleted && res.Err != nil {
 			code := cmp.Or(res.Code, "processor_error")
 			var te *transientError
@@ -167,10 +176,44 @@ func (r *Runner) goProcess(ctx context.Context, src []SourceRow) goPart {
 				}
 				return goPart{err: &BadRowError{ID: sr.ID, Code: "invalid_document", Message: "processor returned invalid JSON"}}
 			}
+			// The document of an upsert event is a JSON object (the outbox
+			// refuses anything else: outbox_events_upsert_document).
+			if !jsonObject(res.Document) {
+				const msg = "processor returned JSON that is not an object (a document is a JSON object)"
+				if r.spec.Errors.Policy == PolicyQuarantine {
+					bad(sr.ID, "invalid_document", msg)
+					continue
+				}
+				return goPart{err: &BadRowError{ID: sr.ID, Code: "invalid_document", Message: msg}}
+			}
 			buf = append(buf, res.Document...)
 			doc = buf[len(buf)-len(res.Document) : len(buf) : len(buf)] // valid JSON is never empty, so never NULL
 		}
 		p.ids, p.vers, p.dels, p.docs = append(p.ids, sr.ID), append(p.vers, sr.Version), append(p.dels, sr.Deleted), append(p.docs, doc)
 	}
 	return p
+}
+
+// jsonObject reports whether doc (valid JSON) is an object.
+func jsonObject(doc []byte) bool {
+	for _, c := range doc {
+		switch c {
+		case ' ', '\t', '\n', '\r':
+			continue
+		}
+		return c == '{'
+	}
+	return false
+}
+
+// keyProblem is why a row's id and version cannot be an event's key and
+// version (the codes and messages of the SQL path's chunk statement).
+func keyProblem(id string, version int64) (code, msg string) {
+	switch {
+	case id == "":
+		return "invalid_id", "the id is empty: an event needs a key"
+	case version < 0:
+		return "invalid_version", fmt.Sprintf("the version %d is negative", version)
+	}
+	return "", ""
 }

@@ -64,6 +64,8 @@ VALUES (gen_random_uuid(), $1, 'product', $2, $3, $4, $5::json, $6::jsonb)`, top
 		{"upsert with an array", "products", "p1", 1, "upsert", str(`[{"name":"lamp"}]`), nil, "outbox_events_upsert_document"},
 		{"headers an array", "products", "p1", 1, "upsert", doc, str(`["traceparent"]`), "outbox_events_headers_strings"},
 		{"a header not a string", "products", "p1", 1, "upsert", doc, str(`{"retries":3}`), "outbox_events_headers_strings"},
+		{"a header an array of strings", "products", "p1", 1, "upsert", doc, str(`{"tags":["a"]}`), "outbox_events_headers_strings"},
+		{"a header an empty array", "products", "p1", 1, "upsert", doc, str(`{"tags":[]}`), "outbox_events_headers_strings"},
 	} {
 		err := insert(tc.topic, tc.id, tc.version, tc.typ, tc.payload, tc.headers)
 		var pgErr *pgconn.PgError

@@ -35,7 +35,8 @@ type Event struct {
 	AggregateVersion int64
 	// Type is TypeUpsert, TypeDelete or an application type. "" = upsert.
 	Type string
-	// Payload is the document (JSON), sent to Kafka byte for byte as given:
+	// Payload is the document (JSON), sent to Kafka byte for byte as given;
+	// an upsert's must be a JSON object (Enqueue refuses anything else):
 	// it must be what the consumers accept (the indexer's search engine
 	// rejects an object with a duplicate key, for one). nil for deletes.
 	Payload json.RawMessage
@@ -48,6 +49,18 @@ type Event struct {
 // Querier is what Enqueue needs: a pgx.Tx, *pgx.Conn or *pgxpool.Pool.
 type Querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// isObject reports whether raw (valid JSON) is an object.
+func isObject(raw json.RawMessage) bool {
+	for _, c := range raw {
+		switch c {
+		case ' ', '\t', '\n', '\r':
+			continue
+		}
+		return c == '{'
+	}
+	return false
 }
 
 // ErrInvalidEvent is wrapped by Enqueue when an event lacks a required field.
@@ -109,6 +122,11 @@ func Enqueue(ctx context.Context, tx Querier, events ...Event) (int64, error) {
 			}
 			p := string(e.Payload)
 			payloads[i] = &p
+		}
+		// An upsert's payload is the document: a JSON object (the table's
+		// outbox_events_upsert_document constraint says the same).
+		if evTypes[i] == TypeUpsert && !isObject(e.Payload) {
+			return 0, fmt.Errorf("%w: event %s: an upsert's payload must be a JSON object (the document); use another Type for other events", ErrInvalidEvent, e.ID)
 		}
 		eh := withTraceParent(ctx, e.Headers)
 		h, err := json.Marshal(eh)

@@ -72,4 +72,19 @@ func TestEnqueueIsIdempotentAndTransactional(t *testing.T) {
 
 	_, err = outbox.Enqueue(ctx, pool, outbox.Event{ID: ev.ID, Topic: "t", AggregateID: "1"})
 	require.ErrorIs(t, err, outbox.ErrInvalidEvent)
+
+	// An upsert's payload is the document, a JSON object: anything else is
+	// refused before the database's constraint would (migration 018),
+	// with ErrInvalidEvent; an application type carries any JSON.
+	for _, payload := range []string{`[1,2]`, `"text"`, `null`, ``} {
+		e := outbox.Event{ID: outbox.EventID("t", "50", 1, "v1"), Topic: "t", AggregateID: "50", AggregateVersion: 1}
+		if payload != "" {
+			e.Payload = json.RawMessage(payload)
+		}
+		_, err = outbox.Enqueue(ctx, pool, e)
+		require.ErrorIs(t, err, outbox.ErrInvalidEvent, "payload %q", payload)
+	}
+	_, err = outbox.Enqueue(ctx, pool, outbox.Event{ID: outbox.EventID("t", "51", 1, "v1"), Topic: "t", AggregateID: "51", AggregateVersion: 1,
+		Type: "order.shipped", Payload: json.RawMessage(`[1,2]`)})
+	require.NoError(t, err)
 }
