@@ -118,7 +118,7 @@ bench-peers: build ## PGSync and Debezium beside outboxrelay on the same rows, o
 
 .PHONY: demo
 demo: build ## the whole pipeline on the local stack: seed, batch, publish, index, change, follow (ROWS=200000)
-	@$(WITH_STACK) $(GO) run ./demo --rows $${ROWS:-200000}
+	@eval "$$($(CLOSE_FDS) $(STACK) up postgres kafka opensearch)" && $(GO) run ./demo --rows $${ROWS:-200000}
 
 .PHONY: demo-down
 demo-down: ## stop what `make demo` started (the local stack) and remove the demo's files

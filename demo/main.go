@@ -485,13 +485,13 @@ func (d *run) pipelineRun(ctx context.Context, n int, specFile, index, pv string
 FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1)`, job).Scan(&processed, &changed, &total)
 		var backlog int64
 		_ = d.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events`).Scan(&backlog)
-		indexed := d.count(ctx, index)
+		written, searchable := d.indexed(ctx, index)
 		state := "running"
 		if !batchEnd.IsZero() {
 			state = "done"
 		}
 		rate := float64(processed) / time.Since(t0).Seconds()
-		d.line("  batcher %d/%d rows (%s, %.0f rows/s) | outbox backlog %d | index %d docs", processed, max(total, processed), state, rate, backlog, indexed)
+		d.line("  batcher %d/%d rows (%s, %.0f rows/s) | outbox backlog %d | index %d written, %d searchable", processed, max(total, processed), state, rate, backlog, written, searchable)
 		if batchEnd.IsZero() || backlog > 0 {
 			continue
 		}
@@ -508,6 +508,17 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM 
 			return fmt.Sprintf("%d rows read, %d events, index matched after %s", processed, changed, indexedAt.Sub(t0).Round(time.Millisecond)), nil
 		}
 	}
+}
+
+// indexed returns what the engine wrote into index (index operations,
+// searchable or not: while a new generation is bulk-loaded its refresh is
+// off, and nothing is searchable until the load ends) and what a search
+// counts now.
+func (d *run) indexed(ctx context.Context, index string) (written, searchable int64) {
+	if st, err := d.es.IndexStats(index).Metric("indexing").Do(ctx); err == nil && st.All != nil && st.All.Primaries != nil && st.All.Primaries.Indexing != nil {
+		written = st.All.Primaries.Indexing.IndexTotal
+	}
+	return written, d.count(ctx, index)
 }
 
 // count returns the documents in index (tombstones included).

@@ -4,6 +4,8 @@
 #
 #   stack.sh up      start what is not running; prints the settings as
 #                    export lines (eval "$(scripts/stack/stack.sh up)")
+#   stack.sh up postgres kafka opensearch
+#                    only those (make demo: the engine it uses, not both)
 #   stack.sh down    stop all three; no java or postgres process of ours is left
 #   stack.sh purge   down, then remove their data
 #   stack.sh env     print the settings of a running stack
@@ -26,14 +28,22 @@ time_start() {
 
 case "${1:-}" in
   up)
+    shift
+    want=("${SERVICES[@]}")
+    if (($#)); then
+      for svc in "$@"; do
+        [[ " ${SERVICES[*]} " == *" $svc "* ]] || { echo "stack.sh up: unknown service $svc (want some of: ${SERVICES[*]})" >&2; exit 2; }
+      done
+      want=("$@")
+    fi
     mkdir -p "$STACK_DIR"
-    # Fetch the jars of both JVM servers first so their starts do not race
+    # Fetch the jars of the JVM servers first so their starts do not race
     # on the shared Maven repository.
-    "$HERE/kafka.sh" fetch >&2
-    "$HERE/opensearch.sh" fetch >&2
-    "$HERE/elasticsearch.sh" fetch >&2
+    for svc in kafka opensearch elasticsearch; do
+      [[ " ${want[*]} " == *" $svc "* ]] && "$HERE/$svc.sh" fetch >&2
+    done
     out="$(mktemp)"
-    for svc in "${SERVICES[@]}"; do time_start "$svc" >>"$out" || { rm -f "$out"; exit 1; }; done
+    for svc in "${want[@]}"; do time_start "$svc" >>"$out" || { rm -f "$out"; exit 1; }; done
     cat "$out" | tee "$STACK_DIR/env"
     rm -f "$out"
     ;;
@@ -49,5 +59,5 @@ case "${1:-}" in
   versions)
     for svc in "${SERVICES[@]}"; do printf '%s: %s\n' "$svc" "$("$HERE/$svc.sh" version)"; done
     ;;
-  *) echo "usage: $0 up|down|purge|env|versions" >&2; exit 2 ;;
+  *) echo "usage: $0 up [service...]|down|purge|env|versions" >&2; exit 2 ;;
 esac
