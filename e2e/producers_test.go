@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
@@ -54,7 +55,10 @@ type printed struct {
 // on the topic, each product's key has exactly the two events the example
 // printed, version 1 before version 2 with the CloudEvents headers and the
 // example's own header; in the index, each product is the second document
-// at version 2; nothing is dead-lettered.
+// at version 2; nothing is dead-lettered. The database also holds the README
+// quick start's `products` table, as a new user's does: the examples' own
+// table (shop_products) sits beside it, holds each product at version 2,
+// and the quick start's rows are untouched.
 func TestProducerExamples(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -75,6 +79,10 @@ func TestProducerExamples(t *testing.T) {
 
 	const partitions = 3
 	p := newPipeline(t, pipelineOptions{TopicPartitions: partitions})
+	// The README's quick start, first.
+	_, err := p.pool.Exec(ctx, `CREATE TABLE products (id bigint PRIMARY KEY, name text, version bigint NOT NULL DEFAULT 1);
+		INSERT INTO products (id, name) VALUES (1, 'Anvil'), (2, 'Rocket skates')`)
+	require.NoError(t, err)
 	schema, err := os.ReadFile(filepath.Join(root, "schema.sql"))
 	require.NoError(t, err)
 	_, err = p.pool.Exec(ctx, string(schema))
@@ -152,6 +160,23 @@ func TestProducerExamples(t *testing.T) {
 			require.JSONEq(t, string(want.Document), string(m.Value), "%s record %d", id, i)
 		}
 	}
+
+	// The application's table, over a new connection; the quick start's beside it.
+	conn, err := pgx.Connect(ctx, p.dbURL)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	for id, outs := range wrote {
+		var name string
+		var price, version int64
+		require.NoError(t, conn.QueryRow(ctx, `SELECT name, price_cents, version FROM shop_products WHERE id = $1`, id).Scan(&name, &price, &version), id)
+		require.JSONEq(t, string(outs[1].Document), fmt.Sprintf(`{"name":%q,"price_cents":%d}`, name, price), "shop_products row %s", id)
+		require.Equal(t, int64(2), version, "shop_products row %s", id)
+	}
+	rows, err := conn.Query(ctx, `SELECT id || ':' || name || ':' || version FROM products ORDER BY id`)
+	require.NoError(t, err)
+	quickStart, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"1:Anvil:1", "2:Rocket skates:1"}, quickStart, "the quick start's products table")
 
 	pubDL, ixDL := p.deadLetters(ctx)
 	require.Zero(t, pubDL, "publisher dead letters\n%s", procs())

@@ -6,7 +6,9 @@
 #   - node/node_modules: `npm ci` from package-lock.json (pg)
 #   - java/target/produce.jar: `mvn package` (the PostgreSQL JDBC driver from
 #     Maven Central, cached in $CACHE_DIR/m2)
-# Needs node, npm, java (17+) and mvn on PATH; says which one is missing.
+# Needs node, npm, java (17+) and mvn on PATH. Run as root with apt-get (a
+# fresh Debian machine), it installs the missing ones from Debian (nodejs, npm,
+# openjdk-17-jdk-headless, maven); otherwise it says which one is missing.
 set -euo pipefail
 
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -17,16 +19,32 @@ PYTHON=/usr/bin/python3
 log() { echo "producers setup: $*" >&2; }
 die() { log "$*"; exit 1; }
 
+# can_apt: running as root with apt-get, so missing packages can be installed.
+can_apt() { [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; }
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends "$@" >&2
+}
+
+# The Debian package of each tool.
+declare -A package=([node]=nodejs [npm]=npm [java]=openjdk-17-jdk-headless [mvn]=maven)
+missing=() packages=()
 for tool in node npm java mvn; do
-  command -v "$tool" >/dev/null || die "$tool not found: install it (Debian: apt-get install nodejs npm openjdk-17-jdk-headless maven)"
+  command -v "$tool" >/dev/null || { missing+=("$tool"); packages+=("${package[$tool]}"); }
 done
+if ((${#missing[@]})); then
+  can_apt || die "${missing[0]} not found: install it (Debian: apt-get install nodejs npm openjdk-17-jdk-headless maven)"
+  log "${missing[*]} not found; installing Debian's ${packages[*]}"
+  apt_install "${packages[@]}" || die "apt-get install ${packages[*]} failed"
+  for tool in "${missing[@]}"; do
+    command -v "$tool" >/dev/null || die "$tool still not found after apt-get install ${package[$tool]}"
+  done
+fi
 [[ -x $PYTHON ]] || die "$PYTHON not found: apt-get install python3"
 
 if ! "$PYTHON" -c 'import psycopg' 2>/dev/null; then
   log "psycopg not importable by $PYTHON; installing Debian's python3-psycopg"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends python3-psycopg >&2 ||
-    die "apt-get install python3-psycopg failed (run it as root)"
+  apt_install python3-psycopg || die "apt-get install python3-psycopg failed (run it as root)"
 fi
 
 log "npm ci in examples/producers/node"

@@ -1,6 +1,6 @@
 """Save a product and its outbox event in one transaction (psycopg 3).
 
-    DATABASE_URL=postgres://... TOPIC=products python3 produce.py p-1 "Desk lamp" 1999
+    DATABASE_URL=postgres://... TOPIC=shop-products python3 produce.py p-1 "Desk lamp" 1999
 """
 import json
 import os
@@ -9,16 +9,16 @@ import sys
 import psycopg
 
 product_id, name, price_cents = sys.argv[1], sys.argv[2], int(sys.argv[3])
-topic = os.environ.get("TOPIC", "products")
+topic = os.environ.get("TOPIC", "shop-products")
 
 with psycopg.connect(os.environ["DATABASE_URL"]) as conn:
     with conn.transaction():  # commits at the end of the block, rolls back on an error
         # Writing the row first locks it: a concurrent writer of the same
         # product waits here, so events of one product are in version order.
         version = conn.execute(
-            """INSERT INTO products (id, name, price_cents, version) VALUES (%s, %s, %s, 1)
+            """INSERT INTO shop_products (id, name, price_cents, version) VALUES (%s, %s, %s, 1)
                ON CONFLICT (id) DO UPDATE
-               SET name = excluded.name, price_cents = excluded.price_cents, version = products.version + 1
+               SET name = excluded.name, price_cents = excluded.price_cents, version = shop_products.version + 1
                RETURNING version""",
             (product_id, name, price_cents),
         ).fetchone()[0]
@@ -26,7 +26,7 @@ with psycopg.connect(os.environ["DATABASE_URL"]) as conn:
         event_id = conn.execute(
             """INSERT INTO outbox_events
                    (event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers)
-               VALUES (outboxrelay_event_id('products', %s, %s, 'app'), %s, 'product', %s, %s, 'upsert', %s, %s)
+               VALUES (outboxrelay_event_id('shop_products', %s, %s, 'app'), %s, 'product', %s, %s, 'upsert', %s, %s)
                RETURNING event_id""",
             (product_id, version, topic, product_id, version,
              json.dumps(document), json.dumps({"producer": "python"})),

@@ -13,13 +13,13 @@ import java.util.Properties;
 /**
  * Saves a product and its outbox event in one transaction (JDBC).
  *
- * <pre>DATABASE_URL=postgres://... TOPIC=products java -jar target/produce.jar p-1 "Desk lamp" 1999</pre>
+ * <pre>DATABASE_URL=postgres://... TOPIC=shop-products java -jar target/produce.jar p-1 "Desk lamp" 1999</pre>
  */
 public final class Produce {
     public static void main(String[] args) throws SQLException {
         String id = args[0], name = args[1];
         long priceCents = Long.parseLong(args[2]);
-        String topic = System.getenv().getOrDefault("TOPIC", "products");
+        String topic = System.getenv().getOrDefault("TOPIC", "shop-products");
         Properties props = new Properties();
         String url = jdbcUrl(System.getenv("DATABASE_URL"), props);
 
@@ -30,9 +30,9 @@ public final class Produce {
                 // product waits here, so events of one product are in version order.
                 long version;
                 try (PreparedStatement st = conn.prepareStatement(
-                        "INSERT INTO products (id, name, price_cents, version) VALUES (?, ?, ?, 1) "
+                        "INSERT INTO shop_products (id, name, price_cents, version) VALUES (?, ?, ?, 1) "
                                 + "ON CONFLICT (id) DO UPDATE SET name = excluded.name, "
-                                + "price_cents = excluded.price_cents, version = products.version + 1 "
+                                + "price_cents = excluded.price_cents, version = shop_products.version + 1 "
                                 + "RETURNING version")) {
                     st.setString(1, id);
                     st.setString(2, name);
@@ -44,7 +44,7 @@ public final class Produce {
                 try (PreparedStatement st = conn.prepareStatement(
                         "INSERT INTO outbox_events (event_id, topic, aggregate_type, aggregate_id, "
                                 + "aggregate_version, event_type, payload, headers) "
-                                + "VALUES (outboxrelay_event_id('products', ?, ?, 'app'), ?, 'product', ?, ?, "
+                                + "VALUES (outboxrelay_event_id('shop_products', ?, ?, 'app'), ?, 'product', ?, ?, "
                                 + "'upsert', ?::json, ?::jsonb) RETURNING event_id")) {
                     st.setString(1, id);
                     st.setLong(2, version);
