@@ -51,7 +51,11 @@ log "npm ci in examples/producers/node"
 (cd "$DIR/node" && npm ci --no-audit --no-fund --loglevel=error >&2) || die "npm ci failed in $DIR/node"
 
 jar="$DIR/java/target/produce.jar"
-if [[ -f $jar && -z "$(find "$DIR/java/pom.xml" "$DIR/java/src" -newer "$jar" -print -quit)" ]]; then
+# Up to date: the jar newer than the sources, and the driver copied beside
+# it (copy-dependencies runs after the jar is written; an interrupted build
+# leaves the jar without it).
+if [[ -f $jar && -z "$(find "$DIR/java/pom.xml" "$DIR/java/src" -newer "$jar" -print -quit)" ]] &&
+  compgen -G "$DIR/java/target/lib/postgresql-*.jar" >/dev/null; then
   log "java/target/produce.jar is up to date"
 else
   log "mvn package in examples/producers/java"
