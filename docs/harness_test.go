@@ -159,6 +159,18 @@ func TestHarnessSelectsPagesAndBlocks(t *testing.T) {
 		"x.md:2: code block info string \"sh bg\": a runnable page's blocks are `sh` (run), `sh background` (run in the background) or another language (shown only)")
 }
 
+// TestRunnableDocs fails when no page is runnable, or when
+// docs/getting-started.md is not: it cannot pass having run nothing.
+func TestRunnableSetMustHoldGettingStarted(t *testing.T) {
+	t.Parallel()
+	require.EqualError(t, checkRunnableSet(nil), "no runnable page (none has the line <!-- runnable -->)")
+	require.EqualError(t, checkRunnableSet([]page{fixture(t, "runnable.md")}),
+		"docs/getting-started.md is not among the runnable pages (it must have the line <!-- runnable -->)")
+	ps, err := pages(stack.RepoRoot())
+	require.NoError(t, err)
+	require.NoError(t, checkRunnableSet(runnable(ps)))
+}
+
 // Every relative link of the pages names an existing file and, with an
 // anchor, a heading of it.
 func TestLinkCheckerNamesBrokenLinks(t *testing.T) {

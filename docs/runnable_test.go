@@ -40,9 +40,7 @@ func TestRunnableDocs(t *testing.T) {
 	require.NoError(t, err)
 	run := runnable(ps)
 	t.Logf("%d of %d pages are runnable", len(run), len(ps))
-	if len(run) == 0 {
-		return
-	}
+	require.NoError(t, checkRunnableSet(run))
 	env := newRunEnv(t, root)
 	for _, p := range run {
 		t.Run(p.path, func(t *testing.T) {
@@ -62,6 +60,29 @@ func runnable(ps []page) []page {
 		}
 	}
 	return out
+}
+
+// requiredRunnable are the pages that must stay runnable: their text
+// promises that a test runs them. Losing the marker (or the parser losing
+// it) would otherwise pass with nothing run.
+var requiredRunnable = []string{"docs/getting-started.md"}
+
+// checkRunnableSet fails when no page is runnable or one of
+// requiredRunnable is not among them.
+func checkRunnableSet(run []page) error {
+	if len(run) == 0 {
+		return fmt.Errorf("no runnable page (none has the line %s)", runnableMarker)
+	}
+	have := map[string]bool{}
+	for _, p := range run {
+		have[p.path] = true
+	}
+	for _, want := range requiredRunnable {
+		if !have[want] {
+			return fmt.Errorf("%s is not among the runnable pages (it must have the line %s)", want, runnableMarker)
+		}
+	}
+	return nil
 }
 
 // runEnv is what every page's run shares: the repository and the release
