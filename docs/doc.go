@@ -12,7 +12,10 @@
 // is `sh background` is started in the background and killed (SIGTERM to
 // its process group) when the page ends; use it for the services
 // (publisher run, indexer run). Blocks with any other info string
-// (console, text, yaml, sql, …) are shown only. The page runs with:
+// (console, text, yaml, sql, …) are shown only, except `bash`, `shell`
+// and `zsh`, which are errors on a runnable page (they look like commands
+// but would not run); a runnable page without a `sh` block is an error
+// too. The page runs with:
 //
 //   - DATABASE_URL: a new, empty database of its own (no migrations
 //     applied: run `batcher migrate` as a user would); dropped afterwards;

@@ -150,13 +150,31 @@ func TestHarnessSelectsPagesAndBlocks(t *testing.T) {
 	require.NoError(t, r.build(filepath.Join(t.TempDir(), "page.sh")))
 	script, err := os.ReadFile(r.script)
 	require.NoError(t, err)
-	require.NotContains(t, string(script), "exit 1", "a console, bash or text block is in the script")
+	require.NotContains(t, string(script), "exit 1", "a console or text block is in the script")
 	require.Contains(t, string(script), "batcher migrate")
 
 	bad := page{path: "x.md", blocks: []block{{info: "sh bg", line: 3, lines: []string{"true"}}}}
 	r = &pageRun{page: bad, trace: "/dev/null"}
 	require.EqualError(t, r.build(filepath.Join(t.TempDir(), "page.sh")),
 		"x.md:2: code block info string \"sh bg\": a runnable page's blocks are `sh` (run), `sh background` (run in the background) or another language (shown only)")
+}
+
+// On a runnable page a bash, shell or zsh block is an error naming its
+// line (it would be shown, not run), and so is a page with no sh block.
+func TestHarnessRejectsShellBlocksItWouldNotRun(t *testing.T) {
+	t.Parallel()
+	for _, info := range []string{"bash", "shell", "zsh", "Bash title=x"} {
+		p := page{path: "x.md", blocks: []block{
+			{info: "sh", line: 3, lines: []string{"true"}},
+			{info: info, line: 8, lines: []string{"batcher run"}},
+		}}
+		r := &pageRun{page: p, trace: "/dev/null"}
+		require.EqualError(t, r.build(filepath.Join(t.TempDir(), "page.sh")),
+			fmt.Sprintf("x.md:7: code block info string %q on a runnable page: it would be shown, not run; write `sh` (or `console` for a transcript that is not run)", info))
+	}
+	p := page{path: "x.md", blocks: []block{{info: "console", line: 3, lines: []string{"$ batcher run"}}}}
+	r := &pageRun{page: p, trace: "/dev/null"}
+	require.EqualError(t, r.build(filepath.Join(t.TempDir(), "page.sh")), "x.md: a runnable page without a `sh` block: nothing would run")
 }
 
 // TestRunnableDocs fails when no page is runnable, or when

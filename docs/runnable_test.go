@@ -259,6 +259,8 @@ func (r *pageRun) build(path string) error {
 			background = true
 		case b.info == "sh" || strings.HasPrefix(b.info, "sh "):
 			return fmt.Errorf("%s:%d: code block info string %q: a runnable page's blocks are `sh` (run), `sh background` (run in the background) or another language (shown only)", r.page.path, b.line-1, b.info)
+		case shellInfo(b.info):
+			return fmt.Errorf("%s:%d: code block info string %q on a runnable page: it would be shown, not run; write `sh` (or `console` for a transcript that is not run)", r.page.path, b.line-1, b.info)
 		default:
 			continue
 		}
@@ -277,8 +279,23 @@ func (r *pageRun) build(path string) error {
 			add("set +m", 0)
 		}
 	}
+	if n == 0 {
+		return fmt.Errorf("%s: a runnable page without a `sh` block: nothing would run", r.page.path)
+	}
 	add("", 0)
 	return os.WriteFile(path, []byte(strings.Join(s, "\n")), 0o600)
+}
+
+// shellInfo: the info string names a shell other than `sh` (bash, shell,
+// zsh): on a runnable page such a block reads as a command to run but
+// would not be.
+func shellInfo(info string) bool {
+	first, _, _ := strings.Cut(info, " ")
+	switch strings.ToLower(first) {
+	case "bash", "shell", "zsh":
+		return true
+	}
+	return false
 }
 
 // failure names where the page failed: the page line of the last failing
