@@ -15,8 +15,11 @@
 // (console, text, yaml, sql, …) are shown only, except `bash`, `shell`
 // and `zsh`, which are errors on a runnable page (they look like commands
 // but would not run); a runnable page without a `sh` block is an error
-// too. The page runs with:
+// too. The page runs with an environment of its own (nothing else of the
+// test's: a stray TOPIC or OTEL_* in CI does not reach it):
 //
+//   - PATH, HOME, LANG, LC_ALL, TMPDIR, USER and TERM from the test's
+//     environment, when set;
 //   - DATABASE_URL: a new, empty database of its own (no migrations
 //     applied: run `batcher migrate` as a user would); dropped afterwards;
 //   - KAFKA_BROKERS and ELASTICSEARCH_URL: the shared stack;

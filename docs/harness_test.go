@@ -189,6 +189,34 @@ func TestRunnableSetMustHoldGettingStarted(t *testing.T) {
 	require.NoError(t, checkRunnableSet(runnable(ps)))
 }
 
+// A page sees the allowlisted variables of the test's environment, the
+// stack's and its own, and nothing else: a TOPIC or OTEL_* set in CI does
+// not change what its commands do.
+func TestHarnessPageEnvironment(t *testing.T) {
+	for k, v := range map[string]string{"TOPIC": "stray", "ALIAS": "stray", "KAFKA_TLS": "true", "LOG_LEVEL": "debug",
+		"METRICS_ADDR": ":1", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://stray", "DATABASE_URL": "postgres://stray", "LANG": "C.UTF-8", "HOME": "/home/docs"} {
+		t.Setenv(k, v)
+	}
+	e := &runEnv{bin: "/bin-dir", kafka: "k:9092", search: "http://s:9200"}
+	got := map[string]string{}
+	for _, kv := range e.environ(&pageRun{dbURL: "postgres://page", runID: "docs-1"}) {
+		k, v, _ := strings.Cut(kv, "=")
+		_, dup := got[k]
+		require.False(t, dup, "%s twice", k)
+		got[k] = v
+	}
+	want := map[string]string{
+		"DATABASE_URL": "postgres://page", "KAFKA_BROKERS": "k:9092", "ELASTICSEARCH_URL": "http://s:9200", "DOCS_RUN_ID": "docs-1",
+		"PATH": "/bin-dir" + string(os.PathListSeparator) + os.Getenv("PATH"), "LANG": "C.UTF-8", "HOME": "/home/docs",
+	}
+	for _, k := range []string{"LC_ALL", "TMPDIR", "USER", "TERM"} {
+		if v, ok := os.LookupEnv(k); ok {
+			want[k] = v
+		}
+	}
+	require.Equal(t, want, got)
+}
+
 // Every relative link of the pages names an existing file and, with an
 // anchor, a heading of it.
 func TestLinkCheckerNamesBrokenLinks(t *testing.T) {

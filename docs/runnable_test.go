@@ -195,17 +195,21 @@ func (e *runEnv) run(t *testing.T, p page) (*pageRun, error) {
 	return r, fmt.Errorf("%s: %v\n--- output (last lines):\n%s", where, runErr, tailLines(string(output), 60))
 }
 
-// environ is the page's environment: the test's, with the stack's settings,
-// the page's own database and run id, and the binaries first on PATH.
+// pageEnvAllowlist are the variables of the test's environment a page
+// inherits (when set): what a user's shell has. Everything else (a stray
+// TOPIC, ALIAS, KAFKA_TLS, LOG_*, METRICS_*, OTEL_* of CI) would change
+// what the page's commands do.
+var pageEnvAllowlist = []string{"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "TERM"}
+
+// environ is the page's environment: the allowlisted variables of the
+// test's, the stack's settings, the page's own database and run id, and
+// the binaries first on PATH.
 func (e *runEnv) environ(r *pageRun) []string {
 	var env []string
-	for _, kv := range os.Environ() {
-		k, _, _ := strings.Cut(kv, "=")
-		switch k {
-		case "DATABASE_URL", "KAFKA_BROKERS", "ELASTICSEARCH_URL", "PATH", "DOCS_RUN_ID":
-			continue
+	for _, k := range pageEnvAllowlist {
+		if v, ok := os.LookupEnv(k); ok && k != "PATH" {
+			env = append(env, k+"="+v)
 		}
-		env = append(env, kv)
 	}
 	return append(env,
 		"DATABASE_URL="+r.dbURL,
