@@ -40,7 +40,9 @@
 // `indexer run --topic … --alias ${DOCS_RUN_ID}-products --group
 // ${DOCS_RUN_ID}`) rather than the defaults (outboxrelay.records, records),
 // which other runs' documents also reach. In a SQL identifier use
-// ${DOCS_RUN_ID//-/_}. A page waits for what a background service does
+// ${DOCS_RUN_ID//-/_}. After the page (its processes stopped), the
+// Kafka topics whose names contain DOCS_RUN_ID (the indexer's .dlq ones
+// too) and the indices and aliases matching *DOCS_RUN_ID* are deleted. A page waits for what a background service does
 // with a bounded loop (for i in $(seq 60); do …; sleep 1; done) and then
 // checks it; `exec` in a background block (echo "$BASHPID" > x.pid; exec
 // publisher run) makes the service the process that gets the SIGTERM.

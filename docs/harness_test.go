@@ -72,17 +72,42 @@ func TestHarnessRunsAPage(t *testing.T) {
 // ends.
 func TestHarnessRunsServicesInTheBackground(t *testing.T) {
 	env := newRunEnv(t, stack.RepoRoot())
+	var before struct {
+		count           int
+		topics, indices []string
+	}
+	env.inspect = func(r *pageRun) {
+		resp, err := http.Get(env.search + "/" + r.runID + "-products/_count")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		var count struct {
+			Count int `json:"count"`
+		}
+		require.NoError(t, json.NewDecoder(resp.Body).Decode(&count))
+		before.count = count.Count
+		before.topics, before.indices, err = env.runLeftovers(context.Background(), r.runID)
+		require.NoError(t, err)
+	}
 	r, err := env.run(t, fixture(t, "pipeline.md"))
 	require.NoError(t, err)
+	require.Equal(t, 50, before.count)
 
-	resp, err := http.Get(env.search + "/" + r.runID + "-products/_count")
+	// What the run made on the shared stack, and then deleted: its topic
+	// (with the indexer's dead-letter topic) and its index.
+	t.Logf("before cleanup: topics %v, indices %v", before.topics, before.indices)
+	require.Contains(t, before.topics, r.runID+".products")
+	require.Contains(t, before.indices, r.runID+"-products_v1")
+	require.Eventually(t, func() bool {
+		topics, indices, err := env.runLeftovers(context.Background(), r.runID)
+		require.NoError(t, err)
+		return len(topics) == 0 && len(indices) == 0
+	}, 30*time.Second, 200*time.Millisecond, "topics or indices of run %s are left", r.runID)
+	resp, err := http.Get(env.search + "/_cat/aliases/*" + r.runID + "*?format=json")
 	require.NoError(t, err)
 	defer resp.Body.Close()
-	var count struct {
-		Count int `json:"count"`
-	}
-	require.NoError(t, json.NewDecoder(resp.Body).Decode(&count))
-	require.Equal(t, 50, count.Count)
+	var aliases []any
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&aliases))
+	require.Empty(t, aliases)
 
 	for _, name := range []string{"publisher.pid", "indexer.pid"} {
 		b, err := os.ReadFile(filepath.Join(r.dir, name))

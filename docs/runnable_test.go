@@ -93,6 +93,10 @@ type runEnv struct {
 	kafka, search string
 	timeout       time.Duration // per page
 	stopGrace     time.Duration // for background blocks after SIGTERM
+	// inspect, when set, sees each run after its processes are stopped
+	// and before its topics and indices are deleted (for the tests of the
+	// harness).
+	inspect func(*pageRun)
 }
 
 func newRunEnv(t *testing.T, root string) *runEnv {
@@ -184,6 +188,19 @@ func (e *runEnv) run(t *testing.T, p page) (*pageRun, error) {
 	// script's process group) and the background blocks' groups.
 	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 	r.killBackground()
+	if e.inspect != nil {
+		e.inspect(r)
+	}
+	// Its topics, indices and aliases, named after the run id, leave the
+	// shared stack.
+	cctx, ccancel := context.WithTimeout(context.Background(), time.Minute)
+	defer ccancel()
+	if err := e.cleanupRun(cctx, r.runID); err != nil {
+		if runErr == nil {
+			return r, fmt.Errorf("%s: cleaning up after the page: %w", p.path, err)
+		}
+		t.Logf("%s: cleaning up after the page: %v", p.path, err)
+	}
 	if runErr == nil {
 		return r, nil
 	}
