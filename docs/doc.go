@@ -49,6 +49,14 @@
 // docs/testdata/pipeline.md is a complete example.
 //
 // A command that fails fails the test, naming the page and the line.
+//
+// The `sh` blocks of the pages that are not runnable (README.md, most of
+// docs/) are checked without running them by TestShownCommandsExist:
+// every batcher, publisher or indexer command they show must exist with
+// every flag it passes, and every UPPER_CASE variable they set must be a
+// setting of one of the binaries (PATH and DOCS_RUN_ID aside), as the
+// binaries declare them (their hidden __settings command, read with
+// internal/settingsread as internal/cmd/docgen does).
 // TestDocsLinks checks every relative link of every Markdown file of the
 // repository: the file exists and, with #anchor, the heading exists
 // (GitHub's anchors).
