@@ -29,7 +29,8 @@ func (e *runEnv) cleanupRun(ctx context.Context, runID string) error {
 	}
 	var errs []error
 	if len(topics) > 0 {
-		c := &kafka.Client{Addr: kafka.TCP(strings.Split(e.kafka, ",")...), Timeout: 30 * time.Second}
+		c, done := e.kafkaClient()
+		defer done()
 		res, err := c.DeleteTopics(ctx, &kafka.DeleteTopicsRequest{Topics: topics})
 		if err != nil {
 			errs = append(errs, fmt.Errorf("delete topics %v: %w", topics, err))
@@ -55,7 +56,8 @@ func (e *runEnv) cleanupRun(ctx context.Context, runID string) error {
 // (hidden and closed ones too) that match *runID* or that an alias
 // matching *runID* points to.
 func (e *runEnv) runLeftovers(ctx context.Context, runID string) (topics, indices []string, err error) {
-	c := &kafka.Client{Addr: kafka.TCP(strings.Split(e.kafka, ",")...), Timeout: 30 * time.Second}
+	c, done := e.kafkaClient()
+	defer done()
 	md, err := c.Metadata(ctx, &kafka.MetadataRequest{})
 	if err != nil {
 		return nil, nil, fmt.Errorf("kafka metadata: %w", err)
@@ -97,6 +99,15 @@ func (e *runEnv) runLeftovers(ctx context.Context, runID string) (topics, indice
 	}
 	sort.Strings(indices)
 	return topics, indices, nil
+}
+
+// kafkaClient is a client of the shared brokers with a transport of its
+// own: kafka-go's default transport answers a metadata request from a
+// cache up to 6 s old, which misses the topics a page has just created.
+func (e *runEnv) kafkaClient() (*kafka.Client, func()) {
+	tr := &kafka.Transport{}
+	c := &kafka.Client{Addr: kafka.TCP(strings.Split(e.kafka, ",")...), Timeout: 30 * time.Second, Transport: tr}
+	return c, tr.CloseIdleConnections
 }
 
 // searchDo sends a request to the shared search engine; a status other
