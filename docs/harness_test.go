@@ -72,17 +72,42 @@ func TestHarnessRunsAPage(t *testing.T) {
 // ends.
 func TestHarnessRunsServicesInTheBackground(t *testing.T) {
 	env := newRunEnv(t, stack.RepoRoot())
+	var before struct {
+		count           int
+		topics, indices []string
+	}
+	env.inspect = func(r *pageRun) {
+		resp, err := http.Get(env.search + "/" + r.runID + "-products/_count")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		var count struct {
+			Count int `json:"count"`
+		}
+		require.NoError(t, json.NewDecoder(resp.Body).Decode(&count))
+		before.count = count.Count
+		before.topics, before.indices, err = env.runLeftovers(context.Background(), r.runID)
+		require.NoError(t, err)
+	}
 	r, err := env.run(t, fixture(t, "pipeline.md"))
 	require.NoError(t, err)
+	require.Equal(t, 50, before.count)
 
-	resp, err := http.Get(env.search + "/" + r.runID + "-products/_count")
+	// What the run made on the shared stack, and then deleted: its topic
+	// (with the indexer's dead-letter topic) and its index.
+	t.Logf("before cleanup: topics %v, indices %v", before.topics, before.indices)
+	require.Contains(t, before.topics, r.runID+".products")
+	require.Contains(t, before.indices, r.runID+"-products_v1")
+	require.Eventually(t, func() bool {
+		topics, indices, err := env.runLeftovers(context.Background(), r.runID)
+		require.NoError(t, err)
+		return len(topics) == 0 && len(indices) == 0
+	}, 30*time.Second, 200*time.Millisecond, "topics or indices of run %s are left", r.runID)
+	resp, err := http.Get(env.search + "/_cat/aliases/*" + r.runID + "*?format=json")
 	require.NoError(t, err)
 	defer resp.Body.Close()
-	var count struct {
-		Count int `json:"count"`
-	}
-	require.NoError(t, json.NewDecoder(resp.Body).Decode(&count))
-	require.Equal(t, 50, count.Count)
+	var aliases []any
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&aliases))
+	require.Empty(t, aliases)
 
 	for _, name := range []string{"publisher.pid", "indexer.pid"} {
 		b, err := os.ReadFile(filepath.Join(r.dir, name))
@@ -150,13 +175,71 @@ func TestHarnessSelectsPagesAndBlocks(t *testing.T) {
 	require.NoError(t, r.build(filepath.Join(t.TempDir(), "page.sh")))
 	script, err := os.ReadFile(r.script)
 	require.NoError(t, err)
-	require.NotContains(t, string(script), "exit 1", "a console, bash or text block is in the script")
+	require.NotContains(t, string(script), "exit 1", "a console or text block is in the script")
 	require.Contains(t, string(script), "batcher migrate")
 
 	bad := page{path: "x.md", blocks: []block{{info: "sh bg", line: 3, lines: []string{"true"}}}}
 	r = &pageRun{page: bad, trace: "/dev/null"}
 	require.EqualError(t, r.build(filepath.Join(t.TempDir(), "page.sh")),
 		"x.md:2: code block info string \"sh bg\": a runnable page's blocks are `sh` (run), `sh background` (run in the background) or another language (shown only)")
+}
+
+// On a runnable page a bash, shell or zsh block is an error naming its
+// line (it would be shown, not run), and so is a page with no sh block.
+func TestHarnessRejectsShellBlocksItWouldNotRun(t *testing.T) {
+	t.Parallel()
+	for _, info := range []string{"bash", "shell", "zsh", "Bash title=x"} {
+		p := page{path: "x.md", blocks: []block{
+			{info: "sh", line: 3, lines: []string{"true"}},
+			{info: info, line: 8, lines: []string{"batcher run"}},
+		}}
+		r := &pageRun{page: p, trace: "/dev/null"}
+		require.EqualError(t, r.build(filepath.Join(t.TempDir(), "page.sh")),
+			fmt.Sprintf("x.md:7: code block info string %q on a runnable page: it would be shown, not run; write `sh` (or `console` for a transcript that is not run)", info))
+	}
+	p := page{path: "x.md", blocks: []block{{info: "console", line: 3, lines: []string{"$ batcher run"}}}}
+	r := &pageRun{page: p, trace: "/dev/null"}
+	require.EqualError(t, r.build(filepath.Join(t.TempDir(), "page.sh")), "x.md: a runnable page without a `sh` block: nothing would run")
+}
+
+// TestRunnableDocs fails when no page is runnable, or when
+// docs/getting-started.md is not: it cannot pass having run nothing.
+func TestRunnableSetMustHoldGettingStarted(t *testing.T) {
+	t.Parallel()
+	require.EqualError(t, checkRunnableSet(nil), "no runnable page (none has the line <!-- runnable -->)")
+	require.EqualError(t, checkRunnableSet([]page{fixture(t, "runnable.md")}),
+		"docs/getting-started.md is not among the runnable pages (it must have the line <!-- runnable -->)")
+	ps, err := pages(stack.RepoRoot())
+	require.NoError(t, err)
+	require.NoError(t, checkRunnableSet(runnable(ps)))
+}
+
+// A page sees the allowlisted variables of the test's environment, the
+// stack's and its own, and nothing else: a TOPIC or OTEL_* set in CI does
+// not change what its commands do.
+func TestHarnessPageEnvironment(t *testing.T) {
+	for k, v := range map[string]string{"TOPIC": "stray", "ALIAS": "stray", "KAFKA_TLS": "true", "LOG_LEVEL": "debug",
+		"METRICS_ADDR": ":1", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://stray", "DATABASE_URL": "postgres://stray", "LANG": "C.UTF-8", "HOME": "/home/docs"} {
+		t.Setenv(k, v)
+	}
+	e := &runEnv{bin: "/bin-dir", kafka: "k:9092", search: "http://s:9200"}
+	got := map[string]string{}
+	for _, kv := range e.environ(&pageRun{dbURL: "postgres://page", runID: "docs-1"}) {
+		k, v, _ := strings.Cut(kv, "=")
+		_, dup := got[k]
+		require.False(t, dup, "%s twice", k)
+		got[k] = v
+	}
+	want := map[string]string{
+		"DATABASE_URL": "postgres://page", "KAFKA_BROKERS": "k:9092", "ELASTICSEARCH_URL": "http://s:9200", "DOCS_RUN_ID": "docs-1",
+		"PATH": "/bin-dir" + string(os.PathListSeparator) + os.Getenv("PATH"), "LANG": "C.UTF-8", "HOME": "/home/docs",
+	}
+	for _, k := range []string{"LC_ALL", "TMPDIR", "USER", "TERM"} {
+		if v, ok := os.LookupEnv(k); ok {
+			want[k] = v
+		}
+	}
+	require.Equal(t, want, got)
 }
 
 // Every relative link of the pages names an existing file and, with an

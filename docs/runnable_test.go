@@ -40,9 +40,7 @@ func TestRunnableDocs(t *testing.T) {
 	require.NoError(t, err)
 	run := runnable(ps)
 	t.Logf("%d of %d pages are runnable", len(run), len(ps))
-	if len(run) == 0 {
-		return
-	}
+	require.NoError(t, checkRunnableSet(run))
 	env := newRunEnv(t, root)
 	for _, p := range run {
 		t.Run(p.path, func(t *testing.T) {
@@ -64,6 +62,29 @@ func runnable(ps []page) []page {
 	return out
 }
 
+// requiredRunnable are the pages that must stay runnable: their text
+// promises that a test runs them. Losing the marker (or the parser losing
+// it) would otherwise pass with nothing run.
+var requiredRunnable = []string{"docs/getting-started.md"}
+
+// checkRunnableSet fails when no page is runnable or one of
+// requiredRunnable is not among them.
+func checkRunnableSet(run []page) error {
+	if len(run) == 0 {
+		return fmt.Errorf("no runnable page (none has the line %s)", runnableMarker)
+	}
+	have := map[string]bool{}
+	for _, p := range run {
+		have[p.path] = true
+	}
+	for _, want := range requiredRunnable {
+		if !have[want] {
+			return fmt.Errorf("%s is not among the runnable pages (it must have the line %s)", want, runnableMarker)
+		}
+	}
+	return nil
+}
+
 // runEnv is what every page's run shares: the repository and the release
 // binaries.
 type runEnv struct {
@@ -72,6 +93,10 @@ type runEnv struct {
 	kafka, search string
 	timeout       time.Duration // per page
 	stopGrace     time.Duration // for background blocks after SIGTERM
+	// inspect, when set, sees each run after its processes are stopped
+	// and before its topics and indices are deleted (for the tests of the
+	// harness).
+	inspect func(*pageRun)
 }
 
 func newRunEnv(t *testing.T, root string) *runEnv {
@@ -163,6 +188,19 @@ func (e *runEnv) run(t *testing.T, p page) (*pageRun, error) {
 	// script's process group) and the background blocks' groups.
 	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 	r.killBackground()
+	if e.inspect != nil {
+		e.inspect(r)
+	}
+	// Its topics, indices and aliases, named after the run id, leave the
+	// shared stack.
+	cctx, ccancel := context.WithTimeout(context.Background(), time.Minute)
+	defer ccancel()
+	if err := e.cleanupRun(cctx, r.runID); err != nil {
+		if runErr == nil {
+			return r, fmt.Errorf("%s: cleaning up after the page: %w", p.path, err)
+		}
+		t.Logf("%s: cleaning up after the page: %v", p.path, err)
+	}
 	if runErr == nil {
 		return r, nil
 	}
@@ -174,17 +212,21 @@ func (e *runEnv) run(t *testing.T, p page) (*pageRun, error) {
 	return r, fmt.Errorf("%s: %v\n--- output (last lines):\n%s", where, runErr, tailLines(string(output), 60))
 }
 
-// environ is the page's environment: the test's, with the stack's settings,
-// the page's own database and run id, and the binaries first on PATH.
+// pageEnvAllowlist are the variables of the test's environment a page
+// inherits (when set): what a user's shell has. Everything else (a stray
+// TOPIC, ALIAS, KAFKA_TLS, LOG_*, METRICS_*, OTEL_* of CI) would change
+// what the page's commands do.
+var pageEnvAllowlist = []string{"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "TERM"}
+
+// environ is the page's environment: the allowlisted variables of the
+// test's, the stack's settings, the page's own database and run id, and
+// the binaries first on PATH.
 func (e *runEnv) environ(r *pageRun) []string {
 	var env []string
-	for _, kv := range os.Environ() {
-		k, _, _ := strings.Cut(kv, "=")
-		switch k {
-		case "DATABASE_URL", "KAFKA_BROKERS", "ELASTICSEARCH_URL", "PATH", "DOCS_RUN_ID":
-			continue
+	for _, k := range pageEnvAllowlist {
+		if v, ok := os.LookupEnv(k); ok && k != "PATH" {
+			env = append(env, k+"="+v)
 		}
-		env = append(env, kv)
 	}
 	return append(env,
 		"DATABASE_URL="+r.dbURL,
@@ -238,6 +280,8 @@ func (r *pageRun) build(path string) error {
 			background = true
 		case b.info == "sh" || strings.HasPrefix(b.info, "sh "):
 			return fmt.Errorf("%s:%d: code block info string %q: a runnable page's blocks are `sh` (run), `sh background` (run in the background) or another language (shown only)", r.page.path, b.line-1, b.info)
+		case shellInfo(b.info):
+			return fmt.Errorf("%s:%d: code block info string %q on a runnable page: it would be shown, not run; write `sh` (or `console` for a transcript that is not run)", r.page.path, b.line-1, b.info)
 		default:
 			continue
 		}
@@ -256,8 +300,23 @@ func (r *pageRun) build(path string) error {
 			add("set +m", 0)
 		}
 	}
+	if n == 0 {
+		return fmt.Errorf("%s: a runnable page without a `sh` block: nothing would run", r.page.path)
+	}
 	add("", 0)
 	return os.WriteFile(path, []byte(strings.Join(s, "\n")), 0o600)
+}
+
+// shellInfo: the info string names a shell other than `sh` (bash, shell,
+// zsh): on a runnable page such a block reads as a command to run but
+// would not be.
+func shellInfo(info string) bool {
+	first, _, _ := strings.Cut(info, " ")
+	switch strings.ToLower(first) {
+	case "bash", "shell", "zsh":
+		return true
+	}
+	return false
 }
 
 // failure names where the page failed: the page line of the last failing

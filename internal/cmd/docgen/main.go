@@ -11,9 +11,7 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -22,6 +20,7 @@ import (
 	"strings"
 
 	"github.com/outboxrelay/outboxrelay/internal/cli"
+	"github.com/outboxrelay/outboxrelay/internal/settingsread"
 )
 
 // binaries are the binaries the page covers, in its order.
@@ -97,17 +96,9 @@ func collect(ctx context.Context, root string) ([]cli.Binary, error) {
 		if b, err := build.CombinedOutput(); err != nil {
 			return nil, fmt.Errorf("go build ./cmd/%s: %w\n%s", name, err, b)
 		}
-		var stdout, stderr bytes.Buffer
-		run := exec.CommandContext(ctx, bin, cli.SettingsCommand)
-		// The settings must not depend on the caller's environment.
-		run.Env = []string{"PATH=" + os.Getenv("PATH")}
-		run.Stdout, run.Stderr = &stdout, &stderr
-		if err := run.Run(); err != nil {
-			return nil, fmt.Errorf("%s %s: %w\n%s", name, cli.SettingsCommand, err, stderr.Bytes())
-		}
-		var b cli.Binary
-		if err := json.Unmarshal(stdout.Bytes(), &b); err != nil {
-			return nil, fmt.Errorf("%s %s: %w", name, cli.SettingsCommand, err)
+		b, err := settingsread.Read(ctx, bin)
+		if err != nil {
+			return nil, err
 		}
 		out = append(out, b)
 	}

@@ -22,7 +22,7 @@ type specField struct {
 // batch.Spec (batch/*.go): every field with a yaml tag, nested structs
 // as dotted keys, lists of objects as key[].field. A field without a
 // comment takes the comment of the field before it when that names it
-// ("Min and Max bound …"), else its struct's.
+// ("Min and Max bound …"), else none.
 func specFields(root string) ([]specField, error) {
 	dir := filepath.Join(root, "batch")
 	names, err := filepath.Glob(filepath.Join(dir, "*.go"))
@@ -42,8 +42,7 @@ func specFields(root string) ([]specField, error) {
 		files = append(files, f)
 	}
 	type decl struct {
-		st  *ast.StructType
-		doc string
+		st *ast.StructType
 	}
 	types := map[string]decl{}
 	for _, f := range files {
@@ -55,11 +54,7 @@ func specFields(root string) ([]specField, error) {
 			for _, s := range gd.Specs {
 				ts := s.(*ast.TypeSpec)
 				if st, ok := ts.Type.(*ast.StructType); ok {
-					doc := ts.Doc
-					if doc == nil {
-						doc = gd.Doc
-					}
-					types[ts.Name.Name] = decl{st: st, doc: doc.Text()}
+					types[ts.Name.Name] = decl{st: st}
 				}
 			}
 		}
@@ -85,9 +80,9 @@ func specFields(root string) ([]specField, error) {
 			if key == "" || key == "-" {
 				continue
 			}
-			if doc == "" {
-				doc = d.doc
-			}
+			// A key without a comment of its own has no description
+			// ("—" on the page): its struct's comment is about the
+			// struct, not the key.
 			key = prefix + key
 			kind, elem, list := typeOf(f.Type)
 			_, isStruct := types[elem]
@@ -217,7 +212,11 @@ func renderSpec(w *strings.Builder, fields []specField) {
 	fmt.Fprintf(w, "or a special value). An unset key takes its default. `key[].sub` is a key of each item of a list.\n\n")
 	fmt.Fprintf(w, "| Key | Type | Description |\n|---|---|---|\n")
 	for _, f := range fields {
-		fmt.Fprintf(w, "| `%s` | %s | %s |\n", f.Key, f.Type, cell(summary(f.Doc)))
+		desc := cell(summary(f.Doc))
+		if desc == "" {
+			desc = "—"
+		}
+		fmt.Fprintf(w, "| `%s` | %s | %s |\n", f.Key, f.Type, desc)
 	}
 	fmt.Fprintf(w, "\n")
 }
