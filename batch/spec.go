@@ -160,10 +160,14 @@ type Source struct {
 // Condition is one filter term: Column Op Value(s). Values are passed as
 // parameters and cast to the column's type.
 type Condition struct {
+	// Column of the source table the term compares.
 	Column string `json:"column" yaml:"column"`
 	// Op is one of = != < <= > >= in "is null" "is not null".
-	Op     string   `json:"op" yaml:"op"`
-	Value  string   `json:"value,omitempty" yaml:"value,omitempty"`
+	Op string `json:"op" yaml:"op"`
+	// Value the column is compared with (it must cast to the column's
+	// type); not with in and the null tests.
+	Value string `json:"value,omitempty" yaml:"value,omitempty"`
+	// Values of in.
 	Values []string `json:"values,omitempty" yaml:"values,omitempty"`
 }
 
@@ -252,17 +256,27 @@ type Relation struct {
 
 // KeyPair names the joined columns of a relation.
 type KeyPair struct {
+	// Parent is the parent row's column (through a join table: the one the
+	// join table refers to).
 	Parent string `json:"parent" yaml:"parent"`
-	Child  string `json:"child" yaml:"child"`
+	// Child is the related table's column equal to it.
+	Child string `json:"child" yaml:"child"`
 }
 
 // Through is a join table: Parent is its column that refers to the parent
 // row, Child its column that refers to the related row.
 type Through struct {
+	// Schema of the join table. Default: the relation's schema.
 	Schema string `json:"schema,omitempty" yaml:"schema,omitempty"`
-	Table  string `json:"table" yaml:"table"`
+	// Table is the join table. Required.
+	Table string `json:"table" yaml:"table"`
+	// Parent is the join table's column that refers to the parent row.
+	// Default: the join table's single-column foreign key to the parent's
+	// table.
 	Parent string `json:"parent,omitempty" yaml:"parent,omitempty"`
-	Child  string `json:"child,omitempty" yaml:"child,omitempty"`
+	// Child is the join table's column that refers to the related row.
+	// Default: its single-column foreign key to the related table.
+	Child string `json:"child,omitempty" yaml:"child,omitempty"`
 }
 
 // Field is one document field.
