@@ -26,6 +26,8 @@
 //   - DOCS_RUN_ID: a name unique to this run of the page (lower case
 //     letters, digits and '-'), for topics, indices, consumer groups and
 //     job names that must not collide with other runs;
+//   - METRICS_ADDR empty: no metrics listener (the default ports would
+//     clash with other pages and tests running at once);
 //   - batcher, publisher and indexer built from the tree as released (no
 //     build tags) first on PATH;
 //   - a new temporary working directory, in which every top-level entry of

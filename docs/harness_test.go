@@ -231,7 +231,7 @@ func TestHarnessPageEnvironment(t *testing.T) {
 		got[k] = v
 	}
 	want := map[string]string{
-		"DATABASE_URL": "postgres://page", "KAFKA_BROKERS": "k:9092", "ELASTICSEARCH_URL": "http://s:9200", "DOCS_RUN_ID": "docs-1",
+		"DATABASE_URL": "postgres://page", "KAFKA_BROKERS": "k:9092", "ELASTICSEARCH_URL": "http://s:9200", "DOCS_RUN_ID": "docs-1", "METRICS_ADDR": "",
 		"PATH": "/bin-dir" + string(os.PathListSeparator) + os.Getenv("PATH"), "LANG": "C.UTF-8", "HOME": "/home/docs",
 	}
 	for _, k := range []string{"LC_ALL", "TMPDIR", "USER", "TERM"} {

@@ -219,8 +219,8 @@ func (e *runEnv) run(t *testing.T, p page) (*pageRun, error) {
 var pageEnvAllowlist = []string{"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "TERM"}
 
 // environ is the page's environment: the allowlisted variables of the
-// test's, the stack's settings, the page's own database and run id, and
-// the binaries first on PATH.
+// test's, the stack's settings, the page's own database and run id, an
+// empty METRICS_ADDR, and the binaries first on PATH.
 func (e *runEnv) environ(r *pageRun) []string {
 	var env []string
 	for _, k := range pageEnvAllowlist {
@@ -233,6 +233,10 @@ func (e *runEnv) environ(r *pageRun) []string {
 		"KAFKA_BROKERS="+e.kafka,
 		"ELASTICSEARCH_URL="+e.search,
 		"DOCS_RUN_ID="+r.runID,
+		// No metrics listener: the binaries' default ports (9101-9103)
+		// would clash with the other pages and tests running at once (a
+		// clean-clone CI run failed so: bind: address already in use).
+		"METRICS_ADDR=",
 		"PATH="+e.bin+string(os.PathListSeparator)+os.Getenv("PATH"),
 	)
 }
