@@ -59,8 +59,11 @@ type printed struct {
 // quick start's `products` table, as a new user's does: the examples' own
 // table (shop_products) sits beside it, holds each product at version 2,
 // and the quick start's rows are untouched.
+//
+// Not parallel: it runs before the package's parallel tests (the failover
+// and chaos tests with their private clusters), so its JVM, Node and
+// Python processes add nothing to the load those put on the shared broker.
 func TestProducerExamples(t *testing.T) {
-	t.Parallel()
 	ctx := context.Background()
 	root := filepath.Join(stack.RepoRoot(), "examples", "producers")
 	for _, ex := range producerExamples {
