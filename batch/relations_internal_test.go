@@ -50,18 +50,14 @@ func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error
 	return out, nil
 }
 
-// PlanJoinFilters lists the join filters of an EXPLAIN (FORMAT JSON) plan:
-// a join that compares every row of one side with every row of the other.
-func PlanJoinFilters(t *testing.T, plan string) []string {
+// planNodes calls visit with every node of an EXPLAIN (FORMAT JSON) plan.
+func planNodes(t *testing.T, plan string, visit func(map[string]any)) {
 	t.Helper()
 	var top []map[string]any
 	require.NoError(t, json.NewDecoder(strings.NewReader(plan)).Decode(&top))
-	var out []string
 	var walk func(map[string]any)
 	walk = func(n map[string]any) {
-		if f, ok := n["Join Filter"].(string); ok {
-			out = append(out, n["Node Type"].(string)+": "+f)
-		}
+		visit(n)
 		kids, _ := n["Plans"].([]any)
 		for _, k := range kids {
 			walk(k.(map[string]any))
@@ -70,6 +66,18 @@ func PlanJoinFilters(t *testing.T, plan string) []string {
 	for _, p := range top {
 		walk(p["Plan"].(map[string]any))
 	}
+}
+
+// PlanJoinFilters lists the join filters of an EXPLAIN (FORMAT JSON) plan:
+// a join that compares every row of one side with every row of the other.
+func PlanJoinFilters(t *testing.T, plan string) []string {
+	t.Helper()
+	var out []string
+	planNodes(t, plan, func(n map[string]any) {
+		if f, ok := n["Join Filter"].(string); ok {
+			out = append(out, n["Node Type"].(string)+": "+f)
+		}
+	})
 	return out
 }
 
@@ -77,22 +85,12 @@ func PlanJoinFilters(t *testing.T, plan string) []string {
 // index-only and bitmap index scans).
 func PlanIndexes(t *testing.T, plan string) []string {
 	t.Helper()
-	var top []map[string]any
-	require.NoError(t, json.NewDecoder(strings.NewReader(plan)).Decode(&top))
 	var out []string
-	var walk func(map[string]any)
-	walk = func(n map[string]any) {
+	planNodes(t, plan, func(n map[string]any) {
 		switch n["Node Type"] {
 		case "Index Scan", "Index Only Scan", "Bitmap Index Scan":
 			out = append(out, n["Index Name"].(string))
 		}
-		kids, _ := n["Plans"].([]any)
-		for _, k := range kids {
-			walk(k.(map[string]any))
-		}
-	}
-	for _, p := range top {
-		walk(p["Plan"].(map[string]any))
-	}
+	})
 	return out
 }
