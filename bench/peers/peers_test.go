@@ -97,6 +97,7 @@ type settings struct {
 	LegDuration time.Duration // BENCH_PEERS_LEG: how long each rate is written, default 20s
 	RelProducts int           // BENCH_PEERS_REL_PRODUCTS: the relations leg's products (5 variants each), default 200,000
 	RelRates    []int         // BENCH_PEERS_REL_RATES: variant UPDATEs/s of the relations leg, default 50,500
+	OursOnly    bool          // BENCH_PEERS_OURS_ONLY=1: outboxrelay's legs only, without PGSync's (a partial run, for working on outboxrelay)
 	Out         string        // BENCH_PEERS_OUT: results directory, default bench/results
 	PGSyncBin   string        // PGSYNC_BIN: the venv's bin directory (bench/peers/setup.sh)
 	RedisServer string        // REDIS_SERVER: the redis-server binary (bench/peers/setup.sh)
@@ -158,10 +159,18 @@ func load(tb testing.TB) settings {
 		}
 		s.LegDuration = d
 	}
+	switch v := os.Getenv("BENCH_PEERS_OURS_ONLY"); v {
+	case "", "0":
+	case "1":
+		s.OursOnly = true
+		s.Out = filepath.Join(stack.RepoRoot(), "bench", "results", "peers-partial")
+	default:
+		tb.Fatalf("BENCH_PEERS_OURS_ONLY=%q: want 1 or 0", v)
+	}
 	if v := os.Getenv("BENCH_PEERS_OUT"); v != "" {
 		s.Out = v
 	}
-	if s.PGSyncBin == "" || s.RedisServer == "" {
+	if !s.OursOnly && (s.PGSyncBin == "" || s.RedisServer == "") {
 		tb.Fatal("PGSYNC_BIN and REDIS_SERVER are not set: run `make bench-peers`, or eval \"$(bench/peers/setup.sh)\" first")
 	}
 	return s
@@ -194,6 +203,9 @@ func (s settings) RunsRecords() bool {
 // Partial reports whether the run leaves a leg out: its table is not the
 // one in docs/benchmarks.md.
 func (s settings) Partial() bool {
+	if s.OursOnly {
+		return true
+	}
 	for _, l := range allLegs {
 		if !s.Runs(l) {
 			return true
@@ -288,6 +300,13 @@ func run(tb testing.TB, s settings) *results {
 		if s.Runs(legRelations) {
 			legs = append(legs, func() { res.add(e.pgsyncRelations(tb, round)) }, func() { res.add(e.outboxrelayRelations(tb, round)) })
 		}
+		if s.OursOnly { // the pairs are (PGSync's, ours)
+			var ours []func()
+			for i := 1; i < len(legs); i += 2 {
+				ours = append(ours, legs[i])
+			}
+			legs = ours
+		}
 		if round%2 == 0 { // each pair in the other order
 			for i := 0; i+1 < len(legs); i += 2 {
 				legs[i], legs[i+1] = legs[i+1], legs[i]
@@ -322,7 +341,9 @@ func setup(b testing.TB, s settings) *env {
 	check(b, pg.Start())
 	e.pgBase = pg.Env
 
-	e.redis = startRedis(b, s.RedisServer, e.dir)
+	if !s.OursOnly {
+		e.redis = startRedis(b, s.RedisServer, e.dir)
+	}
 	e.bins = map[string]string{}
 	for _, n := range []string{"batcher", "publisher", "indexer"} {
 		e.bins[n] = testproc.Build(b, n)
