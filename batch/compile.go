@@ -141,14 +141,18 @@ type compiled struct {
 	// its DEFAULT's and an identity or serial column's own.
 	seqs []string
 
-	boundary   stmt // args: start, pkey
+	// Each range statement comes in two: from the beginning, and from a
+	// start. One statement with "start IS NULL OR key > start" gets a
+	// generic plan once prepared, which cannot use start as an index
+	// bound: it read the whole cursor index for every follower run.
+	boundary   [2]stmt // [0] from the beginning, [1] from start; args: start, pkey
 	partitions stmt
-	estimate   stmt // args: start, boundary, pkey
-	count      stmt // same range, exact
-	chunkFirst stmt // SQL path; args: boundary, limit, pkey, job, run
-	chunkNext  stmt // + cursor
-	chunkIDs   stmt // SQL path by ids (quarantine retry); args: ids, pkey, job, run
-	keysFirst  stmt // pipelined chunks: how many rows the next chunk has and its last key
+	estimate   [2]stmt // args: start, boundary, pkey
+	count      [2]stmt // same range, exact
+	chunkFirst stmt    // SQL path; args: boundary, limit, pkey, job, run
+	chunkNext  stmt    // + cursor
+	chunkIDs   stmt    // SQL path by ids (quarantine retry); args: ids, pkey, job, run
+	keysFirst  stmt    // pipelined chunks: how many rows the next chunk has and its last key
 	keysNext   stmt
 	fetchFirst stmt // Go path
 	fetchNext  stmt
@@ -851,10 +855,25 @@ WITH k AS MATERIALIZED (SELECT ` + c.rowColumnsKeysOnly() + ` FROM ` + c.table +
 SELECT (SELECT count(*) FROM k), (SELECT ` + c.cursorText("") + ` FROM k ORDER BY ` + strings.Join(kcols, " DESC, ") + ` DESC LIMIT 1)`)
 }
 
+// from picks the statement of a range pair: from the beginning when
+// start is nil, else from start.
+func from(pair [2]stmt, start []string) stmt {
+	if start == nil {
+		return pair[0]
+	}
+	return pair[1]
+}
+
 func (c *compiled) build() {
-	b := newBuilder()
-	where := c.scopeWhere(b)
-	c.boundary = b.stmt(`SELECT ` + c.cursorText("x.") + ` FROM (SELECT ` + c.rowColumnsKeysOnly() + ` FROM ` + c.table + ` s WHERE ` + where + ` AND (` + b.p("start", "text[]") + ` IS NULL OR ` + c.keyset(b, ">", "start") + `) ORDER BY ` + c.orderBy(true) + ` LIMIT 1) x`)
+	var b *builder
+	for i, fromStart := range []bool{false, true} {
+		b := newBuilder()
+		where := c.scopeWhere(b)
+		if fromStart {
+			where += ` AND ` + c.keyset(b, ">", "start")
+		}
+		c.boundary[i] = b.stmt(`SELECT ` + c.cursorText("x.") + ` FROM (SELECT ` + c.rowColumnsKeysOnly() + ` FROM ` + c.table + ` s WHERE ` + where + ` ORDER BY ` + c.orderBy(true) + ` LIMIT 1) x`)
+	}
 
 	if p := c.spec.Source.Partition; p != "" {
 		b = newBuilder()
@@ -865,11 +884,16 @@ func (c *compiled) build() {
 		c.partitions = b.stmt(`SELECT DISTINCT s.` + q(p) + `::text FROM ` + c.table + ` s WHERE ` + where + ` ORDER BY 1`)
 	}
 
-	b = newBuilder()
-	where = c.scopeWhere(b)
-	rangeWhere := ` s WHERE ` + where + ` AND (` + b.p("start", "text[]") + ` IS NULL OR ` + c.keyset(b, ">", "start") + `) AND ` + c.keyset(b, "<=", "boundary")
-	c.estimate = b.stmt(`EXPLAIN (FORMAT JSON) SELECT 1 FROM ` + c.table + rangeWhere)
-	c.count = b.stmt(`SELECT count(*) FROM ` + c.table + rangeWhere)
+	for i, fromStart := range []bool{false, true} {
+		b := newBuilder()
+		rangeWhere := ` s WHERE ` + c.scopeWhere(b)
+		if fromStart {
+			rangeWhere += ` AND ` + c.keyset(b, ">", "start")
+		}
+		rangeWhere += ` AND ` + c.keyset(b, "<=", "boundary")
+		c.estimate[i] = b.stmt(`EXPLAIN (FORMAT JSON) SELECT 1 FROM ` + c.table + rangeWhere)
+		c.count[i] = b.stmt(`SELECT count(*) FROM ` + c.table + rangeWhere)
+	}
 
 	c.chunkFirst = c.chunkSQL("keyset-first", false)
 	c.chunkNext = c.chunkSQL("keyset-next", false)

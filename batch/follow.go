@@ -386,7 +386,8 @@ func (r *Runner) changesPast(ctx context.Context) (bool, error) {
 	}
 	for _, key := range keys {
 		var next []string
-		err := r.pool.QueryRow(ctx, r.c.boundary.sql, r.c.boundary.bind(&args{Start: ends[key], PKey: key})...).Scan(&next)
+		st := from(r.c.boundary, ends[key])
+		err := r.pool.QueryRow(ctx, st.sql, st.bind(&args{Start: ends[key], PKey: key})...).Scan(&next)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return false, fmt.Errorf("follow job %s: look past partition %q: %w", r.spec.Job, key, err)
 		}

@@ -3,9 +3,11 @@ package batch
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 )
 
@@ -16,8 +18,10 @@ import (
 // arguments, of spec s's statements that read related rows: "chunk" (the
 // first keyset chunk, up to the last key), "work" (a relation chunk of up
 // to chunk.size queued roots) and "resolve" (the resolution of the
-// captures into roots). Nothing is forced: the planner picks.
-func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error) {
+// captures into roots), each under plan_cache_mode (force_custom_plan,
+// force_generic_plan: the plan of the first executions and the one a
+// prepared statement may settle on), keyed "<mode> <statement>".
+func RelationPlans(ctx context.Context, db *pgxpool.Pool, s Spec) (map[string]string, error) {
 	s = s.withDefaults()
 	c, err := compile(ctx, db, s)
 	if err != nil {
@@ -31,6 +35,11 @@ func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error
 	if err := db.QueryRow(ctx, "SELECT array_agg(s."+q(s.Source.ID)+"::text) FROM (SELECT * FROM "+c.table+" s ORDER BY random() LIMIT $1) s", s.Chunk.Size).Scan(&ids); err != nil {
 		return nil, err
 	}
+	conn, err := db.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Release()
 	out := map[string]string{}
 	for name, x := range map[string]struct {
 		st stmt
@@ -41,11 +50,19 @@ func RelationPlans(ctx context.Context, db DB, s Spec) (map[string]string, error
 		"resolve": {c.resolveRel, &args{Job: s.Job}},
 		"take":    {stmt{sql: relWorkSQL, params: []param{{field: func(a *args) any { return a.Job }}, {field: func(a *args) any { return a.Limit }}}}, &args{Job: s.Job, Limit: s.Chunk.Size}},
 	} {
-		var plan string
-		if err := db.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+x.st.sql, x.st.bind(x.a)...).Scan(&plan); err != nil {
-			return nil, err
+		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+			if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode); err != nil {
+				return nil, err
+			}
+			plan, err := explainPrepared(ctx, conn, x.st, x.a, false)
+			if err != nil {
+				return nil, fmt.Errorf("%s %s: %w", mode, name, err)
+			}
+			out[mode+" "+name] = plan
 		}
-		out[name] = plan
+	}
+	if _, err := conn.Exec(ctx, "RESET plan_cache_mode; DEALLOCATE ALL"); err != nil {
+		return nil, err
 	}
 	return out, nil
 }

@@ -431,24 +431,28 @@ ANALYZE`)
 
 	plans, err := batch.RelationPlans(ctx, pool, s)
 	require.NoError(t, err)
-	want := func(what string, index ...string) {
-		t.Helper()
-		used := batch.PlanIndexes(t, plans[what])
-		for _, ix := range index {
-			if !slices.Contains(used, ix) {
-				t.Fatalf("%s: no index scan of %s; indexes scanned: %v; plan:\n%s", what, ix, used, plans[what])
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		want := func(what string, index ...string) {
+			t.Helper()
+			plan := plans[mode+" "+what]
+			used := batch.PlanIndexes(t, plan)
+			for _, ix := range index {
+				if !slices.Contains(used, ix) {
+					t.Fatalf("%s, %s: no index scan of %s; indexes scanned: %v; plan:\n%s", mode, what, ix, used, plan)
+				}
 			}
 		}
+		want("chunk", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
+		want("work", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
+		want("resolve", "product_categories_category_id_idx")
+		// Taking a chunk of work deletes the rows it locked: no join that
+		// compares each taken root with every queued one (quadratic in the
+		// queue: a 10,000-product brand rename in chunks of 2,000 spent most
+		// of its time there), whatever the queue's statistics say.
+		take := plans[mode+" take"]
+		require.Empty(t, batch.PlanJoinFilters(t, take), "%s, take:\n%s", mode, take)
+		require.Contains(t, take, `"Node Type": "Tid Scan"`, "%s, take: the taken rows are deleted by ctid", mode)
 	}
-	want("chunk", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
-	want("work", "variants_product_id_idx", "prices_variant_id_idx", "product_categories_pkey")
-	want("resolve", "product_categories_category_id_idx")
-	// Taking a chunk of work deletes the rows it locked: no join that
-	// compares each taken root with every queued one (quadratic in the
-	// queue: a 10,000-product brand rename in chunks of 2,000 spent most
-	// of its time there), whatever the queue's statistics say.
-	require.Empty(t, batch.PlanJoinFilters(t, plans["take"]), "take:\n%s", plans["take"])
-	require.Contains(t, plans["take"], `"Node Type": "Tid Scan"`, "take: the taken rows are deleted by ctid")
 }
 
 // A kill -9 in the relation phase (after a chunk's documents and events

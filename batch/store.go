@@ -236,7 +236,8 @@ func prepareRun(ctx context.Context, db beginner, c *compiled, opts StartOptions
 			}
 		}
 		var boundary []string
-		if err := tx.QueryRow(ctx, c.boundary.sql, c.boundary.bind(&args{Start: start, PKey: key})...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		st := from(c.boundary, start)
+		if err := tx.QueryRow(ctx, st.sql, st.bind(&args{Start: start, PKey: key})...).Scan(&boundary); err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return "", fmt.Errorf("capture boundary of %s/%s/%s: %w", s.Job, runID, key, err)
 		}
 		starts[i], boundaries[i] = start, boundary
@@ -476,7 +477,8 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 		var n int64
 		_, err := sp.Exec(ctx, estimateTimeoutSQL)
 		if err == nil {
-			err = sp.QueryRow(ctx, c.count.sql, c.count.bind(a)...).Scan(&n)
+			st := from(c.count, a.Start)
+			err = sp.QueryRow(ctx, st.sql, st.bind(a)...).Scan(&n)
 		}
 		// Rolling the savepoint back also undoes the local timeout; the count
 		// wrote nothing.
@@ -484,7 +486,7 @@ func estimateRows(ctx context.Context, tx pgx.Tx, c *compiled, a *args) *int64 {
 			return &n
 		}
 	}
-	st := c.estimate
+	st := from(c.estimate, a.Start)
 	var plan []struct {
 		Plan struct {
 			Rows float64 `json:"Plan Rows"`

@@ -46,8 +46,8 @@ ANALYZE source_records; ANALYZE normalized_records`)
 		require.NoError(t, err)
 		for _, after := range []*string{nil, ptr("5")} {
 			a := &args{Source: s.SourceName, After: after, Limit: 20000, PV: s.ProcessorVersion}
-			var plan string
-			require.NoError(t, conn.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+st.sql, st.bind(a)...).Scan(&plan))
+			plan, err := explainPrepared(ctx, conn, st, a, false)
+			require.NoError(t, err)
 			var nodes []string
 			walkPlan(t, plan, func(node map[string]any) {
 				if node["Node Type"] == "Seq Scan" {
