@@ -114,6 +114,7 @@ func NewFollower(pool *pgxpool.Pool, spec Spec, cfg Config, fc FollowConfig) (*F
 		return nil, err
 	}
 	cfg = cfg.withDefaults()
+	cfg.compiles = &compileCache{}
 	table := q(spec.Source.Schema, spec.Source.Table)
 	col := "s." + q(spec.Source.Cursor[0])
 	return &Follower{

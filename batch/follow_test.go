@@ -375,3 +375,35 @@ func TestFollowStrandsNoChangeBelowTheNewest(t *testing.T) {
 	_, err = f.stop(t)
 	require.NoError(t, err)
 }
+
+// A follower keeps its compiled spec across runs while the catalog of its
+// tables stays as it was, and compiles it again after a schema change: a
+// column of the document renamed under it ends the follower with the
+// spec's error naming the setting, as at start, and not with a failed
+// chunk of statements compiled for the old table.
+func TestFollowCompilesAgainAfterASchemaChange(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 0, 50, 1, 1)
+	s := incremental("follow-schema")
+	_, err := pool.Exec(ctx, batch.FollowTriggerSQL(s))
+	require.NoError(t, err)
+
+	f := startFollower(t, pool, s, batch.Config{}, batch.FollowConfig{PollInterval: time.Hour})
+	waitCaughtUp(t, pool, time.Minute, f)
+	seed(t, pool, 100, 5, 1, 1) // a run with the compiled spec kept
+	waitCaughtUp(t, pool, time.Minute, f)
+
+	_, err = pool.Exec(ctx, `ALTER TABLE source_records RENAME COLUMN tenant_id TO tenant_key`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE source_records SET payload = payload || '{"title": "after"}' WHERE id = (SELECT min(id) FROM source_records)`)
+	require.NoError(t, err)
+	select {
+	case <-f.done:
+	case <-time.After(time.Minute):
+		t.Fatal("the follower did not stop after its document's column was renamed")
+	}
+	require.ErrorIs(t, f.err, batch.ErrSpec)
+	require.ErrorContains(t, f.err, `column "tenant_id" does not exist`)
+}

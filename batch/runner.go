@@ -80,6 +80,8 @@ type Config struct {
 	// follower: the runs are a Follower's, which starts again after an
 	// OpenWritersError (batch_open_writers says so).
 	follower bool
+	// compiles: the follower's compiled spec, kept across its runs.
+	compiles *compileCache
 }
 
 // DefaultOpenWritersWait is [Config].OpenWritersWait's default.
@@ -202,7 +204,13 @@ func (r *Runner) Prepare(ctx context.Context) (string, error) {
 	if r.runID != "" {
 		return r.runID, nil
 	}
-	c, err := compile(ctx, r.pool, r.spec)
+	var c *compiled
+	var err error
+	if r.cfg.compiles != nil {
+		c, err = r.cfg.compiles.get(ctx, r.pool, r.spec)
+	} else {
+		c, err = compile(ctx, r.pool, r.spec)
+	}
 	if err != nil {
 		return "", err
 	}
