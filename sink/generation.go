@@ -28,12 +28,11 @@ type router struct {
 
 	mu      sync.Mutex // held while a generation is ensured: rare, and lanes wait for it anyway
 	ensured map[[2]string]time.Time
-	bulk    map[string]bool // indices found in bulk-load mode, until finishBulkLoads ends it
-	slack   int             // how far from a partition's end still counts as caught up (BatchSize)
+	bulk    *bulkLoads // indices found in bulk-load mode, until their load is over (bulkload.go)
 }
 
 func newRouter(client *elastic.Client, cfg Config, rules *recordRules) *router {
-	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}, bulk: map[string]bool{}, slack: cfg.BatchSize}
+	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}, bulk: newBulkLoads(cfg)}
 }
 
 // route sets the target of every document of a batch that carries a
@@ -80,14 +79,14 @@ func (r *router) target(ctx context.Context, alias, pv string) (string, error) {
 		}
 	}
 	// Another indexer (or this one before a restart) may have created it
-	// in bulk-load mode: this one ends the mode too when it catches up.
+	// in bulk-load mode: this one ends the mode too when its load is over.
 	for _, t := range targets {
 		bulk, err := index.InBulkLoad(ctx, r.client, t)
 		if err != nil {
 			return "", err
 		}
 		if bulk {
-			r.bulk[t] = true
+			r.bulk.add(t)
 		}
 	}
 	r.ensured[key] = time.Now()

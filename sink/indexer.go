@@ -169,6 +169,7 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	}
 	g.Go(func() error { ix.watchDeadLetters(gctx); return nil })
 	g.Go(func() error { ix.watchGenerations(gctx); return nil })
+	g.Go(func() error { ix.router.watchBulkLoads(gctx); return nil })
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
@@ -442,6 +443,7 @@ func (ix *Indexer) putInterleaved(ctx context.Context, g *generation, parts []kg
 				size += docSize(d)
 				n++
 			}
+			ix.router.bulk.noteFetched(n)
 			fp.Records = fp.Records[n:]
 			if len(fp.Records) > 0 {
 				left++
