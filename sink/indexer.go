@@ -443,7 +443,9 @@ func (ix *Indexer) putInterleaved(ctx context.Context, g *generation, parts []kg
 				size += docSize(d)
 				n++
 			}
-			ix.router.bulk.noteFetched(n)
+			if ix.router != nil {
+				ix.router.bulk.noteFetched(n)
+			}
 			fp.Records = fp.Records[n:]
 			if len(fp.Records) > 0 {
 				left++
