@@ -180,6 +180,11 @@ func purgeIndex(ctx context.Context, client *elastic.Client, idx string, horizon
 	pi := PurgedIndex{Index: idx}
 	before := map[string]any{"range": map[string]any{FieldDeletedAt: map[string]any{"lt": horizon.UnixMilli()}}}
 	old := tombstonesQuery(before)
+	// The counts and the delete by query search: tombstones written since
+	// the last refresh would be neither counted nor purged.
+	if err := index.Refresh(ctx, client, idx); err != nil {
+		return pi, fmt.Errorf("refresh %s before counting its tombstones: %w", idx, err)
+	}
 	var err error
 	if pi.Legacy, err = index.CountDocs(ctx, client, idx, map[string]any{"bool": map[string]any{
 		"filter":   []any{map[string]any{"term": map[string]any{FieldDeleted: true}}},
