@@ -18,37 +18,25 @@ import (
 // asked for are kept in the generation's _meta (GenerationMeta.BulkLoad)
 // and restored, followed by a refresh, by FinishBulkLoad:
 //
-//   - by the indexer once the load into the generation is over: it has
-//     caught up with its partitions (each within one batch of its end)
-//     and the load has stopped (less than one batch fetched in the last
-//     second: the topic went quiet or carries a live trickle), or it has
-//     caught up and BULK_LOAD_MAX (default 5m) has passed since it first
-//     found the generation in the mode (a stream that does not stop).
-//     With BULK_LOAD_MAX=0, at the first batch that catches up. An
-//     indexer that restarts reads the mode from the _meta again (see
-//     package sink's bulkload.go); and
+//   - by the indexer when a batch it resolved brought its partitions to
+//     within one batch of their end (the generation has caught up with
+//     what was produced; an indexer that restarts reads the mode from the
+//     _meta again), and
 //   - by every alias move to the generation (cutover, rollback), before the
 //     aliases move, so no cutover makes a generation live that is not
 //     refreshed or that would not refresh.
 //
 // Documents of a generation in bulk-load mode become searchable when it
-// leaves the mode: in a first fill, about a second after the load stops,
-// or after BULK_LOAD_MAX.
+// leaves the mode.
 //
-// Caught up alone is not the end of a load: in a first fill the indexer
-// keeps up with the batcher from the first events it receives, and ending
-// the mode there (the rule before BULK_LOAD_MAX) indexed the whole load
-// with a 1 s refresh, many small segments and their merges. Since no batch
-// arrives when the topic goes quiet, the indexer also checks on a timer
-// (every 250 ms while a generation is in the mode). The gain has not been
-// measured yet: bench-e2e ran with the old rule, and showed none beyond
-// its run-to-run noise then.
-//
-// Known limits: each indexer judges by its own partitions, so with several
-// indexers the first whose share of the load is over ends the mode for
-// all; and an indexer finds a generation in the mode only when a document
-// for it arrives, so one left in the mode by an indexer that stopped for
-// good stays in it until a document for it arrives, or a cutover.
+// Known limit: in a first fill the indexer is often caught up with the
+// first events it receives (it waits for them), and so ends the mode in
+// the first second; the mode then only helps the rebuilds and fills where
+// the indexer is behind from the start. bench-e2e did not show a gain
+// beyond its run-to-run noise. Ending it on "caught up and quiet for a
+// while, or caught up after the mode has lasted a minimum" would keep it
+// longer; that needs a timer outside the lanes (no batch arrives when the
+// topic goes quiet) and a test of its own.
 
 // BulkLoad is what a generation in bulk-load mode restores: the values its
 // mapping asked for ("" = the engine's default).

@@ -32,7 +32,6 @@ const (
 	DefaultHeartbeat        = 3 * time.Second
 	DefaultRequestTimeout   = 60 * time.Second
 	DefaultTopicPartitions  = 3
-	DefaultBulkLoadMax      = 5 * time.Minute // BULK_LOAD_MAX's default; Config.BulkLoadMax's zero value is 0
 )
 
 // Config configures an [Indexer]. The zero value of every optional field
@@ -161,18 +160,6 @@ type Config struct {
 	// without being sent. Default 10 MiB.
 	MaxDocumentBytes int
 
-	// BulkLoadMax bounds how long a generation stays in bulk-load mode
-	// (refresh off, no replicas; see [index.FinishBulkLoad]) while the
-	// indexer keeps up with a load that does not stop, counted from when
-	// this indexer first found the generation in the mode. The mode ends
-	// when the indexer has caught up with its partitions and the load has
-	// stopped (fewer than BatchSize messages fetched in the last second),
-	// or has caught up and BulkLoadMax has passed. 0, the zero value, ends
-	// it at the first batch that catches up, however fast messages still
-	// arrive (in a first fill that is the first second); the indexer
-	// command's default (BULK_LOAD_MAX) is DefaultBulkLoadMax, 5m.
-	BulkLoadMax time.Duration
-
 	// RetryInitial, RetryMax and RetryMaxElapsed shape the exponential
 	// backoff (with jitter) for 429/5xx items and engine outages. Defaults
 	// 200ms, 10s, 10m. When RetryMaxElapsed runs out, Run returns an error
@@ -290,9 +277,6 @@ func (c Config) validate() error {
 	}
 	if c.MaxRate < 0 {
 		bad("MAX_RATE=%g: must be 0 (no cap) or positive", c.MaxRate)
-	}
-	if c.BulkLoadMax < 0 {
-		bad("BULK_LOAD_MAX=%s: must be 0 (end bulk-load mode at the first caught-up batch) or positive", c.BulkLoadMax)
 	}
 	if c.FlushInterval < 0 {
 		bad("FLUSH_INTERVAL=%s: must be positive", c.FlushInterval)

@@ -28,11 +28,12 @@ type router struct {
 
 	mu      sync.Mutex // held while a generation is ensured: rare, and lanes wait for it anyway
 	ensured map[[2]string]time.Time
-	bulk    *bulkLoads // indices found in bulk-load mode, until their load is over (bulkload.go)
+	bulk    map[string]bool // indices found in bulk-load mode, until finishBulkLoads ends it
+	slack   int             // how far from a partition's end still counts as caught up (BatchSize)
 }
 
 func newRouter(client *elastic.Client, cfg Config, rules *recordRules) *router {
-	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}, bulk: newBulkLoads(cfg)}
+	return &router{client: client, rules: rules, mapping: cfg.Mapping, log: cfg.Logger, ensured: map[[2]string]time.Time{}, bulk: map[string]bool{}, slack: cfg.BatchSize}
 }
 
 // route sets the target of every document of a batch that carries a
@@ -79,14 +80,14 @@ func (r *router) target(ctx context.Context, alias, pv string) (string, error) {
 		}
 	}
 	// Another indexer (or this one before a restart) may have created it
-	// in bulk-load mode: this one ends the mode too when its load is over.
+	// in bulk-load mode: this one ends the mode too when it catches up.
 	for _, t := range targets {
 		bulk, err := index.InBulkLoad(ctx, r.client, t)
 		if err != nil {
 			return "", err
 		}
 		if bulk {
-			r.bulk.add(t)
+			r.bulk[t] = true
 		}
 	}
 	r.ensured[key] = time.Now()

@@ -169,7 +169,6 @@ func (ix *Indexer) Run(ctx context.Context) error {
 	}
 	g.Go(func() error { ix.watchDeadLetters(gctx); return nil })
 	g.Go(func() error { ix.watchGenerations(gctx); return nil })
-	g.Go(func() error { ix.router.watchBulkLoads(gctx); return nil })
 	// The committer outlives the lanes: whatever they resolved before
 	// stopping is still committed.
 	committerDone := make(chan struct{})
@@ -442,9 +441,6 @@ func (ix *Indexer) putInterleaved(ctx context.Context, g *generation, parts []kg
 				}
 				size += docSize(d)
 				n++
-			}
-			if ix.router != nil {
-				ix.router.bulk.noteFetched(n)
 			}
 			fp.Records = fp.Records[n:]
 			if len(fp.Records) > 0 {

@@ -111,7 +111,6 @@ func TestConfigValidate(t *testing.T) {
 		{name: "no url", mutate: func(c *Config) { c.URL = "" }, want: "ELASTICSEARCH_URL is required"},
 		{name: "same aliases", mutate: func(c *Config) { c.WriteAlias = "records" }, want: `WRITE_ALIAS="records"`},
 		{name: "negative rate", mutate: func(c *Config) { c.MaxRate = -1 }, want: "MAX_RATE=-1"},
-		{name: "negative bulk-load max", mutate: func(c *Config) { c.BulkLoadMax = -time.Second }, want: "BULK_LOAD_MAX=-1s: must be 0"},
 		{name: "short session", mutate: func(c *Config) { c.SessionTimeout = time.Second }, want: "SESSION_TIMEOUT=1s"},
 		{name: "lanes", mutate: func(c *Config) { c.Lanes = 1000 }, want: "LANES=1000"},
 		{name: "dead letters smaller than documents", mutate: func(c *Config) { c.DeadLetterMaxBytes = 2 << 20 }, want: "DEAD_LETTER_MAX_BYTES=2097152"},

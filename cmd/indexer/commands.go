@@ -87,7 +87,6 @@ func (s *settings) registerRun(fs *cli.FlagSet) {
 	fs.Bool(&s.cfg.Linger, "flush-linger", "FLUSH_LINGER", false, "a partial batch waits FLUSH_INTERVAL even when no bulk is in flight: fewer, larger bulks at low rates, for up to FLUSH_INTERVAL more latency")
 	fs.Int(&s.cfg.Lanes, "lanes", "LANES", sink.DefaultLanes, "concurrent bulk requests (a partition is in one at a time)")
 	fs.Float(&s.cfg.MaxRate, "max-rate", "MAX_RATE", 0, "documents per second for the whole process (0 = no cap; 429s slow down anyway)")
-	fs.Duration(&s.cfg.BulkLoadMax, "bulk-load-max", "BULK_LOAD_MAX", sink.DefaultBulkLoadMax, "a new index generation is built with refresh off and no replicas until the indexer has caught up and the load into it has stopped (fewer than BATCH_SIZE messages fetched in a second); under a stream that does not stop, the mode ends once caught up this long after the indexer found it (0 = at the first caught-up batch, even while the load streams)")
 	fs.Duration(&s.cfg.RetryMaxElapsed, "retry-max-elapsed", "RETRY_MAX_ELAPSED", sink.DefaultRetryMaxElapsed, "give up (exit 1, nothing committed) when a batch is refused this long")
 	fs.Duration(&s.cfg.SessionTimeout, "session-timeout", "SESSION_TIMEOUT", sink.DefaultSessionTimeout, "consumer group session timeout (a dead member's partitions move after it)")
 	fs.Duration(&s.cfg.HeartbeatInterval, "heartbeat-interval", "HEARTBEAT_INTERVAL", sink.DefaultHeartbeat, "consumer group heartbeat interval")

@@ -23,7 +23,6 @@ func TestBadSettingsExitWithUsage(t *testing.T) {
 		{name: "no brokers", args: []string{"run"}, env: map[string]string{"KAFKA_BROKERS": ""}, want: "KAFKA_BROKERS is required"},
 		{name: "no engine", args: []string{"run"}, env: map[string]string{"ELASTICSEARCH_URL": ""}, want: "ELASTICSEARCH_URL is required"},
 		{name: "lanes out of range", args: []string{"run", "--lanes", "1000"}, want: "LANES=1000"},
-		{name: "negative bulk-load max", args: []string{"run"}, env: map[string]string{"BULK_LOAD_MAX": "-1s"}, want: "BULK_LOAD_MAX=-1s: must be 0"},
 		{name: "bad env duration", args: []string{"run"}, env: map[string]string{"FLUSH_INTERVAL": "soon"}, want: `FLUSH_INTERVAL="soon"`},
 		{name: "missing mapping file", args: []string{"run", "--mapping-file", "/nonexistent.json"}, want: `MAPPING_FILE="/nonexistent.json"`},
 		{name: "bad route", args: []string{"run", "--routes", "orders"}, want: `"orders" is not aggregate_type=alias`},
