@@ -195,8 +195,9 @@ func (e *env) pgsyncRelations(b testing.TB, round int) []leg {
 	pgEnv, schemaFile := e.pgsyncConfig(b, dbName, url, schema)
 
 	want := int64(e.s.RelProducts)
+	before := e.serversCPU()
 	took, cpu := e.pgsyncInitial(b, pgEnv, schemaFile, index, want)
-	legs := []leg{{Tool: pgsyncName, Kind: kindRelInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
+	legs := []leg{e.withServers(leg{Tool: pgsyncName, Kind: kindRelInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}, before)}
 	b.Logf("pgsync relations round %d: %d products searchable in %s (process CPU %s)", round, want, took.Round(time.Millisecond), cpu.Round(time.Millisecond))
 
 	d := testproc.Start(b, filepath.Join(e.s.PGSyncBin, "pgsync"), pgEnv, "--config", schemaFile, "--daemon")
@@ -258,8 +259,9 @@ func (e *env) outboxrelayRelations(b testing.TB, round int) []leg {
 	e.followTrigger(b, pl, specFile)
 
 	want := int64(e.s.RelProducts)
+	before := e.serversCPU()
 	took, cpu := e.batcherInitial(b, pl, specFile, want)
-	legs := []leg{{Tool: ourName, Kind: kindRelInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}}
+	legs := []leg{e.withServers(leg{Tool: ourName, Kind: kindRelInitial, Round: round, Docs: want, Seconds: took.Seconds(), ProcessCPU: cpu.Seconds()}, before)}
 	b.Logf("outboxrelay relations round %d: %d products searchable in %s (processes CPU %s)", round, want, took.Round(time.Millisecond), cpu.Round(time.Millisecond))
 
 	fp := testproc.Start(b, e.bins["batcher"], pl.env, "run", "--spec", specFile, "--follow")

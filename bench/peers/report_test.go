@@ -35,14 +35,19 @@ type leg struct {
 	Docs       int64   `json:"docs,omitempty"`        // initial sync: documents searchable at the end
 	Seconds    float64 `json:"seconds,omitempty"`     // initial sync: start → all searchable; rename: commit → all searchable
 	ProcessCPU float64 `json:"process_cpu,omitempty"` // initial sync: CPU-s of the tool's own processes
-	Rate       int     `json:"rate,omitempty"`        // changes or events per second asked for
-	Achieved   float64 `json:"achieved,omitempty"`    // and committed
-	Events     int     `json:"events,omitempty"`
-	Lost       int     `json:"not_searchable,omitempty"` // not searchable (table deletes: still searchable) a minute after the last commit
-	P50ms      float64 `json:"p50_ms,omitempty"`
-	P99ms      float64 `json:"p99_ms,omitempty"`
-	MaxMs      float64 `json:"max_ms,omitempty"`
-	latencies  []float64
+	// SearchCPU, PostgresCPU: initial sync, CPU-s of the shared search
+	// engine (0: not measured, the engine is not this checkout's stack)
+	// and of the private PostgreSQL cluster.
+	SearchCPU   float64 `json:"search_cpu,omitempty"`
+	PostgresCPU float64 `json:"postgres_cpu,omitempty"`
+	Rate        int     `json:"rate,omitempty"`     // changes or events per second asked for
+	Achieved    float64 `json:"achieved,omitempty"` // and committed
+	Events      int     `json:"events,omitempty"`
+	Lost        int     `json:"not_searchable,omitempty"` // not searchable (table deletes: still searchable) a minute after the last commit
+	P50ms       float64 `json:"p50_ms,omitempty"`
+	P99ms       float64 `json:"p99_ms,omitempty"`
+	MaxMs       float64 `json:"max_ms,omitempty"`
+	latencies   []float64
 
 	// TopicP50ms, TopicP99ms: relation changes, commit → the rebuilt
 	// document's event on the topic (outboxrelay's batcher and publisher).
@@ -290,6 +295,12 @@ func (r *results) markdown() string {
 		var res string
 		if l.Kind == kindInitial || l.Kind == kindRelInitial {
 			res = fmt.Sprintf("%d docs in %.1f s, process CPU %.1f s", l.Docs, l.Seconds, l.ProcessCPU)
+			if l.SearchCPU > 0 {
+				res += fmt.Sprintf(", search engine CPU %.1f s", l.SearchCPU)
+			}
+			if l.PostgresCPU > 0 {
+				res += fmt.Sprintf(", PostgreSQL CPU %.1f s", l.PostgresCPU)
+			}
 		} else if l.Kind == kindRelRename {
 			res = fmt.Sprintf("%d products searchable with the new brand name %.2f s after the commit (the first after %.2f s)", l.Docs, l.Seconds, l.FirstSeconds)
 		} else {
