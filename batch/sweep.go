@@ -71,7 +71,16 @@ func sweepOnResumeSQL(s Spec) string {
 // candidates to all of normalized_records with a hash before the
 // anti-join: a sequential scan of the read model per chunk (a 1M-row full
 // run took twice as long).
-func (c *compiled) sweepSQL(partitions bool) stmt {
+//
+// It comes in two, [0] for the first chunk and [1] for the chunks after
+// one (after set): "after IS NULL OR source_id > after" in one statement
+// has a generic plan, once prepared, that reads normalized_records from
+// the source's first id to after for every chunk (see from).
+func (c *compiled) sweepSQL(partitions bool) [2]stmt {
+	return [2]stmt{c.sweepChunkSQL(partitions, false), c.sweepChunkSQL(partitions, true)}
+}
+
+func (c *compiled) sweepChunkSQL(partitions, after bool) stmt {
 	b := newBuilder()
 	// The filter without the single-partition term; partitions listed in
 	// the spec bound the scope by the run's partition keys instead.
@@ -82,12 +91,16 @@ func (c *compiled) sweepSQL(partitions bool) stmt {
 		scope += " AND s." + q(p) + " = ANY(" + b.p("pkeys", "text[]") + "::" + c.types[p] + "[])"
 	}
 	id := c.spec.Source.ID
+	var afterTerm string
+	if after {
+		afterTerm = `AND n.source_id > ` + b.p("after", "text")
+	}
 	sql := `
 WITH cand AS MATERIALIZED (
   SELECT n.source_id, n.source_version, n.deleted FROM normalized_records n
   WHERE n.source = ` + b.p("source", "text") + `
     AND (NOT n.deleted OR NOT n.vanished OR n.processor_version IS DISTINCT FROM ` + b.p("pv", "text") + `)
-    AND (` + b.p("after", "text") + ` IS NULL OR n.source_id > ` + b.p("after", "text") + `)
+    ` + afterTerm + `
   ORDER BY n.source_id
   LIMIT ` + b.p("limit", "int") + `
 ), gone AS MATERIALIZED (
@@ -280,7 +293,11 @@ func (r *Runner) sweepChunkFailed(ctx, hard, cleanup context.Context, l *sweepLe
 	return fmt.Errorf("%s of %s/%s: %w", what, job, run, err)
 }
 
-func (r *Runner) sweepChunk(ctx context.Context, st stmt, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {
+func (r *Runner) sweepChunk(ctx context.Context, sts [2]stmt, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {
+	st := sts[0]
+	if cursor != nil {
+		st = sts[1]
+	}
 	// As a scan chunk's: the span's traceparent goes into the tombstones'
 	// events, and the publisher and the indexer continue its trace.
 	ctx, span := tracing.Start(ctx, "batch.sweep_chunk")

@@ -37,14 +37,20 @@ ANALYZE source_records; ANALYZE normalized_records`)
 	c, err := compile(ctx, pool, s)
 	require.NoError(t, err)
 	c.build()
-	st := c.sweepSQL(false)
+	sts := c.sweepSQL(false)
+	var nearEnd string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT source_id FROM normalized_records ORDER BY source_id DESC OFFSET 100 LIMIT 1`).Scan(&nearEnd))
 	conn, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
 	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 		_, err = conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 		require.NoError(t, err)
-		for _, after := range []*string{nil, ptr("5")} {
+		for _, after := range []*string{nil, ptr("5"), &nearEnd} {
+			st := sts[0]
+			if after != nil {
+				st = sts[1]
+			}
 			a := &args{Source: s.SourceName, After: after, Limit: 20000, PV: s.ProcessorVersion}
 			plan, err := explainPrepared(ctx, conn, st, a, false)
 			require.NoError(t, err)
@@ -56,6 +62,20 @@ ANALYZE source_records; ANALYZE normalized_records`)
 			})
 			require.Empty(t, nodes, "%s, after %v: sequential scans in the sweep chunk's plan:\n%s", mode, after, plan)
 		}
+		// The last chunk reads the last ids, not the ids before them
+		// (every row is in the source: the chunk writes nothing).
+		plan, err := explainPrepared(ctx, conn, sts[1], &args{Source: s.SourceName, After: &nearEnd, Limit: 20000, PV: s.ProcessorVersion}, true)
+		require.NoError(t, err)
+		var read float64
+		walkPlan(t, plan, func(node map[string]any) {
+			if node["Relation Name"] == "normalized_records" {
+				read += node["Actual Rows"].(float64) * node["Actual Loops"].(float64)
+				if f, ok := node["Rows Removed by Filter"].(float64); ok {
+					read += f
+				}
+			}
+		})
+		require.Less(t, read, float64(1000), "%s: the chunk after %s read %.0f rows of normalized_records:\n%s", mode, nearEnd, read, plan)
 	}
 }
 
