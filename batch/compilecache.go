@@ -3,7 +3,6 @@ package batch
 import (
 	"context"
 	"fmt"
-	"strings"
 	"sync"
 )
 
@@ -24,13 +23,16 @@ type compileCache struct {
 // (schema-qualified names as to_regclass takes them): each table's oid,
 // its columns (name, type, collation, nullability, default, identity,
 // generation), its constraints, its indexes, and the sequences its
-// columns use. The fingerprint is read before compiling, so a change made
+// columns use. Types, collations and sequences by oid and by name too:
+// the compiled statements name them (a cast, a regclass), so a rename
+// compiles again. The fingerprint is read before compiling, so a change made
 // while compiling makes the next look compile again.
 const catalogFingerprintSQL = `
 WITH t AS (SELECT n, to_regclass(n) AS oid FROM unnest($1::text[]) AS n)
 SELECT md5(concat_ws('|',
   (SELECT string_agg(n || '=' || COALESCE(oid::oid::text, '-'), ',' ORDER BY n) FROM t),
-  (SELECT string_agg(concat_ws(':', a.attrelid, a.attnum, a.attname, a.atttypid, a.atttypmod, a.attcollation, a.attnotnull, a.attidentity, a.attgenerated,
+  (SELECT string_agg(concat_ws(':', a.attrelid, a.attnum, a.attname, a.atttypid, a.atttypmod, format_type(a.atttypid, a.atttypmod),
+      a.attcollation, a.attcollation::regcollation::text, a.attnotnull, a.attidentity, a.attgenerated,
       d.adbin::text), ',' ORDER BY a.attrelid, a.attnum)
      FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
      WHERE a.attrelid IN (SELECT oid FROM t) AND a.attnum > 0 AND NOT a.attisdropped),
@@ -39,7 +41,7 @@ SELECT md5(concat_ws('|',
   (SELECT string_agg(concat_ws(':', i.indexrelid, i.indkey::text, i.indclass::text, i.indcollation::text, i.indisunique, i.indisvalid, i.indisready,
       i.indexprs::text, i.indpred::text), ',' ORDER BY i.indexrelid)
      FROM pg_index i WHERE i.indrelid IN (SELECT oid FROM t)),
-  (SELECT string_agg(concat_ws(':', s.seqrelid, s.seqtypid, s.seqincrement, s.seqcache, s.seqcycle), ',' ORDER BY s.seqrelid)
+  (SELECT string_agg(concat_ws(':', s.seqrelid, s.seqrelid::regclass::text, s.seqtypid, s.seqincrement, s.seqcache, s.seqcycle), ',' ORDER BY s.seqrelid)
      FROM pg_sequence s WHERE s.seqrelid IN (
        SELECT d.objid FROM pg_depend d WHERE d.refclassid = 'pg_class'::regclass AND d.refobjid IN (SELECT oid FROM t) AND d.classid = 'pg_class'::regclass
        UNION SELECT d.refobjid FROM pg_depend d JOIN pg_attrdef ad ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
@@ -75,9 +77,8 @@ func (cc *compileCache) get(ctx context.Context, db querier, s Spec) (*compiled,
 // takes them.
 func quotedRelationTables(s Spec) []string {
 	var out []string
-	for _, r := range RelationTables(s) {
-		schema, table, _ := strings.Cut(r, ".")
-		out = append(out, q(schema, table))
+	for _, t := range relationTables(s) {
+		out = append(out, q(t[0], t[1]))
 	}
 	return out
 }

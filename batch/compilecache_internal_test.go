@@ -10,8 +10,8 @@ import (
 )
 
 // The fingerprint a follower compares before reusing its compiled spec
-// changes with every kind of schema change compile reads, and with
-// nothing else: writes, VACUUM and ANALYZE leave it as it was.
+// changes with every kind of schema change compile reads (and the renames
+// of what the compiled statements name), and with nothing else: writes, VACUUM and ANALYZE leave it as it was.
 func TestCatalogFingerprintChangesWithTheSchemaOnly(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -52,7 +52,10 @@ INSERT INTO items (id, owner_id, title) VALUES (1, 1, 'a')`)
 		{`ALTER TABLE items ADD CONSTRAINT items_owner_fk FOREIGN KEY (owner_id) REFERENCES owners`, true},
 		{`ALTER TABLE parts ADD CONSTRAINT parts_item_fk FOREIGN KEY (item_id) REFERENCES items`, true},
 		{`ALTER SEQUENCE items_seq CACHE 10`, true},
-		{`ALTER TABLE items ALTER COLUMN change_seq SET DEFAULT nextval('items_seq'::regclass) + 0`, true},
+		{`ALTER SEQUENCE items_seq RENAME TO items_seq2`, true},
+		{`CREATE DOMAIN label AS text; ALTER TABLE parts ALTER COLUMN label TYPE label`, true},
+		{`ALTER DOMAIN label RENAME TO tag`, true},
+		{`ALTER TABLE items ALTER COLUMN change_seq SET DEFAULT nextval('items_seq2'::regclass) + 0`, true},
 		{`ALTER TABLE owners RENAME TO owners_old; CREATE TABLE owners (id int PRIMARY KEY, name text)`, true},
 	} {
 		_, err := pool.Exec(ctx, x.sql)
