@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -191,16 +190,26 @@ func UnindexedJoins(ctx context.Context, db DB, spec Spec) ([]string, error) {
 // RelationTables names the related and join tables of the spec's
 // documents (schema.table), in spec order.
 func RelationTables(spec Spec) []string {
-	spec = spec.withDefaults()
 	var out []string
-	seen := map[string]bool{}
+	for _, t := range relationTables(spec) {
+		out = append(out, t[0]+"."+t[1])
+	}
+	return out
+}
+
+// relationTables is RelationTables as (schema, table) pairs: a schema's
+// name may hold a dot.
+func relationTables(spec Spec) [][2]string {
+	spec = spec.withDefaults()
+	var out [][2]string
+	seen := map[[2]string]bool{}
 	var walk func([]Relation)
 	walk = func(rs []Relation) {
 		for _, r := range rs {
 			for _, t := range [][2]string{{r.Schema, r.Table}, {throughSchema(r), throughTable(r)}} {
-				if n := t[0] + "." + t[1]; t[1] != "" && !seen[n] {
-					seen[n] = true
-					out = append(out, n)
+				if t[1] != "" && !seen[t] {
+					seen[t] = true
+					out = append(out, t)
 				}
 			}
 			walk(r.Relations)
@@ -419,8 +428,8 @@ func (f *Follower) prepare(ctx context.Context) error {
 		f.log.Warn("a join column of the job's relations has no index", slog.String("column", m))
 	}
 	f.related = map[string]bool{}
-	for _, t := range RelationTables(f.spec) {
-		schema, table, _ := strings.Cut(t, ".")
+	for _, t := range relationTables(f.spec) {
+		schema, table := t[0], t[1]
 		var name string
 		if err := f.pool.QueryRow(ctx, `SELECT quote_ident($1) || '.' || quote_ident($2)`, schema, table).Scan(&name); err != nil {
 			return fmt.Errorf("follow job %s: name %s: %w", f.spec.Job, t, err)
