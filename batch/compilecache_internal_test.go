@@ -69,3 +69,13 @@ INSERT INTO items (id, owner_id, title) VALUES (1, 1, 'a')`)
 		last = fp
 	}
 }
+
+// A related table in a schema whose name holds a dot is named whole: the
+// fingerprint finds its columns, and its captures wake the follower.
+func TestRelationTablesKeepADottedSchema(t *testing.T) {
+	s := Spec{Job: "j", Source: Source{Table: "products"}, Document: Document{Relations: []Relation{
+		{Name: "maker", Schema: "my.shop", Table: "makers", Type: OneToOne},
+		{Name: "tags", Table: "tags", Type: OneToMany, Through: &Through{Schema: "my.shop", Table: "product tags"}},
+	}}}
+	require.Equal(t, []string{`"my.shop"."makers"`, `"public"."tags"`, `"my.shop"."product tags"`}, quotedRelationTables(s))
+}
