@@ -432,7 +432,7 @@ func (f *Follower) prepare(ctx context.Context) error {
 		schema, table := t[0], t[1]
 		var name string
 		if err := f.pool.QueryRow(ctx, `SELECT quote_ident($1) || '.' || quote_ident($2)`, schema, table).Scan(&name); err != nil {
-			return fmt.Errorf("follow job %s: name %s: %w", f.spec.Job, t, err)
+			return fmt.Errorf("follow job %s: name %s.%s: %w", f.spec.Job, schema, table, err)
 		}
 		f.related[name] = true
 	}

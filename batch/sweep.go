@@ -75,7 +75,8 @@ func sweepOnResumeSQL(s Spec) string {
 // It comes in two, [0] for the first chunk and [1] for the chunks after
 // one (after set): "after IS NULL OR source_id > after" in one statement
 // has a generic plan, once prepared, that reads normalized_records from
-// the source's first id to after for every chunk (see from).
+// the source's first id to after for every chunk (as the boundary's did:
+// see from).
 func (c *compiled) sweepSQL(partitions bool) [2]stmt {
 	return [2]stmt{c.sweepChunkSQL(partitions, false), c.sweepChunkSQL(partitions, true)}
 }
