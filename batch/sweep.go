@@ -77,8 +77,19 @@ func sweepOnResumeSQL(s Spec) string {
 // has a generic plan, once prepared, that reads normalized_records from
 // the source's first id to after for every chunk (as the boundary's did:
 // see from).
-func (c *compiled) sweepSQL(partitions bool) [2]stmt {
-	return [2]stmt{c.sweepChunkSQL(partitions, false), c.sweepChunkSQL(partitions, true)}
+func (c *compiled) sweepSQL(partitions bool) sweepStmts {
+	return sweepStmts{c.sweepChunkSQL(partitions, false), c.sweepChunkSQL(partitions, true)}
+}
+
+// sweepStmts is a sweep chunk's pair: the first chunk's, the others'.
+type sweepStmts [2]stmt
+
+// after picks the statement of the chunk after cursor (nil: the first).
+func (p sweepStmts) after(cursor *string) stmt {
+	if cursor == nil {
+		return p[0]
+	}
+	return p[1]
 }
 
 func (c *compiled) sweepChunkSQL(partitions, after bool) stmt {
@@ -294,11 +305,8 @@ func (r *Runner) sweepChunkFailed(ctx, hard, cleanup context.Context, l *sweepLe
 	return fmt.Errorf("%s of %s/%s: %w", what, job, run, err)
 }
 
-func (r *Runner) sweepChunk(ctx context.Context, sts [2]stmt, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {
-	st := sts[0]
-	if cursor != nil {
-		st = sts[1]
-	}
+func (r *Runner) sweepChunk(ctx context.Context, sts sweepStmts, token string, cursor *string, keys []string, size int) (n int64, last *string, deleted int64, err error) {
+	st := sts.after(cursor)
 	// As a scan chunk's: the span's traceparent goes into the tombstones'
 	// events, and the publisher and the indexer continue its trace.
 	ctx, span := tracing.Start(ctx, "batch.sweep_chunk")
