@@ -45,11 +45,17 @@ func TestPublishLateCommit(t *testing.T) {
 	for i := range 20 {
 		later = append(later, ev("b"+string(rune('a'+i)), 1))
 	}
-	_, err = outbox.Enqueue(ctx, pool, later...)
+	// B's ids are read before B commits: the running publisher may send
+	// and delete them at once.
+	b, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer b.Rollback(ctx)
+	_, err = outbox.Enqueue(ctx, b, later...)
 	require.NoError(t, err)
 	var minLater int64
-	require.NoError(t, pool.QueryRow(ctx, `SELECT min(id) FROM outbox_events`).Scan(&minLater))
+	require.NoError(t, b.QueryRow(ctx, `SELECT min(id) FROM outbox_events`).Scan(&minLater))
 	require.Greater(t, minLater, aID, "B's events have higher ids than A's")
+	require.NoError(t, b.Commit(ctx))
 	waitFor(t, time.Minute, "B's events to be published", func() bool { return published.Load() == int64(len(later)) })
 
 	require.NoError(t, a.Commit(ctx))
