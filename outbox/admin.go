@@ -50,7 +50,7 @@ const statusShardsSQL = `
 SELECT l.shard, coalesce(b.n, 0), coalesce(extract(epoch FROM now() - b.oldest), 0)::float8,
        coalesce(l.owner, ''), l.epoch, coalesce(extract(epoch FROM l.expires_at - now()), 0)::float8
 FROM outbox_shard_leases l
-LEFT JOIN (SELECT shard, count(*) AS n, min(created_at) AS oldest FROM outbox_events GROUP BY shard) b ON b.shard = l.shard
+LEFT JOIN (SELECT shard, sum(coalesce(cardinality(group_ids), 1)) AS n, min(created_at) AS oldest FROM outbox_events GROUP BY shard) b ON b.shard = l.shard
 ORDER BY l.shard`
 
 const statusPublishersSQL = `

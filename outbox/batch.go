@@ -2,6 +2,8 @@ package outbox
 
 import (
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"time"
@@ -53,20 +55,24 @@ func (b *batch) release() {
 // scanEvents reads a batch of events with a handful of allocations: the
 // variable-length columns are copied from pgx's row buffer into shared
 // chunks (arena), and the columns that repeat from row to row (topic,
-// types) are made into strings once.
+// types) are made into strings once. An event group's row (migration 019)
+// becomes its members, in order: each member's payload is its element of
+// the group's JSON array, in the one copy of the array.
 func scanEvents(rows pgx.Rows, limit int) (*batch, error) {
 	defer rows.Close()
 	var b *batch
 	var out []storedEvent
 	var topic, aggregateType, eventType string
-	// The fixed-size columns are scanned through one argument list for the
-	// whole batch (a list per row would be an allocation per row); the rest
-	// are read raw. Columns: id, event_id, topic, aggregate_type,
-	// aggregate_id, aggregate_version, event_type, payload, headers,
-	// created_at (readSQL).
+	// The fixed-size columns and the group's arrays are scanned through
+	// one argument list for the whole batch (a list per row would be an
+	// allocation per row); the rest are read raw. Columns: id, event_id,
+	// topic, aggregate_type, aggregate_id, aggregate_version, event_type,
+	// payload, headers, created_at, group_ids, group_versions,
+	// group_event_ids, group_types (readSQL).
 	var id, version int64
 	var createdAt time.Time
-	dest := []any{&id, nil, nil, nil, nil, &version, nil, nil, nil, &createdAt}
+	var g group
+	dest := []any{&id, nil, nil, nil, nil, &version, nil, nil, nil, &createdAt, &g.ids, &g.versions, &g.eventIDs, &g.types}
 	for rows.Next() {
 		if b == nil {
 			b = batchPool.Get().(*batch)
@@ -75,21 +81,125 @@ func scanEvents(rows pgx.Rows, limit int) (*batch, error) {
 		if err := rows.Scan(dest...); err != nil {
 			return nil, err
 		}
-		out = append(out, storedEvent{id: id, aggregateVersion: version, createdAt: createdAt})
-		e := &out[len(out)-1]
 		raw, fields := rows.RawValues(), rows.FieldDescriptions()
 		buf := &b.rows
+		topic, aggregateType = same(topic, raw[2]), same(aggregateType, raw[3])
+		payload, headers := buf.copy(jsonText(raw[7], &fields[7])), buf.copy(jsonText(raw[8], &fields[8]))
+		if g.ids != nil {
+			var err error
+			if out, err = g.expand(out, buf, id, topic, aggregateType, payload, headers, createdAt); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		out = append(out, storedEvent{id: id, aggregateVersion: version, createdAt: createdAt})
+		e := &out[len(out)-1]
 		e.eventID = eventIDText(buf, raw[1], &fields[1])
-		topic, aggregateType, eventType = same(topic, raw[2]), same(aggregateType, raw[3]), same(eventType, raw[6])
+		eventType = same(eventType, raw[6])
 		e.topic, e.aggregateType, e.eventType = topic, aggregateType, eventType
 		e.aggregateID = buf.copy(raw[4])
-		e.payload = buf.copy(jsonText(raw[7], &fields[7]))
-		e.headers = buf.copy(jsonText(raw[8], &fields[8]))
+		e.payload, e.headers = payload, headers
 	}
 	if b != nil {
 		b.events = out
 	}
 	return b, rows.Err()
+}
+
+// group is an event group's member arrays as scanned.
+type group struct {
+	ids, types []string
+	versions   []int64
+	eventIDs   [][16]byte
+}
+
+// expand appends the members of the group in row id to out. payload is the
+// group's JSON array; each member's payload is its element (nil for a
+// delete, as a single delete's NULL payload).
+func (g *group) expand(out []storedEvent, buf *arena, id int64, topic, aggregateType string, payload, headers []byte, createdAt time.Time) ([]storedEvent, error) {
+	n := len(g.ids)
+	elems, err := splitJSONArray(payload, n)
+	if err != nil {
+		return out, fmt.Errorf("event group %d: payload: %w", id, err)
+	}
+	if len(g.versions) != n || len(g.eventIDs) != n || len(g.types) != n {
+		return out, fmt.Errorf("event group %d: %d ids, %d versions, %d event ids, %d types", id, n, len(g.versions), len(g.eventIDs), len(g.types))
+	}
+	for i := range n {
+		e := storedEvent{id: id, member: int32(i + 1), aggregateVersion: g.versions[i], createdAt: createdAt,
+			topic: topic, aggregateType: aggregateType, eventType: g.types[i], headers: headers}
+		e.eventID = buf.appendFunc(func(dst []byte) []byte { return appendUUID(dst, g.eventIDs[i][:]) })
+		e.aggregateID = buf.appendFunc(func(dst []byte) []byte { return append(dst, g.ids[i]...) })
+		if p := elems[i]; e.eventType != "delete" && string(p) != "null" {
+			e.payload = p
+		}
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+// splitJSONArray returns the n elements of the JSON array text a, as
+// subslices of a without surrounding whitespace. PostgreSQL checked the
+// text (a json value, an array of n elements: migration 019's CHECK), so
+// this only finds the boundaries: commas and the closing bracket outside
+// strings, objects and arrays.
+func splitJSONArray(a []byte, n int) ([][]byte, error) {
+	i := skipSpace(a, 0)
+	if i == len(a) || a[i] != '[' {
+		return nil, errors.New("not a JSON array")
+	}
+	out := make([][]byte, 0, n)
+	i = skipSpace(a, i+1)
+	if i < len(a) && a[i] == ']' {
+		i++
+	} else {
+		start, depth := i, 0
+	scan:
+		for ; ; i++ {
+			if i >= len(a) {
+				return nil, errors.New("unterminated JSON array")
+			}
+			switch a[i] {
+			case '"':
+				for i++; i < len(a) && a[i] != '"'; i++ {
+					if a[i] == '\\' {
+						i++
+					}
+				}
+			case '{', '[':
+				depth++
+			case '}':
+				depth--
+			case ']':
+				if depth == 0 {
+					out = append(out, trimSpaceRight(a[start:i]))
+					i++
+					break scan
+				}
+				depth--
+			case ',':
+				if depth == 0 {
+					out = append(out, trimSpaceRight(a[start:i]))
+					start = skipSpace(a, i+1)
+					i = start - 1
+				}
+			}
+		}
+	}
+	if skipSpace(a, i) != len(a) {
+		return nil, errors.New("text after the JSON array")
+	}
+	if len(out) != n {
+		return nil, fmt.Errorf("%d elements for %d members", len(out), n)
+	}
+	return out, nil
+}
+
+func trimSpaceRight(a []byte) []byte {
+	for len(a) > 0 && skipSpace(a[len(a)-1:], 0) == 1 {
+		a = a[:len(a)-1]
+	}
+	return a
 }
 
 // same returns v as a string: prev itself when equal, without allocating.

@@ -29,7 +29,7 @@
 // Every event has a shard, outboxrelay_shard(aggregate_id) in 0..63, so all
 // events of one aggregate are in one shard. Each shard is a table of its
 // own: outbox_events is hash-partitioned by aggregate_id into 64 partitions
-// (outbox_events_s00 .. outbox_events_s63, migration 005), and
+// (outbox_events_shard_00 .. _63, migrations 005 and 019), and
 // outboxrelay_shard is exactly PostgreSQL's choice of partition, which every
 // partition's CHECK (shard = N) verifies on insert. Writers insert into
 // outbox_events; a shard worker reads and deletes its own partition by name

@@ -17,6 +17,7 @@ import (
 // until the batch is released for reuse (batch.release).
 type storedEvent struct {
 	id               int64
+	member           int32  // 1.. in an event group (migration 019), 0 for a row of its own
 	eventID          []byte // text form
 	topic            string
 	aggregateType    string

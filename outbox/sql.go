@@ -32,27 +32,28 @@ const membersChangedSQL = `SELECT pg_notify('` + membersChannel + `', $1)`
 const asyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
 
 // shardTable is where the statements below name a shard's partition
-// (outbox_events_s00 .. outbox_events_s63, migration 005): each shard worker
+// (outbox_events_shard_00 .. _63, migrations 005 and 019): each shard worker
 // reads and deletes its own partition directly, so PostgreSQL touches that
 // shard's pages only. Inserts go through outbox_events.
 const shardTable = "{shard_table}"
 
 // ShardTable is the partition of outbox_events that holds shard's events.
-func ShardTable(shard int) string { return fmt.Sprintf("outbox_events_s%02d", shard) }
+func ShardTable(shard int) string { return fmt.Sprintf("outbox_events_shard_%02d", shard) }
 
 // shardStatements are one shard's statements, with its partition named.
 type shardStatements struct {
-	read, delete, retain, deadLetter string
+	read, delete, retain, deadLetter, deadMembers string
 }
 
 var shardSQL = func() (out [NumShards]shardStatements) {
 	for s := range out {
 		name := func(sql string) string { return strings.ReplaceAll(sql, shardTable, ShardTable(s)) }
 		out[s] = shardStatements{
-			read:       name(readSQL),
-			delete:     name(deletePublishedSQL),
-			retain:     name(retainPublishedSQL),
-			deadLetter: name(deadLetterSQL),
+			read:        name(readSQL),
+			delete:      name(deletePublishedSQL),
+			retain:      name(retainPublishedSQL),
+			deadLetter:  name(deadLetterSQL),
+			deadMembers: name(deadMembersSQL),
 		}
 	}
 	return out
@@ -63,12 +64,24 @@ var shardSQL = func() (out [NumShards]shardStatements) {
 // lower id that became visible after higher ids were published) is simply the
 // first row of the next read. See doc.go, "Commit order". event_id comes
 // as the uuid's 16 bytes, formatted by the publisher (eventIDText).
+//
+// $1 counts events: an event group (migration 019) counts its members and
+// comes whole, so the last row may take the read past $1; the publisher
+// expands groups (scanEvents). The running count is a window over at most
+// $1 rows in index order: no sort.
 const readSQL = `
 SELECT id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type,
-       payload, headers, created_at
-FROM ` + shardTable + `
-ORDER BY id
-LIMIT $1`
+       payload, headers, created_at, group_ids, group_versions, group_event_ids, group_types
+FROM (
+    SELECT id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type,
+           payload, headers, created_at, group_ids, group_versions, group_event_ids, group_types,
+           sum(coalesce(cardinality(group_ids), 1)) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) - coalesce(cardinality(group_ids), 1) AS before
+    FROM ` + shardTable + `
+    ORDER BY id
+    LIMIT $1
+) r
+WHERE before < $1
+ORDER BY id`
 
 // leaseCTE checks that the shard is still held with the same epoch. It takes
 // no row lock on purpose: heartbeats renew the lease rows all the time and
@@ -111,9 +124,11 @@ const leaseHeldSQL = `SELECT EXISTS (SELECT FROM outbox_shard_leases WHERE shard
 const retainPublishedSQL = leaseCTE + `,
 del AS (
     DELETE FROM ` + shardTable + ` WHERE ` + publishedRows + ` AND EXISTS (SELECT FROM lease)
-    RETURNING id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at
+    RETURNING id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at,
+              group_ids, group_versions, group_event_ids, group_types
 ), ins AS (
-    INSERT INTO outbox_published (id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at)
+    INSERT INTO outbox_published (id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at,
+                                  group_ids, group_versions, group_event_ids, group_types)
     SELECT * FROM del
     ON CONFLICT (id) DO NOTHING
 )
@@ -135,6 +150,26 @@ moved AS (
     SELECT id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type,
            payload, headers, shard, created_at, error, nullif(code, 0)
     FROM moved
+)
+SELECT EXISTS (SELECT FROM lease), (SELECT count(*) FROM moved)`
+
+// deadMembersSQL parks members of event groups the broker rejected for good
+// in outbox_dead_letters, each as an event of its own (outbox_id is the
+// group's row), fenced like deletePublishedSQL. The group's row stays: it
+// is deleted with the acknowledged events, in the same round trip, after
+// this statement read it. $1 row ids, $5 error texts, $6 error codes (0 =
+// none), $7 members (1..).
+const deadMembersSQL = leaseCTE + `,
+moved AS (
+    INSERT INTO outbox_dead_letters (outbox_id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type,
+                                     payload, headers, shard, created_at, error, error_code)
+    SELECT e.id, e.group_event_ids[d.member], e.topic, e.aggregate_type, e.group_ids[d.member], e.group_versions[d.member], e.group_types[d.member],
+           CASE WHEN e.group_types[d.member] <> 'delete' THEN nullif((e.payload -> (d.member - 1))::text, 'null')::json END,
+           e.headers, e.shard, e.created_at, d.error, nullif(d.code, 0)
+    FROM ` + shardTable + ` e
+    JOIN unnest($1::bigint[], $5::text[], $6::int[], $7::int[]) AS d(id, error, code, member) ON e.id = d.id
+    WHERE EXISTS (SELECT FROM lease)
+    RETURNING 1
 )
 SELECT EXISTS (SELECT FROM lease), (SELECT count(*) FROM moved)`
 
@@ -232,13 +267,16 @@ SELECT %[2]d::smallint AS shard WHERE CASE WHEN %[2]d = ANY($1::smallint[]) THEN
 // `publisher status` counts exactly). The oldest event is the oldest first
 // row. A count(*) would read every waiting event: a quarter of a second of
 // database time per publisher for 200,000 events, minutes for a large
-// backfill.
+// backfill. An event group (migration 019) is one row of many events: a
+// shard's rows count as many events each as its first row holds, which is
+// close while a first load's groups are waiting (they are alike in size).
 var backlogSQL = `
-SELECT coalesce(sum(CASE WHEN p.first IS NULL THEN 0 ELSE greatest(s.n_live_tup, 1) END), 0)::bigint,
+SELECT coalesce(sum(CASE WHEN p.first IS NULL THEN 0 ELSE greatest(s.n_live_tup, 1) * p.members END), 0)::bigint,
        coalesce(extract(epoch FROM now() - min(p.first)), 0)::float8
 FROM (VALUES ` + perShard(`
-    ('%[1]s'::regclass, (SELECT created_at FROM %[1]s ORDER BY id LIMIT 1))`, ",") + `
-) AS p(rel, first)
+    ('%[1]s'::regclass, (SELECT created_at FROM %[1]s ORDER BY id LIMIT 1),
+     (SELECT coalesce(cardinality(group_ids), 1) FROM %[1]s ORDER BY id LIMIT 1))`, ",") + `
+) AS p(rel, first, members)
 LEFT JOIN pg_stat_all_tables s ON s.relid = p.rel`
 
 // perShard repeats format for every shard, joined by sep: %[1]s in it is

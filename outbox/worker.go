@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -156,6 +157,7 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 		all = append(all, pe)
 	}
 	w.fit(len(all), len(events), bytes)
+	all = wholeGroups(all, events, rb)
 	b.all = all
 	startSendSpans(ctx, all)
 	ctx, span := startPublishSpan(ctx, all)
@@ -168,36 +170,40 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 	}
 	acked := time.Now()
 
-	var ids, deadIDs []int64
-	var deadErrs []string
-	var deadCodes []int32
+	var ids []int64 // the rows to delete, ascending
+	var dead deadEvents
 	ids = make([]int64, 0, len(all))
 	for i := range all {
 		pe := &all[i]
 		if pe.err != nil {
-			deadIDs = append(deadIDs, pe.ev.id)
-			deadErrs = append(deadErrs, pe.err.Error())
-			deadCodes = append(deadCodes, pe.code)
+			dead.add(pe)
 			w.log.Error("event rejected permanently; moved to outbox_dead_letters",
 				slog.String("event_id", string(pe.ev.eventID)), slog.String("aggregate_id", string(pe.ev.aggregateID)), slog.String("error", pe.err.Error()))
-			continue
+			if pe.ev.member == 0 {
+				continue // moved with its row
+			}
 		}
-		ids = append(ids, pe.ev.id)
+		// A group's row goes once all its members are acknowledged or
+		// parked (they all are: a batch holds whole groups).
+		if len(ids) == 0 || ids[len(ids)-1] != pe.ev.id {
+			ids = append(ids, pe.ev.id)
+		}
 	}
-	next, err := w.record(ctx, ids, deadIDs, deadErrs, deadCodes)
+	next, err := w.record(ctx, ids, &dead)
 	if err != nil {
 		return nil, err
 	}
-	p.m.published.Add(float64(len(ids)))
-	p.m.deadLetters.Add(float64(len(deadIDs)))
-	p.m.errors.WithLabelValues(errKindRejected).Add(float64(len(deadIDs)))
+	deadCount := len(dead.ids) + len(dead.memberIDs)
+	p.m.published.Add(float64(len(all) - deadCount))
+	p.m.deadLetters.Add(float64(deadCount))
+	p.m.errors.WithLabelValues(errKindRejected).Add(float64(deadCount))
 	p.m.batchSize.Observe(float64(len(all)))
 	for i := range all {
 		if pe := &all[i]; pe.err == nil {
 			p.m.latency.Observe(acked.Sub(pe.ev.createdAt).Seconds())
 		}
 	}
-	if p.cfg.OnPublished != nil && len(ids) > 0 {
+	if p.cfg.OnPublished != nil && len(all) > deadCount {
 		published := make([]Published, 0, len(ids))
 		for i := range all {
 			if pe := &all[i]; pe.err == nil {
@@ -313,7 +319,9 @@ func (w *shardWorker) produce(ctx context.Context, b *batch) (retried bool, err 
 	// A rejected request says nothing about which record was at fault (one
 	// too-large record fails its whole partition batch): send those records
 	// one at a time, in order, to find the culprits and deliver the rest.
-	slices.SortFunc(suspects, func(a, b *pendingEvent) int { return int(a.ev.id - b.ev.id) })
+	slices.SortFunc(suspects, func(a, b *pendingEvent) int {
+		return cmp.Or(cmp.Compare(a.ev.id, b.ev.id), cmp.Compare(a.ev.member, b.ev.member))
+	})
 	for _, pe := range suspects {
 		retried = true
 		err := w.retry(ctx, func(actx context.Context) error {
@@ -407,7 +415,7 @@ func (w *shardWorker) retry(ctx context.Context, op func(context.Context) error)
 // before the next batch goes to Kafka (no transaction is open while Kafka is
 // waited on). It runs to completion after a soft stop: the broker already
 // has the events.
-func (w *shardWorker) record(ctx context.Context, ids, deadIDs []int64, deadErrs []string, deadCodes []int32) (*batch, error) {
+func (w *shardWorker) record(ctx context.Context, ids []int64, dead *deadEvents) (*batch, error) {
 	p := w.p
 	rctx := context.WithoutCancel(ctx)
 	b := backoff.NewExponentialBackOff()
@@ -435,8 +443,13 @@ func (w *shardWorker) record(ctx context.Context, ids, deadIDs []int64, deadErrs
 		batch.Queue(asyncCommitSQL)
 		// fenced counts the statements that answer (held, moved).
 		fenced := 0
-		if len(deadIDs) > 0 {
-			batch.Queue(sql.deadLetter, deadIDs, w.shard, p.cfg.ID, w.epoch, deadErrs, deadCodes)
+		if len(dead.ids) > 0 {
+			batch.Queue(sql.deadLetter, dead.ids, w.shard, p.cfg.ID, w.epoch, dead.errs, dead.codes)
+			fenced++
+		}
+		if len(dead.memberIDs) > 0 {
+			// Before the delete below, which removes their groups' rows.
+			batch.Queue(sql.deadMembers, dead.memberIDs, w.shard, p.cfg.ID, w.epoch, dead.memberErrs, dead.memberCodes, dead.members)
 			fenced++
 		}
 		plain := len(ids) > 0 && !retain
@@ -544,4 +557,50 @@ func (w *shardWorker) setFailing(failing bool, cause error) {
 	case p.failing == 0:
 		p.cfg.Health.SetDegraded("kafka", "")
 	}
+}
+
+// deadEvents are the events of a batch the broker rejected for good: rows
+// of their own, moved whole to outbox_dead_letters (deadLetterSQL), and
+// members of event groups, copied there one by one (deadMembersSQL).
+type deadEvents struct {
+	ids, memberIDs     []int64
+	errs, memberErrs   []string
+	codes, memberCodes []int32
+	members            []int32
+}
+
+func (d *deadEvents) add(pe *pendingEvent) {
+	if pe.ev.member == 0 {
+		d.ids, d.errs, d.codes = append(d.ids, pe.ev.id), append(d.errs, pe.err.Error()), append(d.codes, pe.code)
+		return
+	}
+	d.memberIDs, d.memberErrs, d.memberCodes = append(d.memberIDs, pe.ev.id), append(d.memberErrs, pe.err.Error()), append(d.memberCodes, pe.code)
+	d.members = append(d.members, pe.ev.member)
+}
+
+// wholeGroups cuts all, the first events of a batch that fit in one call,
+// back to the end of the last whole event group: a group's row is deleted
+// once for all its members, so a batch never ends inside one. The rest of
+// the group comes with the next read. When the first group alone does not
+// fit, it is taken whole (its records made with rb): one call larger than
+// BatchBytes, whose partitions' requests the broker may refuse as too large,
+// which sends them one record at a time (produce's suspects), in order.
+func wholeGroups(all []pendingEvent, events []storedEvent, rb *recordBuilder) []pendingEvent {
+	n := len(all)
+	if n == 0 || n == len(events) || events[n].member <= 1 {
+		return all
+	}
+	start := n - 1
+	for events[start].member > 1 {
+		start--
+	}
+	if start > 0 {
+		return all[:start]
+	}
+	for ; n < len(events) && events[n].member > 1; n++ {
+		pe := pendingEvent{ev: &events[n]}
+		pe.msg, pe.err = rb.record(pe.ev)
+		all = append(all, pe)
+	}
+	return all
 }
