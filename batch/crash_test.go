@@ -67,7 +67,7 @@ func exact(t *testing.T, url string, job string, rows int64) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.Equal(t, counts{Normalized: rows, Events: rows, DistinctEvents: rows, Processed: rows, States: "succeeded"}, count(t, pool, job))
-	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM source_records s LEFT JOIN outbox_events e ON e.aggregate_id = s.id::text AND e.aggregate_version = s.version WHERE e.id IS NULL`))
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM source_records s LEFT JOIN outbox_event_members e ON e.aggregate_id = s.id::text AND e.aggregate_version = s.version WHERE e.id IS NULL`))
 	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE job = $1 AND state = 'succeeded' AND cursor IS DISTINCT FROM boundary`, job))
 }
 
@@ -172,7 +172,7 @@ func TestSIGTERMStopsAtChunkBoundary(t *testing.T) {
 	require.Zero(t, processed%200, "a chunk boundary")
 	require.Less(t, processed, int64(30_000))
 	require.Equal(t, processed, queryInt(t, pool, `SELECT count(*) FROM normalized_records`))
-	require.Equal(t, processed, queryInt(t, pool, `SELECT count(*) FROM outbox_events`))
+	require.Equal(t, processed, queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`))
 
 	p = testproc.Run(t, 2*time.Minute, bin, env(url), "run", "--spec", specFile)
 	require.Equal(t, 0, p.ExitCode(), p.Stderr())

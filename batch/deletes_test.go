@@ -193,7 +193,7 @@ func TestFollowReinsertWithAResetVersionComesBack(t *testing.T) {
 			})
 			require.Equal(t, int64(7), queryInt(t, pool, `SELECT source_version FROM normalized_records WHERE source_id = '7'`), "above the tombstone (version 6)")
 			require.Equal(t, []string{"7@6"}, deleteEvents(t, url))
-			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '7' AND aggregate_version = 7`))
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'upsert' AND aggregate_id = '7' AND aggregate_version = 7`))
 			_, err := f.stop(t)
 			require.NoError(t, err)
 		})
@@ -359,7 +359,7 @@ func TestFullRunReinsertWithAResetVersionBetweenRuns(t *testing.T) {
 	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '14' AND NOT deleted AND source_version = 7 AND document->>'title' = 'back'`),
 		"14 back above its tombstone (version 6)")
 	require.Equal(t, []string{"14@6", "21@2"}, deleteEvents(t, url))
-	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version = 7`))
+	require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version = 7`))
 	require.Equal(t, int64(299), liveRows(t, pool))
 }
 
@@ -456,7 +456,7 @@ func TestReinsertAfterSoftAndHardDeleteComesBack(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '7' AND NOT deleted AND document->>'title' = 'back' AND source_version > 3`),
 				"7 back, above its soft delete's tombstone (version 3)")
-			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '7' AND aggregate_version > 3`))
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'upsert' AND aggregate_id = '7' AND aggregate_version > 3`))
 		})
 	}
 }

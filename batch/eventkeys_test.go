@@ -67,7 +67,7 @@ INSERT INTO keyed_records VALUES ('a', 1, 'fine'), ('', 1, 'empty id'), ('c', -3
 			require.Equal(t, want, got)
 
 			var events []string
-			require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(array_agg(aggregate_id ORDER BY aggregate_id), '{}') FROM outbox_events WHERE topic = 'keyed'`).Scan(&events))
+			require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(array_agg(aggregate_id ORDER BY aggregate_id), '{}') FROM outbox_event_members WHERE topic = 'keyed'`).Scan(&events))
 			require.Equal(t, good, events)
 		})
 	}

@@ -45,9 +45,9 @@ func TestFirstLoadMeetsAnEventThatIsThereAlready(t *testing.T) {
 			require.True(t, sum.Done)
 			require.Equal(t, int64(0), queryInt(t, pool, `SELECT count(*) FROM batch_runs WHERE first_load`), "the partition writes guarded from then on")
 			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE NOT deleted`))
-			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(DISTINCT event_id) FROM outbox_events`))
-			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "no second event for row 70")
-			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_id = '70' AND aggregate_type = 'app'`))
+			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(DISTINCT event_id) FROM outbox_event_members`))
+			require.Equal(t, int64(300), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`), "no second event for row 70")
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_id = '70' AND aggregate_type = 'app'`))
 			exact(t, url, s.Job, 300)
 
 			// The next run is not a first load.
@@ -56,7 +56,7 @@ func TestFirstLoadMeetsAnEventThatIsThereAlready(t *testing.T) {
 			_, err = run(t, pool, s, cfg)
 			require.NoError(t, err)
 			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(DISTINCT logical_run_id) FROM batch_runs WHERE NOT first_load`))
-			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_id = '700'`))
+			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_id = '700'`))
 		})
 	}
 }
@@ -102,6 +102,6 @@ INSERT INTO dup_records (k, id, version) VALUES (201, 'r1', 2), (202, 'r150', 3)
 	for id, v := range map[string]int64{"r1": 2, "r10": 2, "rX": 2, "r150": 3, "r11": 1} {
 		require.Equal(t, v, queryInt(t, pool, `SELECT source_version FROM normalized_records WHERE source_id = $1`, id), id)
 	}
-	require.Equal(t, int64(202), queryInt(t, pool, `SELECT count(DISTINCT event_id) FROM outbox_events`))
-	require.Equal(t, int64(202), queryInt(t, pool, `SELECT count(*) FROM outbox_events`))
+	require.Equal(t, int64(202), queryInt(t, pool, `SELECT count(DISTINCT event_id) FROM outbox_event_members`))
+	require.Equal(t, int64(202), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`))
 }

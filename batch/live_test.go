@@ -20,7 +20,7 @@ func normalizedState(t *testing.T, pool *pgxpool.Pool) string {
 	var s string
 	require.NoError(t, pool.QueryRow(context.Background(), `
 SELECT coalesce(md5(string_agg(source_id || ':' || processor_version || ':' || source_version, ',' ORDER BY source_id)), '') ||
-       ' events=' || (SELECT count(*) FROM outbox_events) FROM normalized_records`).Scan(&s))
+       ' events=' || (SELECT count(*) FROM outbox_event_members) FROM normalized_records`).Scan(&s))
 	return s
 }
 

@@ -76,7 +76,7 @@ func count(t *testing.T, pool *pgxpool.Pool, job string) counts {
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
 	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM normalized_records`).Scan(&c.Normalized))
-	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`).Scan(&c.Events, &c.DistinctEvents))
+	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_event_members`).Scan(&c.Events, &c.DistinctEvents))
 	require.NoError(t, tx.QueryRow(ctx, `SELECT COALESCE(sum(processed_count), 0), COALESCE(string_agg(DISTINCT state, ','), '') FROM batch_runs WHERE job = $1 AND state <> 'superseded'
 		AND logical_run_id = (SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1)`, job).Scan(&c.Processed, &c.States))
 	return c

@@ -76,7 +76,7 @@ func TestPipelineCommitsInOrderUnderFailure(t *testing.T) {
 	require.Equal(t, counts{Normalized: 1000, Events: 1000, DistinctEvents: 1000, Processed: 1000, States: "failed"}, c,
 		"chunks 0 and 1 committed; 2 failed; 3 (written, in flight) rolled back")
 	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id::bigint >= 7000`))
-	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_id::bigint >= 7000`))
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_id::bigint >= 7000`))
 	var cursor []string
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT cursor FROM batch_runs WHERE job = $1`, s.Job).Scan(&cursor))
 	require.Equal(t, "6993", cursor[len(cursor)-1], "the checkpoint is the last row of chunk 1")

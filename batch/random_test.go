@@ -900,10 +900,10 @@ WHERE s.change_seq <= $2`, randIncr, boundary)
 func checkEvents(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
 	pvh := outbox.HeaderProcessorVersion
-	dups := queryInt(t, pool, `SELECT count(*) FROM (SELECT 1 FROM outbox_events GROUP BY aggregate_type, aggregate_id, aggregate_version, headers->>$1 HAVING count(*) > 1) d`, pvh)
+	dups := queryInt(t, pool, `SELECT count(*) FROM (SELECT 1 FROM outbox_event_members GROUP BY aggregate_type, aggregate_id, aggregate_version, headers->>$1 HAVING count(*) > 1) d`, pvh)
 	require.Zero(t, dups, "(row, version, processor version) with more than one event")
 	missing := queryInt(t, pool, `SELECT count(*) FROM normalized_records n WHERE NOT EXISTS (
-  SELECT 1 FROM outbox_events e WHERE e.aggregate_type = n.source AND e.aggregate_id = n.source_id AND e.aggregate_version = n.source_version
+  SELECT 1 FROM outbox_event_members e WHERE e.aggregate_type = n.source AND e.aggregate_id = n.source_id AND e.aggregate_version = n.source_version
     AND e.headers->>$1 = n.processor_version AND (e.event_type = 'delete') = n.deleted)`, pvh)
 	require.Zero(t, missing, "normalized rows without their event (same version, processor version and kind)")
 }

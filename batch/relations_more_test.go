@@ -192,7 +192,7 @@ func TestRelErrorsAtStartNameWhatIsMissing(t *testing.T) {
 			"foreign_key: {parent: <column of public.products>, child: <column of public.brands>}"})
 	})
 	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM normalized_records`), "nothing written by a refused start")
-	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "nothing written by a refused start")
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`), "nothing written by a refused start")
 
 	mustExec(t, pool, `UPDATE products SET maker_id = 2 WHERE id = 10`)
 	mustRun(t, pool, with(brand(&batch.KeyPair{Parent: "maker_id", Child: "id"})), "explicit key among two")
@@ -243,7 +243,7 @@ INSERT INTO variants VALUES (105, 12, NULL, 0, now());     -- soft-deleted: left
 	require.Equal(t, "related_row: variants.prices [id=1002] field tier (meta.tier): want string, got number", q["11"])
 	d := relDocs(t, pool)
 	require.Equal(t, []string{"12"}, slices.Sorted(maps.Keys(d)), "only the good root is indexed")
-	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_id IN ('10', '11')`))
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_id IN ('10', '11')`))
 
 	// Strict: the run fails naming the first bad root, its relation and
 	// its child row (another job, so nothing of the first is reused).
@@ -346,18 +346,18 @@ func TestRelSharedParentRenamedRebuildsInChunks(t *testing.T) {
 	s.Chunk = batch.ChunkSettings{Size: 500, Min: 500, Max: 500}
 	installCapture(t, pool, s)
 	mustRun(t, pool, s, "first run")
-	require.Equal(t, int64(n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_events`))
+	require.Equal(t, int64(n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`))
 
 	mustExec(t, pool, `UPDATE brands SET name = 'Crate & Barrel' WHERE id = 3`)
 	start := time.Now()
 	sum := mustRun(t, pool, s, "run after the rename")
 	t.Logf("a brand shared by %d products renamed: the incremental run took %s (chunk.size 500)", n, time.Since(start))
 
-	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 2`))
-	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_events e JOIN products p ON p.id::text = e.aggregate_id
+	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_version = 2`))
+	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members e JOIN products p ON p.id::text = e.aggregate_id
 		WHERE e.aggregate_version = 2 AND e.event_type = 'upsert' AND p.brand_id = 3 AND e.payload->'brand'->>'name' = 'CRATE & BARREL'`),
 		"one upsert at version 2 per product of the brand, with the new name")
-	require.Equal(t, int64(2*n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "nothing else")
+	require.Equal(t, int64(2*n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`), "nothing else")
 	require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE document->'brand'->>'name' = 'CRATE & BARREL' AND source_version = 2`))
 	var chunks, rebuilt, changed int64
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT chunks, rebuilt_count, rebuilt_changed FROM batch_sweeps WHERE job = 'products' AND logical_run_id = $1`, sum.RunID).
@@ -483,18 +483,18 @@ func TestRelKilledInTheRelationPhase(t *testing.T) {
 			if point == "batch.relations_after_commit" {
 				committed = 1000
 			}
-			require.Equal(t, committed, queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 2`), "events of the committed chunks")
+			require.Equal(t, committed, queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_version = 2`), "events of the committed chunks")
 			require.Equal(t, n-committed, queryInt(t, pool, `SELECT count(*) FROM batch_relation_work`), "work of the chunks not committed")
 			require.Equal(t, committed, queryInt(t, pool, `SELECT rebuilt_count FROM batch_sweeps WHERE job = 'products'`))
 
 			p = testproc.Run(t, 2*time.Minute, bin, env(url, crashLease), "run", "--spec", specFile)
 			require.Equal(t, 0, p.ExitCode(), p.Stderr())
 
-			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 2`), "one event per root for the change")
-			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(DISTINCT aggregate_id) FROM outbox_events WHERE aggregate_version = 2 AND event_type = 'upsert'
+			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_version = 2`), "one event per root for the change")
+			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(DISTINCT aggregate_id) FROM outbox_event_members WHERE aggregate_version = 2 AND event_type = 'upsert'
 				AND payload->'brand'->>'name' = 'CRATE & BARREL'`))
-			require.Equal(t, queryInt(t, pool, `SELECT count(*) FROM outbox_events`), queryInt(t, pool, `SELECT count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`), "no duplicate event")
-			require.Equal(t, int64(n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE aggregate_version = 1`))
+			require.Equal(t, queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`), queryInt(t, pool, `SELECT count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_event_members`), "no duplicate event")
+			require.Equal(t, int64(n+3), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE aggregate_version = 1`))
 			require.Equal(t, int64(n), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE document->'brand'->>'name' = 'CRATE & BARREL' AND source_version = 2`))
 			require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))
 			require.Equal(t, int64(n), queryInt(t, pool, `SELECT sum(rebuilt_count) FROM batch_sweeps WHERE job = 'products'`), "every root rebuilt once")
@@ -555,7 +555,7 @@ func TestRelTwoJobsOnTheSameTables(t *testing.T) {
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT
 		COALESCE(array_agg(aggregate_version ORDER BY id) FILTER (WHERE payload::jsonb ? 'categories'), '{}'),
 		COALESCE(array_agg(aggregate_version ORDER BY id) FILTER (WHERE NOT payload::jsonb ? 'categories'), '{}')
-		FROM outbox_events WHERE aggregate_id = '11'`).Scan(&evA, &evB))
+		FROM outbox_event_members WHERE aggregate_id = '11'`).Scan(&evA, &evB))
 	require.Equal(t, []int64{1, 2, 3}, evA, "events of 11 from job a")
 	require.Equal(t, []int64{1, 2}, evB, "events of 11 from job b")
 	require.Zero(t, queryInt(t, pool, `SELECT (SELECT count(*) FROM batch_relation_changes) + (SELECT count(*) FROM batch_relation_work)`))

@@ -105,7 +105,7 @@ func TestRelationsFullRunBuildsNestedDocuments(t *testing.T) {
 // versions and types in insertion order.
 func relEvents(t *testing.T, pool *pgxpool.Pool, id string) (versions []int64, types []string) {
 	t.Helper()
-	rows, err := pool.Query(context.Background(), `SELECT aggregate_version, event_type FROM outbox_events WHERE aggregate_id = $1 ORDER BY id`, id)
+	rows, err := pool.Query(context.Background(), `SELECT aggregate_version, event_type FROM outbox_event_members WHERE aggregate_id = $1 ORDER BY id`, id)
 	require.NoError(t, err)
 	for rows.Next() {
 		var v int64

@@ -32,13 +32,13 @@ func TestScanTiesAndGaps(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT cursor = boundary FROM batch_runs WHERE job = $1`, s.Job).Scan(&atBoundary))
 	require.True(t, atBoundary, "checkpoint at the boundary")
 	var missing int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM source_records s LEFT JOIN outbox_events e ON e.aggregate_id = s.id::text AND e.aggregate_version = s.version WHERE e.id IS NULL`).Scan(&missing))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM source_records s LEFT JOIN outbox_event_members e ON e.aggregate_id = s.id::text AND e.aggregate_version = s.version WHERE e.id IS NULL`).Scan(&missing))
 	require.Zero(t, missing)
 
 	// The event carries the deterministic id, the version and the document.
 	var id, doc, typ string
 	var ver int64
-	require.NoError(t, pool.QueryRow(ctx, `SELECT event_id::text, aggregate_version, event_type, payload::text FROM outbox_events WHERE aggregate_id = '7'`).Scan(&id, &ver, &typ, &doc))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT event_id::text, aggregate_version, event_type, payload::text FROM outbox_event_members WHERE aggregate_id = '7'`).Scan(&id, &ver, &typ, &doc))
 	require.Equal(t, outbox.EventID("source_records", "7", 1, "v1"), id)
 	require.Equal(t, "upsert", typ)
 	var d map[string]any
@@ -354,7 +354,7 @@ func TestSoftDeleteAndVersionGuard(t *testing.T) {
 	require.EqualValues(t, 1, sum.Changed)
 	var typ string
 	var payload *string
-	require.NoError(t, pool.QueryRow(ctx, `SELECT event_type, payload::text FROM outbox_events WHERE aggregate_id = '7' AND aggregate_version = 2`).Scan(&typ, &payload))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT event_type, payload::text FROM outbox_event_members WHERE aggregate_id = '7' AND aggregate_version = 2`).Scan(&typ, &payload))
 	require.Equal(t, "delete", typ)
 	require.Nil(t, payload)
 	var doc string
@@ -427,7 +427,7 @@ func TestIncrementalRun(t *testing.T) {
 	require.Equal(t, changed, sum.Rows, "only changed rows are scanned")
 	require.Equal(t, changed, sum.Changed)
 	var deletes int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events WHERE event_type = 'delete' AND aggregate_id = '7'`).Scan(&deletes))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'delete' AND aggregate_id = '7'`).Scan(&deletes))
 	require.Equal(t, 1, deletes)
 }
 
@@ -578,7 +578,7 @@ func TestInvalidProcessorDocuments(t *testing.T) {
 			require.NoError(t, check.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE document->>'id' IS DISTINCT FROM source_id OR jsonb_typeof(document->'n') <> 'number') FROM normalized_records`).Scan(&n, &wrong))
 			require.EqualValues(t, 998, n)
 			require.Zero(t, wrong)
-			require.Equal(t, int64(998), queryInt(t, check, `SELECT count(*) FROM outbox_events WHERE payload::jsonb->>'id' = aggregate_id`))
+			require.Equal(t, int64(998), queryInt(t, check, `SELECT count(*) FROM outbox_event_members WHERE payload::jsonb->>'id' = aggregate_id`))
 		})
 	}
 }

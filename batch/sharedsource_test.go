@@ -102,6 +102,6 @@ func TestSharedSourceNameWithAnotherTopicIsRefused(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 300, sum.Changed)
 	var events int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events WHERE topic = 'records.analytics'`).Scan(&events))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_members WHERE topic = 'records.analytics'`).Scan(&events))
 	require.Equal(t, 300, events)
 }

@@ -53,6 +53,6 @@ func TestSweepAndQuarantineRetryEventsCarryATraceParent(t *testing.T) {
 		}
 		return ""
 	}
-	require.Equal(t, "batch.sweep_chunk", spanOf(`SELECT headers->>'traceparent' FROM outbox_events WHERE aggregate_id = '14' AND event_type = 'delete'`))
-	require.Equal(t, "batch.quarantine_retry", spanOf(`SELECT headers->>'traceparent' FROM outbox_events WHERE aggregate_id = '21'`))
+	require.Equal(t, "batch.sweep_chunk", spanOf(`SELECT headers->>'traceparent' FROM outbox_event_members WHERE aggregate_id = '14' AND event_type = 'delete'`))
+	require.Equal(t, "batch.quarantine_retry", spanOf(`SELECT headers->>'traceparent' FROM outbox_event_members WHERE aggregate_id = '21'`))
 }

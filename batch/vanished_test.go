@@ -30,7 +30,7 @@ func deleteEvents(t *testing.T, url string) []string {
 	pool, err := pgxpool.New(context.Background(), url)
 	require.NoError(t, err)
 	defer pool.Close()
-	rows, err := pool.Query(context.Background(), `SELECT aggregate_id || '@' || aggregate_version FROM outbox_events WHERE event_type = 'delete' ORDER BY aggregate_id::bigint, aggregate_version`)
+	rows, err := pool.Query(context.Background(), `SELECT aggregate_id || '@' || aggregate_version FROM outbox_event_members WHERE event_type = 'delete' ORDER BY aggregate_id::bigint, aggregate_version`)
 	require.NoError(t, err)
 	defer rows.Close()
 	var out []string
@@ -85,12 +85,12 @@ func TestFullRunTurnsVanishedRowsIntoDeletes(t *testing.T) {
 			require.Equal(t, want, deleteEvents(t, url), "one delete per vanished or soft-deleted row, version + 1")
 			require.Equal(t, int64(35), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE deleted AND document IS NULL AND source_version = 2`))
 			require.Equal(t, int64(265), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE NOT deleted AND source_version = 1`))
-			require.Equal(t, int64(300+35), queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "nothing for the rows that stayed")
+			require.Equal(t, int64(300+35), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`), "nothing for the rows that stayed")
 			require.Equal(t, int64(30), queryInt(t, pool, `SELECT deleted_count FROM batch_sweeps WHERE state = 'succeeded' AND logical_run_id = (SELECT max(logical_run_id) FROM batch_runs)`))
 
 			_, err = run(t, pool, s, batch.Config{Workers: 2})
 			require.NoError(t, err)
-			require.Equal(t, int64(300+35), queryInt(t, pool, `SELECT count(*) FROM outbox_events`), "a further run: nothing new")
+			require.Equal(t, int64(300+35), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`), "a further run: nothing new")
 
 			// A row back in the filter with a newer version wins over its tombstone.
 			_, err = pool.Exec(ctx, `UPDATE source_records SET tenant_id = 't1' WHERE id = 1008`)
@@ -234,7 +234,7 @@ func TestRebuildMovesEarlierTombstonesToTheNewVersion(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM normalized_records WHERE source = 'source_records' AND processor_version IS DISTINCT FROM 'v2'`).Scan(&other))
 	require.Zero(t, other, "rows of normalized_records not at v2 after the rebuild (the cutover check refuses)")
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE n.source_version = e.aggregate_version)
-FROM outbox_events e JOIN normalized_records n ON n.source = 'source_records' AND n.source_id = e.aggregate_id
+FROM outbox_event_members e JOIN normalized_records n ON n.source = 'source_records' AND n.source_id = e.aggregate_id
 WHERE e.event_type = 'delete' AND e.headers->>'ce_processorversion' = 'v2'`).Scan(&v2deletes, &v2versions))
 	require.Equal(t, 20, v2deletes)
 	require.Equal(t, 20, v2versions)
@@ -282,19 +282,19 @@ VALUES (14, '2024-01-01', 't2', 1, '{"title": "back"}'), (21, '2024-01-01', 't0'
 			live := `SELECT count(*) FROM normalized_records WHERE source_id = $1 AND NOT deleted AND document IS NOT NULL AND source_version = $2`
 			require.Equal(t, int64(1), queryInt(t, pool, live, "14", 3), "back above its tombstone (version 2)")
 			require.Equal(t, int64(1), queryInt(t, pool, live, "21", 3))
-			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id IN ('14', '21') AND aggregate_version = 3`))
+			require.Equal(t, int64(2), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'upsert' AND aggregate_id IN ('14', '21') AND aggregate_version = 3`))
 
 			// A further run: nothing new; a change of the row wins again.
-			events := queryInt(t, pool, `SELECT count(*) FROM outbox_events`)
+			events := queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`)
 			_, err = run(t, pool, s, cfg)
 			require.NoError(t, err)
-			require.Equal(t, events, queryInt(t, pool, `SELECT count(*) FROM outbox_events`))
+			require.Equal(t, events, queryInt(t, pool, `SELECT count(*) FROM outbox_event_members`))
 			_, err = pool.Exec(ctx, `UPDATE source_records SET payload = '{"title": "edited"}' WHERE id = 14`) // version 1 -> 2
 			require.NoError(t, err)
 			_, err = run(t, pool, s, cfg)
 			require.NoError(t, err)
 			require.Equal(t, int64(1), queryInt(t, pool, live, "14", 4), "the change after the return is newer")
-			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version = 4`))
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version = 4`))
 			// Deleted again: a tombstone above the returned version.
 			_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id = 14`)
 			require.NoError(t, err)
@@ -375,7 +375,7 @@ func TestFullRunReinsertAfterSoftAndHardDeleteComesBack(t *testing.T) {
 			sum, err := run(t, pool, s, batch.Config{}) // the sweep sees 14 gone
 			require.NoError(t, err)
 			require.True(t, sum.Done)
-			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'delete' AND aggregate_id = '14'`),
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'delete' AND aggregate_id = '14'`),
 				"no second delete for a row whose tombstone is indexed")
 
 			_, err = pool.Exec(ctx, `INSERT INTO source_records (id, created_at, tenant_id, version, payload) VALUES (14, '2024-01-01', 't2', 1, '{"title": "back"}')`)
@@ -385,7 +385,7 @@ func TestFullRunReinsertAfterSoftAndHardDeleteComesBack(t *testing.T) {
 			require.True(t, sum.Done)
 			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '14' AND NOT deleted AND document->>'title' = 'back' AND source_version > 3`),
 				"14 back, above its soft delete's tombstone (version 3)")
-			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_events WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version > 3`))
+			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'upsert' AND aggregate_id = '14' AND aggregate_version > 3`))
 		})
 	}
 }

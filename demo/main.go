@@ -484,7 +484,7 @@ func (d *run) pipelineRun(ctx context.Context, n int, specFile, index, pv string
 		_ = d.pool.QueryRow(ctx, `SELECT coalesce(sum(processed_count), 0), coalesce(sum(changed_count), 0), coalesce(sum(estimated_total), 0)
 FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM batch_runs WHERE job = $1 ORDER BY created_at DESC LIMIT 1)`, job).Scan(&processed, &changed, &total)
 		var backlog int64
-		_ = d.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events`).Scan(&backlog)
+		_ = d.pool.QueryRow(ctx, `SELECT coalesce(sum(coalesce(cardinality(group_ids), 1)), 0) FROM outbox_events`).Scan(&backlog) // an event group counts its events
 		written, searchable := d.indexed(ctx, index)
 		state := "running"
 		if !batchEnd.IsZero() {

@@ -400,7 +400,7 @@ WHERE id IN (SELECT id FROM source_records WHERE deleted_at IS NULL AND payload-
 func (c *chaos) sample(ctx context.Context) {
 	for ctx.Err() == nil {
 		var n int64
-		if err := c.p.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events`).Scan(&n); err == nil && n > c.maxBacklog.Load() {
+		if err := c.p.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_members`).Scan(&n); err == nil && n > c.maxBacklog.Load() {
 			c.maxBacklog.Store(n)
 		}
 		c.scrape(ctx)

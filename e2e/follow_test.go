@@ -244,7 +244,7 @@ func TestFollowSIGTERMStopsAtABoundary(t *testing.T) {
 	require.NoError(t, f2.Signal(syscall.SIGTERM))
 	require.NoError(t, f2.Wait(time.Minute))
 	var events, distinct int64
-	require.NoError(t, p.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`).Scan(&events, &distinct))
+	require.NoError(t, p.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_event_members`).Scan(&events, &distinct))
 	require.Equal(t, events, distinct, "no event twice")
 	require.Zero(t, p.runStates(ctx)["running"]+p.runStates(ctx)["pending"], "a follower stopped while idle leaves no unfinished run")
 }
@@ -275,9 +275,9 @@ func TestFollowKill9AndRestartLosesNothing(t *testing.T) {
 	var missing, events, distinct int64
 	require.NoError(t, p.pool.QueryRow(ctx, `
 SELECT count(*) FROM normalized_records n
-WHERE NOT EXISTS (SELECT FROM outbox_events e WHERE e.aggregate_id = n.source_id AND e.aggregate_version = n.source_version)`).Scan(&missing))
+WHERE NOT EXISTS (SELECT FROM outbox_event_members e WHERE e.aggregate_id = n.source_id AND e.aggregate_version = n.source_version)`).Scan(&missing))
 	require.Zero(t, missing, "normalized rows without the event of their version")
-	require.NoError(t, p.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_events`).Scan(&events, &distinct))
+	require.NoError(t, p.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT (aggregate_id, aggregate_version)) FROM outbox_event_members`).Scan(&events, &distinct))
 	require.Equal(t, events, distinct, "no event twice")
 	require.NoError(t, f.Signal(syscall.SIGTERM))
 	require.NoError(t, f.Wait(time.Minute))

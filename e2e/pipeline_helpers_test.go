@@ -178,7 +178,7 @@ func (p *pipeline) reconcileConfig() reconcile.Config {
 
 func (p *pipeline) outboxBacklog(ctx context.Context) int64 {
 	var n int64
-	require.NoError(p.tb, p.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_events`).Scan(&n))
+	require.NoError(p.tb, p.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_members`).Scan(&n))
 	return n
 }
 

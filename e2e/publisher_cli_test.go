@@ -53,7 +53,7 @@ VALUES (999, $1, 'cli', 't', 'big', 3, 'upsert', '{"x":1}', '{}', outboxrelay_sh
 	retry := testproc.Run(t, time.Minute, bin, env, "dead-letter", "retry", "--all")
 	require.Equal(t, 0, retry.ExitCode(), retry.Stderr())
 	var deadLetters, queued int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_dead_letters), (SELECT count(*) FROM outbox_events WHERE aggregate_id = 'big' AND aggregate_version = 3)`).Scan(&deadLetters, &queued))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_dead_letters), (SELECT count(*) FROM outbox_event_members WHERE aggregate_id = 'big' AND aggregate_version = 3)`).Scan(&deadLetters, &queued))
 	require.Zero(t, deadLetters)
 	require.Equal(t, 1, queued, "the dead letter is back in the outbox")
 }

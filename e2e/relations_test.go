@@ -186,7 +186,7 @@ func TestRelationsWorkflow(t *testing.T) {
 	require.Equal(t, versions, after, "no record row changed: every document change came from its comments")
 	var outOfOrder int64
 	require.NoError(t, p.pool.QueryRow(ctx, `
-SELECT count(*) FROM (SELECT aggregate_version, lag(aggregate_version) OVER (PARTITION BY aggregate_id ORDER BY id) AS prev FROM outbox_events) e
+SELECT count(*) FROM (SELECT aggregate_version, lag(aggregate_version) OVER (PARTITION BY aggregate_id ORDER BY id) AS prev FROM outbox_event_members) e
 WHERE e.prev IS NOT NULL AND e.aggregate_version <= e.prev`).Scan(&outOfOrder))
 	// The publisher deletes what it sent; whatever is left must grow.
 	require.Zero(t, outOfOrder, "a record's event versions only grow")

@@ -58,7 +58,7 @@ FROM generate_series(1, 3) g`)
 	_, err = r.Run(ctx, ctx)
 	require.NoError(t, err)
 	var tp2 string
-	require.NoError(t, pool.QueryRow(ctx, `SELECT headers->>'traceparent' FROM outbox_events WHERE aggregate_id = '2'`).Scan(&tp2))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT headers->>'traceparent' FROM outbox_event_members WHERE aggregate_id = '2'`).Scan(&tp2))
 	row, ok := tracing.Parse(tp2)
 	require.True(t, ok, "outbox event of row 2: traceparent header %q", tp2)
 	spanByName := func(name string) []tracetest.SpanStub {

@@ -149,7 +149,7 @@ func (f *fixture) snapshot(t *testing.T) dbSnapshot {
 	var s dbSnapshot
 	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(string_agg(format('%s/%s/%s/%s/%s', id, tenant_id, revision, status, qty), ',' ORDER BY id), '') FROM orders`).Scan(&s.Orders))
 	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(string_agg(format('%s/%s/%s/%s/%s', seq, item_id, before_revision, after_revision, fields), ',' ORDER BY seq), '') FROM manifest_audit`).Scan(&s.Audit))
-	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(string_agg(event_id::text, ',' ORDER BY event_id), '') FROM outbox_events`).Scan(&s.Outbox))
+	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(string_agg(event_id::text, ',' ORDER BY event_id), '') FROM outbox_event_members`).Scan(&s.Outbox))
 	require.NoError(t, conn.QueryRow(ctx, `SELECT format('%s/%s/%s/%s', next_index, state, conflict, chunks_done), next_index, state FROM manifest_jobs WHERE job_id = $1`, f.jobID).Scan(&s.Job, &s.NextIndex, &s.State))
 	return s
 }
@@ -222,7 +222,7 @@ func (f *fixture) checkExactlyOnce(t *testing.T, n int) {
 		wantEvents[i] = outbox.EventID("manifest:"+f.jobID, strconv.FormatInt(id, 10), f.origRevs[id]+1, "manifest")
 	}
 	slices.Sort(wantEvents)
-	rows, err = conn.Query(ctx, `SELECT event_id::text FROM outbox_events ORDER BY event_id`)
+	rows, err = conn.Query(ctx, `SELECT event_id::text FROM outbox_event_members ORDER BY event_id`)
 	require.NoError(t, err)
 	events, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
@@ -233,7 +233,7 @@ func (f *fixture) checkExactlyOnce(t *testing.T, n int) {
 	}
 	var badEvents int
 	require.NoError(t, conn.QueryRow(ctx, `
-SELECT count(*) FROM outbox_events e JOIN orders o ON o.id::text = e.aggregate_id
+SELECT count(*) FROM outbox_event_members e JOIN orders o ON o.id::text = e.aggregate_id
 WHERE e.topic <> 'outboxrelay.orders' OR e.aggregate_type <> 'orders' OR e.aggregate_version <> o.revision
    OR e.event_type <> 'upsert' OR e.payload->>'status' <> 'cancelled' OR (e.payload->>'revision')::bigint <> o.revision`).Scan(&badEvents))
 	require.Zero(t, badEvents, "events carry the new row and revision")

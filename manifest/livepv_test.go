@@ -32,7 +32,7 @@ func TestManifestEventsCarryTheLiveProcessorVersion(t *testing.T) {
 	require.NoError(t, err)
 	headers := func() []string {
 		t.Helper()
-		rows, err := f.pool.Query(ctx, `SELECT coalesce(headers->>'ce_processorversion', '-') FROM outbox_events ORDER BY aggregate_id::bigint`)
+		rows, err := f.pool.Query(ctx, `SELECT coalesce(headers->>'ce_processorversion', '-') FROM outbox_event_members ORDER BY aggregate_id::bigint`)
 		require.NoError(t, err)
 		pvs, err := pgx.CollectRows(rows, pgx.RowTo[string])
 		require.NoError(t, err)

@@ -117,7 +117,7 @@ FROM generate_series(1, $1) g`, n)
 		Type    string
 		Topic   string
 	}
-	rows, err := pool.Query(ctx, `SELECT aggregate_id, aggregate_version, event_type, topic FROM outbox_events ORDER BY aggregate_id`)
+	rows, err := pool.Query(ctx, `SELECT aggregate_id, aggregate_version, event_type, topic FROM outbox_event_members ORDER BY aggregate_id`)
 	require.NoError(t, err)
 	var got []event
 	for rows.Next() {
@@ -215,7 +215,7 @@ SELECT 'src', g::text, jsonb_build_object('title', 'DOC ' || g), 1 + g % 3, 'v2'
 	require.NoError(t, err)
 	require.EqualValues(t, 3, fixed.Enqueued)
 	require.Equal(t, 3, fixed.Removed, "a document at the source version is removed so the repair event can land")
-	rows, err := pool.Query(ctx, `SELECT aggregate_id, aggregate_version, headers->>'ce_processorversion' FROM outbox_events ORDER BY aggregate_id`)
+	rows, err := pool.Query(ctx, `SELECT aggregate_id, aggregate_version, headers->>'ce_processorversion' FROM outbox_event_members ORDER BY aggregate_id`)
 	require.NoError(t, err)
 	bulk = client.Bulk().Index(index)
 	var enqueued []string

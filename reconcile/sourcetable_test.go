@@ -101,7 +101,7 @@ func TestSourceTableFindsGoneRowsAndRepairsThemThroughTheOutbox(t *testing.T) {
 
 	// A deleted row comes back before the repair: left alone.
 	f.exec(t, `INSERT INTO source_records (id, tenant_id, payload) VALUES (`+deleted[1]+`, 'tenant-0', '{"title": "back"}')`)
-	outboxBefore := f.exec(t, `SELECT FROM outbox_events`)
+	outboxBefore := f.exec(t, `SELECT FROM outbox_event_members`)
 	fixed, err := reconcile.RepairGone(ctx, cfg, spec, rep)
 	require.NoError(t, err)
 	require.EqualValues(t, len(want), fixed.Enqueued)
@@ -117,7 +117,7 @@ func TestSourceTableFindsGoneRowsAndRepairsThemThroughTheOutbox(t *testing.T) {
 		Agg     string
 		PV      string
 	}
-	rows, err := f.pool.Query(ctx, `SELECT aggregate_id, aggregate_version, event_type, topic, aggregate_type, headers->>$1 FROM outbox_events
+	rows, err := f.pool.Query(ctx, `SELECT aggregate_id, aggregate_version, event_type, topic, aggregate_type, headers->>$1 FROM outbox_event_members
 WHERE aggregate_id = ANY($2) AND event_type = 'delete' ORDER BY aggregate_id`, outbox.HeaderProcessorVersion, slices.Collect(maps.Keys(want)))
 	require.NoError(t, err)
 	events, err := pgx.CollectRows(rows, pgx.RowToStructByPos[event])
@@ -130,12 +130,12 @@ WHERE aggregate_id = ANY($2) AND event_type = 'delete' ORDER BY aggregate_id`, o
 		require.True(t, tombstone, "id %s: a vanished tombstone without a document", e.ID)
 		require.Equal(t, want[e.ID], normVersion(e.ID))
 	}
-	require.Equal(t, outboxBefore+int64(len(want)), f.exec(t, `SELECT FROM outbox_events`))
+	require.Equal(t, outboxBefore+int64(len(want)), f.exec(t, `SELECT FROM outbox_event_members`))
 
 	// The same report again: the tombstones are on their way; nothing new.
 	again, err := reconcile.RepairGone(ctx, cfg, spec, rep)
 	require.NoError(t, err)
 	require.Zero(t, again.Enqueued)
 	require.Equal(t, len(want), again.Pending)
-	require.Equal(t, outboxBefore+int64(len(want)), f.exec(t, `SELECT FROM outbox_events`))
+	require.Equal(t, outboxBefore+int64(len(want)), f.exec(t, `SELECT FROM outbox_event_members`))
 }

@@ -125,7 +125,7 @@ FROM generate_series(1, $1::int) g`, n, body))
 			must(b, exec(ctx, pool, `ALTER TABLE normalized_records SET (autovacuum_enabled = off);
 DO $$ BEGIN
     FOR s IN 0..63 LOOP
-        EXECUTE format('ALTER TABLE %I SET (autovacuum_enabled = off)', 'outbox_events_s' || lpad(s::text, 2, '0'));
+        EXECUTE format('ALTER TABLE %I SET (autovacuum_enabled = off)', 'outbox_events_shard_' || lpad(s::text, 2, '0'));
     END LOOP;
 END $$`))
 			var avg float64
@@ -218,7 +218,7 @@ func sameWork(b *testing.B, pool *pgxpool.Pool, n int, who string, want *written
 	b.Helper()
 	var w written
 	must(b, pool.QueryRow(context.Background(), `SELECT
-  (SELECT count(*) FROM normalized_records), (SELECT count(*) FROM outbox_events),
+  (SELECT count(*) FROM normalized_records), (SELECT count(*) FROM outbox_event_members),
   (SELECT COALESCE(sum(pg_column_size(document)), 0) FROM normalized_records),
   (SELECT COALESCE(sum(pg_column_size(payload)), 0) FROM outbox_events)`).Scan(&w.rows, &w.events, &w.docBytes, &w.eventBytes))
 	if w.rows != n || w.events != n {
