@@ -14,22 +14,36 @@
 -- place of the row, member by member, and deletes the row once every member
 -- is acknowledged (or dead-lettered, member by member). outbox_event_members
 -- lists what is waiting one event per row, groups expanded.
+-- Whether every id of a group is in shard s: a group's row lands in its
+-- first member's shard (the partition's CHECK (shard = N)), and the shard's
+-- publisher alone orders its keys.
+CREATE FUNCTION outboxrelay_group_in_shard(ids text[], s smallint) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
+AS $$ SELECT bool_and(outboxrelay_shard(id) = s) FROM unnest(ids) AS id $$;
+
 ALTER TABLE outbox_events
     ADD COLUMN group_ids       text[],
     ADD COLUMN group_versions  bigint[],
     ADD COLUMN group_event_ids uuid[],
     ADD COLUMN group_types     text[],
-    -- What the single-event CHECKs of 018 say, for each member (the upsert
-    -- document check stays with the writer: the batcher quarantines a row
-    -- whose document is not an object). json_array_length reads the whole
-    -- array once per group: about 0.3 µs per member.
+    -- What NOT NULL and the single-event CHECKs of 018 say, for each member
+    -- (array_position finds a NULL, which would make the ALLs NULL and so
+    -- pass), and that every member is in the row's shard. The upsert
+    -- document check stays with the writer (the batcher quarantines a row
+    -- whose document is not an object; a member whose payload is JSON null
+    -- is sent without a value, as a single event's NULL payload).
+    -- json_array_length reads the whole array once per group. All of it
+    -- costs about 0.5 µs per member.
     ADD CONSTRAINT outbox_events_group_members CHECK (group_ids IS NULL OR (
         event_type = 'group'
         AND cardinality(group_ids) > 0
         AND cardinality(group_versions) = cardinality(group_ids)
         AND cardinality(group_event_ids) = cardinality(group_ids)
         AND cardinality(group_types) = cardinality(group_ids)
+        AND array_position(group_ids, NULL) IS NULL AND array_position(group_versions, NULL) IS NULL
+        AND array_position(group_event_ids, NULL) IS NULL AND array_position(group_types, NULL) IS NULL
         AND '' <> ALL (group_ids) AND 0 <= ALL (group_versions) AND '' <> ALL (group_types)
+        AND outboxrelay_group_in_shard(group_ids, shard)
         AND json_typeof(payload) = 'array' AND json_array_length(payload) = cardinality(group_ids)
     )) NOT VALID;
 
@@ -78,3 +92,18 @@ BEGIN
     END LOOP;
 END $$;
 
+-- Who may read outbox_events may read the view.
+DO $$
+DECLARE
+    acl record;
+BEGIN
+    FOR acl IN
+        SELECT a.grantee, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = 'outbox_events'::regclass AND a.grantee <> c.relowner AND a.privilege_type = 'SELECT'
+    LOOP
+        EXECUTE format('GRANT SELECT ON outbox_event_members TO %s%s',
+            CASE WHEN acl.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(acl.grantee)) END,
+            CASE WHEN acl.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+END $$;

@@ -57,8 +57,11 @@ const GroupBytes = 256 << 10
 
 // InsertEventGroupsSQL is [InsertNewEventsSQL] writing the events as event
 // groups (migration 019): the rows of from become one outbox row per shard
-// (more for a statement of more than [GroupBytes] per shard), each holding
-// its events in the order of from. A group costs PostgreSQL one row, one
+// (more for a statement of more than [GroupBytes] per shard). from must
+// hold at most one event per aggregate: the order of a group's members is
+// the plan's, not necessarily from's (ordering them would cost a sort per
+// group), so two events of one aggregate could swap. Write those in
+// separate statements, or with [InsertEventsSQL]. A group costs PostgreSQL one row, one
 // entry in each index and one row of the NOTIFY trigger instead of one per
 // event, and the publisher reads and deletes it once; it sends the events
 // one by one, as if written one per row. Topic, AggregateType and Headers

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"encoding/json"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -48,6 +49,7 @@ func TestSplitJSONArray(t *testing.T) {
 func TestWholeGroups(t *testing.T) {
 	events := []storedEvent{{id: 1}, {id: 2, member: 1}, {id: 2, member: 2}, {id: 2, member: 3}, {id: 3}, {id: 4, member: 1}, {id: 4, member: 2}}
 	rb := newRecordBuilder("src", len(events))
+	pending := func(e *storedEvent) (pendingEvent, int) { return pendingFor(rb, e, 1000) }
 	fit := func(n int, from []storedEvent) []pendingEvent {
 		all := make([]pendingEvent, n)
 		for i := range all {
@@ -61,10 +63,17 @@ func TestWholeGroups(t *testing.T) {
 		}
 		return out
 	}
-	require.Equal(t, [][2]int64{{1, 0}}, ids(wholeGroups(fit(3, events), events, rb)), "inside group 2: back to its start")
-	require.Equal(t, [][2]int64{{1, 0}, {2, 1}, {2, 2}, {2, 3}}, ids(wholeGroups(fit(4, events), events, rb)), "at the end of group 2")
-	require.Equal(t, [][2]int64{{1, 0}, {2, 1}, {2, 2}, {2, 3}, {3, 0}}, ids(wholeGroups(fit(6, events), events, rb)))
-	require.Len(t, wholeGroups(fit(7, events), events, rb), 7, "the whole batch")
+	require.Equal(t, [][2]int64{{1, 0}}, ids(wholeGroups(fit(3, events), events, pending)), "inside group 2: back to its start")
+	require.Equal(t, [][2]int64{{1, 0}, {2, 1}, {2, 2}, {2, 3}}, ids(wholeGroups(fit(4, events), events, pending)), "at the end of group 2")
+	require.Equal(t, [][2]int64{{1, 0}, {2, 1}, {2, 2}, {2, 3}, {3, 0}}, ids(wholeGroups(fit(6, events), events, pending)))
+	require.Len(t, wholeGroups(fit(7, events), events, pending), 7, "the whole batch")
 	rest := events[1:]
-	require.Equal(t, [][2]int64{{2, 1}, {2, 2}, {2, 3}}, ids(wholeGroups(fit(1, rest), rest, rb)), "a first group that does not fit comes whole")
+	require.Equal(t, [][2]int64{{2, 1}, {2, 2}, {2, 3}}, ids(wholeGroups(fit(1, rest), rest, pending)), "a first group that does not fit comes whole")
+
+	// A member too large for any call is dead at once, also in a first
+	// group taken whole.
+	big := []storedEvent{{id: 5, member: 1, headers: []byte(`{}`)}, {id: 5, member: 2, headers: []byte(`{}`), payload: []byte(`{"pad":"` + strings.Repeat("x", 2000) + `"}`)}}
+	all := wholeGroups(fit(1, big), big, pending)
+	require.Len(t, all, 2)
+	require.ErrorIs(t, all[1].err, ErrMessageTooLarge)
 }

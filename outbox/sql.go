@@ -155,21 +155,31 @@ SELECT EXISTS (SELECT FROM lease), (SELECT count(*) FROM moved)`
 
 // deadMembersSQL parks members of event groups the broker rejected for good
 // in outbox_dead_letters, each as an event of its own (outbox_id is the
-// group's row), fenced like deletePublishedSQL. The group's row stays: it
-// is deleted with the acknowledged events, in the same round trip, after
-// this statement read it. $1 row ids, $5 error texts, $6 error codes (0 =
-// none), $7 members (1..).
+// group's row), and deletes their groups' rows, fenced like deadLetterSQL:
+// one statement, so the lease is checked once for both (a lease lost in
+// between would leave the dead letters written and the group to be sent,
+// and its dead member parked, once more). Under a retention ($8) the row
+// is also kept in outbox_published, as written: its dead members too.
+// $1 row ids, $5 error texts, $6 error codes (0 = none), $7 members (1..).
 const deadMembersSQL = leaseCTE + `,
-moved AS (
+del AS (
+    DELETE FROM ` + shardTable + ` WHERE id = ANY($1::bigint[]) AND EXISTS (SELECT FROM lease)
+    RETURNING id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at,
+              group_ids, group_versions, group_event_ids, group_types
+), moved AS (
     INSERT INTO outbox_dead_letters (outbox_id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type,
                                      payload, headers, shard, created_at, error, error_code)
     SELECT e.id, e.group_event_ids[d.member], e.topic, e.aggregate_type, e.group_ids[d.member], e.group_versions[d.member], e.group_types[d.member],
            CASE WHEN e.group_types[d.member] <> 'delete' THEN nullif((e.payload -> (d.member - 1))::text, 'null')::json END,
            e.headers, e.shard, e.created_at, d.error, nullif(d.code, 0)
-    FROM ` + shardTable + ` e
+    FROM del e
     JOIN unnest($1::bigint[], $5::text[], $6::int[], $7::int[]) AS d(id, error, code, member) ON e.id = d.id
-    WHERE EXISTS (SELECT FROM lease)
     RETURNING 1
+), kept AS (
+    INSERT INTO outbox_published (id, event_id, topic, aggregate_type, aggregate_id, aggregate_version, event_type, payload, headers, shard, created_at,
+                                  group_ids, group_versions, group_event_ids, group_types)
+    SELECT * FROM del WHERE $8::boolean
+    ON CONFLICT (id) DO NOTHING
 )
 SELECT EXISTS (SELECT FROM lease), (SELECT count(*) FROM moved)`
 
@@ -268,14 +278,16 @@ SELECT %[2]d::smallint AS shard WHERE CASE WHEN %[2]d = ANY($1::smallint[]) THEN
 // row. A count(*) would read every waiting event: a quarter of a second of
 // database time per publisher for 200,000 events, minutes for a large
 // backfill. An event group (migration 019) is one row of many events: a
-// shard's rows count as many events each as its first row holds, which is
-// close while a first load's groups are waiting (they are alike in size).
+// shard's rows count as many events each as its first 16 rows hold on
+// average: close while a first load's groups wait (they are alike in
+// size); a group ahead of many single events inflates it until the group
+// is sent, and `publisher status` counts exactly.
 var backlogSQL = `
-SELECT coalesce(sum(CASE WHEN p.first IS NULL THEN 0 ELSE greatest(s.n_live_tup, 1) * p.members END), 0)::bigint,
+SELECT coalesce(sum(CASE WHEN p.first IS NULL THEN 0 ELSE round(greatest(s.n_live_tup, 1) * p.members) END), 0)::bigint,
        coalesce(extract(epoch FROM now() - min(p.first)), 0)::float8
 FROM (VALUES ` + perShard(`
     ('%[1]s'::regclass, (SELECT created_at FROM %[1]s ORDER BY id LIMIT 1),
-     (SELECT coalesce(cardinality(group_ids), 1) FROM %[1]s ORDER BY id LIMIT 1))`, ",") + `
+     (SELECT avg(coalesce(cardinality(group_ids), 1)) FROM (SELECT group_ids FROM %[1]s ORDER BY id LIMIT 16) f))`, ",") + `
 ) AS p(rel, first, members)
 LEFT JOIN pg_stat_all_tables s ON s.relid = p.rel`
 

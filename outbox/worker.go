@@ -140,24 +140,17 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 	rb.reset(p.cfg.Source, len(events))
 	all := slices.Grow(b.all[:0], len(events))
 	bytes := 0
+	pending := func(e *storedEvent) (pendingEvent, int) { return pendingFor(rb, e, p.cfg.BatchBytes) }
 	for i := range events {
-		pe := pendingEvent{ev: &events[i]}
-		pe.msg, pe.err = rb.record(pe.ev)
-		if pe.err == nil {
-			size := messageSize(&pe.msg)
-			if size > p.cfg.BatchBytes {
-				pe.err = fmt.Errorf("%w: %d bytes, limit %d (BATCH_BYTES; broker message.max.bytes): %w", ErrMessageTooLarge, size, p.cfg.BatchBytes, kafka.MessageSizeTooLarge)
-				pe.code = int32(kafka.MessageSizeTooLarge)
-			} else if bytes+size > p.cfg.BatchBytes {
-				break
-			} else {
-				bytes += size
-			}
+		pe, size := pending(&events[i])
+		if bytes+size > p.cfg.BatchBytes {
+			break
 		}
+		bytes += size
 		all = append(all, pe)
 	}
 	w.fit(len(all), len(events), bytes)
-	all = wholeGroups(all, events, rb)
+	all = wholeGroups(all, events, pending)
 	b.all = all
 	startSendSpans(ctx, all)
 	ctx, span := startPublishSpan(ctx, all)
@@ -179,9 +172,7 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 			dead.add(pe)
 			w.log.Error("event rejected permanently; moved to outbox_dead_letters",
 				slog.String("event_id", string(pe.ev.eventID)), slog.String("aggregate_id", string(pe.ev.aggregateID)), slog.String("error", pe.err.Error()))
-			if pe.ev.member == 0 {
-				continue // moved with its row
-			}
+			continue // its row goes with it: moved, or a group's deleted (deadMembersSQL)
 		}
 		// A group's row goes once all its members are acknowledged or
 		// parked (they all are: a batch holds whole groups).
@@ -448,8 +439,8 @@ func (w *shardWorker) record(ctx context.Context, ids []int64, dead *deadEvents)
 			fenced++
 		}
 		if len(dead.memberIDs) > 0 {
-			// Before the delete below, which removes their groups' rows.
-			batch.Queue(sql.deadMembers, dead.memberIDs, w.shard, p.cfg.ID, w.epoch, dead.memberErrs, dead.memberCodes, dead.members)
+			// It deletes their groups' rows: the delete below finds them gone.
+			batch.Queue(sql.deadMembers, dead.memberIDs, w.shard, p.cfg.ID, w.epoch, dead.memberErrs, dead.memberCodes, dead.members, retain)
 			fenced++
 		}
 		plain := len(ids) > 0 && !retain
@@ -582,10 +573,11 @@ func (d *deadEvents) add(pe *pendingEvent) {
 // back to the end of the last whole event group: a group's row is deleted
 // once for all its members, so a batch never ends inside one. The rest of
 // the group comes with the next read. When the first group alone does not
-// fit, it is taken whole (its records made with rb): one call larger than
-// BatchBytes, whose partitions' requests the broker may refuse as too large,
-// which sends them one record at a time (produce's suspects), in order.
-func wholeGroups(all []pendingEvent, events []storedEvent, rb *recordBuilder) []pendingEvent {
+// fit, it is taken whole (pending makes the records, a member too large for
+// any call dead at once): one call larger than BatchBytes, whose
+// partitions' requests the broker may refuse as too large, which sends
+// them one record at a time (produce's suspects), in order.
+func wholeGroups(all []pendingEvent, events []storedEvent, pending func(*storedEvent) (pendingEvent, int)) []pendingEvent {
 	n := len(all)
 	if n == 0 || n == len(events) || events[n].member <= 1 {
 		return all
@@ -598,9 +590,23 @@ func wholeGroups(all []pendingEvent, events []storedEvent, rb *recordBuilder) []
 		return all[:start]
 	}
 	for ; n < len(events) && events[n].member > 1; n++ {
-		pe := pendingEvent{ev: &events[n]}
-		pe.msg, pe.err = rb.record(pe.ev)
+		pe, _ := pending(&events[n])
 		all = append(all, pe)
 	}
 	return all
+}
+
+// pendingFor makes e's record. An event whose record alone is larger than
+// a call may carry (batchBytes) is dead at once; size is 0 for a dead one.
+func pendingFor(rb *recordBuilder, e *storedEvent, batchBytes int) (pe pendingEvent, size int) {
+	pe = pendingEvent{ev: e}
+	if pe.msg, pe.err = rb.record(e); pe.err != nil {
+		return pe, 0
+	}
+	if size = messageSize(&pe.msg); size > batchBytes {
+		pe.err = fmt.Errorf("%w: %d bytes, limit %d (BATCH_BYTES; broker message.max.bytes): %w", ErrMessageTooLarge, size, batchBytes, kafka.MessageSizeTooLarge)
+		pe.code = int32(kafka.MessageSizeTooLarge)
+		return pe, 0
+	}
+	return pe, size
 }
