@@ -92,6 +92,11 @@ BEGIN
     END LOOP;
 END $$;
 
+-- The publisher's read probes it for a waiting group: without one, a
+-- shard is read without counting group members (outbox/sql.go, readSQL).
+-- Single events are not in it.
+CREATE INDEX outbox_events_groups ON outbox_events (id) WHERE group_ids IS NOT NULL;
+
 -- Who may read outbox_events may read the view.
 DO $$
 DECLARE

@@ -246,7 +246,7 @@ const readTimeout = 30 * time.Second
 func (w *shardWorker) read(ctx context.Context) (*batch, error) {
 	ctx, cancel := context.WithTimeout(ctx, readTimeout)
 	defer cancel()
-	rows, err := w.conn().Query(ctx, shardSQL[w.shard].read, w.readLimit)
+	rows, err := w.conn().Query(ctx, shardSQL[w.shard].read, w.readLimit, w.p.groupsAfterFirst())
 	if err != nil {
 		return nil, err
 	}
@@ -454,7 +454,7 @@ func (w *shardWorker) record(ctx context.Context, ids []int64, dead *deadEvents)
 			}
 		}
 		if readNext {
-			batch.Queue(sql.read, w.readLimit)
+			batch.Queue(sql.read, w.readLimit, p.groupsAfterFirst())
 		}
 		err := func() error {
 			br := w.conn().SendBatch(actx, batch)
@@ -609,4 +609,13 @@ func pendingFor(rb *recordBuilder, e *storedEvent, batchBytes int) (pe pendingEv
 		return pe, 0
 	}
 	return pe, size
+}
+
+// groupsAfterFirst is readSQL's $2: how many event groups a read takes
+// after its first one. A call carries BatchBytes, a group about GroupBytes
+// at most and usually half as much (a chunk's events for one shard), so
+// the groups of one read fill about one call; the rest of a read that does
+// not fit is read again with the next batch.
+func (p *Publisher) groupsAfterFirst() int {
+	return max(1, p.cfg.BatchBytes/(GroupBytes/2)) - 1
 }
