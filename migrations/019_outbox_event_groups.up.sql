@@ -17,8 +17,12 @@
 -- Whether every id of a group is in shard s: a group's row lands in its
 -- first member's shard (the partition's CHECK (shard = N)), and the shard's
 -- publisher alone orders its keys.
+-- Its search_path is the migration's: a SQL function's body is parsed at
+-- each call, and a writer whose search_path lacks this schema (a logical
+-- replication worker's is empty) would not find outboxrelay_shard.
 CREATE FUNCTION outboxrelay_group_in_shard(ids text[], s smallint) RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
+SET search_path FROM CURRENT
 AS $$ SELECT bool_and(outboxrelay_shard(id) = s) FROM unnest(ids) AS id $$;
 
 ALTER TABLE outbox_events

@@ -165,20 +165,23 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 
 	var ids []int64 // the rows to delete, ascending
 	var dead deadEvents
-	ids = make([]int64, 0, len(all))
 	for i := range all {
-		pe := &all[i]
-		if pe.err != nil {
+		if pe := &all[i]; pe.err != nil {
 			dead.add(pe)
 			w.log.Error("event rejected permanently; moved to outbox_dead_letters",
 				slog.String("event_id", string(pe.ev.eventID)), slog.String("aggregate_id", string(pe.ev.aggregateID)), slog.String("error", pe.err.Error()))
-			continue // its row goes with it: moved, or a group's deleted (deadMembersSQL)
 		}
-		// A group's row goes once all its members are acknowledged or
-		// parked (they all are: a batch holds whole groups).
-		if len(ids) == 0 || ids[len(ids)-1] != pe.ev.id {
-			ids = append(ids, pe.ev.id)
+	}
+	// A dead event's row goes with it: moved, or, a group's, deleted by
+	// deadMembersSQL. A group's row goes once all its members are
+	// acknowledged or parked (they all are: a batch holds whole groups).
+	ids = make([]int64, 0, len(all))
+	for i := range all {
+		pe := &all[i]
+		if pe.err != nil || (len(ids) > 0 && ids[len(ids)-1] == pe.ev.id) || dead.hasGroup(pe.ev.id) {
+			continue
 		}
+		ids = append(ids, pe.ev.id)
 	}
 	next, err := w.record(ctx, ids, &dead)
 	if err != nil {
@@ -559,6 +562,9 @@ type deadEvents struct {
 	codes, memberCodes []int32
 	members            []int32
 }
+
+// hasGroup says whether a member of the group in row id is dead.
+func (d *deadEvents) hasGroup(id int64) bool { return slices.Contains(d.memberIDs, id) }
 
 func (d *deadEvents) add(pe *pendingEvent) {
 	if pe.ev.member == 0 {
