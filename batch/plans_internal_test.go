@@ -5,7 +5,6 @@ package batch
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strings"
 	"sync/atomic"
@@ -47,7 +46,7 @@ SELECT 'source_records', g::text, '{}', 1, 'v1', false FROM generate_series(1, $
 func rowsRead(t *testing.T, plan, table string) float64 {
 	t.Helper()
 	var read float64
-	walkPlan(t, plan, func(node map[string]any) {
+	planNodes(t, plan, func(node map[string]any) {
 		if node["Relation Name"] == table {
 			read += node["Actual Rows"].(float64) * node["Actual Loops"].(float64)
 			if f, ok := node["Rows Removed by Filter"].(float64); ok {
@@ -115,21 +114,3 @@ func sqlLiteralOf(v any) (string, error) {
 }
 
 func ptr[T any](v T) *T { return &v }
-
-// walkPlan calls fn on every node of an EXPLAIN (FORMAT JSON) plan.
-func walkPlan(t *testing.T, plan string, fn func(map[string]any)) {
-	t.Helper()
-	var top []map[string]any
-	require.NoError(t, json.NewDecoder(strings.NewReader(plan)).Decode(&top))
-	var walk func(map[string]any)
-	walk = func(n map[string]any) {
-		fn(n)
-		kids, _ := n["Plans"].([]any)
-		for _, k := range kids {
-			walk(k.(map[string]any))
-		}
-	}
-	for _, p := range top {
-		walk(p["Plan"].(map[string]any))
-	}
-}

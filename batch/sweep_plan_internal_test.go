@@ -37,7 +37,7 @@ func TestSweepChunkPlanReadsOnlyItsChunk(t *testing.T) {
 			plan, err := explainPrepared(ctx, conn, st, a, false)
 			require.NoError(t, err)
 			var nodes []string
-			walkPlan(t, plan, func(node map[string]any) {
+			planNodes(t, plan, func(node map[string]any) {
 				if node["Node Type"] == "Seq Scan" {
 					nodes = append(nodes, node["Relation Name"].(string))
 				}
