@@ -662,7 +662,8 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 		return res, err
 	}
 	bo := ix.newBackOff(ctx)
-	var buf bytes.Buffer
+	buf := bulkBuffers.Get().(*bytes.Buffer)
+	defer putBulkBuffer(buf)
 	for len(pending) > 0 {
 		res.Attempts++
 		var retry []*doc
@@ -670,7 +671,7 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 		saw429 := false
 		started := time.Now()
 		sent := 0
-		for _, part := range ix.bulkBisect(ctx, pending, &buf) {
+		for _, part := range ix.bulkBisect(ctx, pending, buf) {
 			chunk, results, err := part.docs, part.results, part.err
 			if err != nil {
 				if ctx.Err() != nil {
