@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
-	"sync"
 	"time"
 	"unsafe"
 
@@ -136,28 +135,16 @@ func appendJSONString(buf *bytes.Buffer, s string) {
 	buf.Write(b)
 }
 
-// bulkBuffers hold the bodies of bulk requests between batches, so a lane
-// does not grow a new one from nothing for every batch (a profile of a
-// first load showed the growing, clearing and copying at a sixth of the
-// indexer's CPU).
-var bulkBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
-
-// maxPooledBulkBuffer keeps a buffer that one huge batch grew out of the
-// pool.
-const maxPooledBulkBuffer = 16 << 20
-
-func putBulkBuffer(buf *bytes.Buffer) {
-	if buf.Cap() > maxPooledBulkBuffer {
-		return
-	}
-	buf.Reset()
-	bulkBuffers.Put(buf)
-}
-
 // sendBulk sends docs in one bulk request and returns one result per doc,
 // in order. An error means no item result is known.
 func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
-	buf.Reset()
+	// A new body every request, allocated at about its final size: growing
+	// one from nothing by doubling was a sixth of the indexer's CPU in a
+	// first load's profile, with the copy into a string below. It is never
+	// written again once sent, so handing it over without that copy is safe
+	// even when the transport still writes it to a connection it is
+	// closing after an early answer (net/http may, after RoundTrip returned).
+	*buf = *bytes.NewBuffer(make([]byte, 0, bulkBodySize(docs)))
 	for _, d := range docs {
 		appendBulk(buf, d)
 	}
@@ -186,10 +173,21 @@ func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc, buf *byt
 	return out, nil
 }
 
+// bulkBodySize is at least what appendBulk writes for docs, unless an id or
+// an aggregate type needs escaping: the action line (its fixed part at most
+// 95 bytes) and the document with the fields added to it (at most 140
+// bytes beside the processor version and the aggregate type).
+func bulkBodySize(docs []*doc) int {
+	n := 0
+	for _, d := range docs {
+		n += len(d.target) + len(d.id) + len(d.body) + len(d.pv) + len(d.aggType) + 240
+	}
+	return n
+}
+
 // bodyString returns b as a string without copying it: the client takes a
-// request body as a string only, and a bulk body is megabytes. The string
-// is read only inside PerformRequest (retries included, each from a new
-// reader), while buf is not written, and nothing keeps it after.
+// request body as a string only, and a bulk body is megabytes. The caller
+// never writes b again.
 func bodyString(b []byte) string {
 	if len(b) == 0 {
 		return ""

@@ -662,8 +662,7 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 		return res, err
 	}
 	bo := ix.newBackOff(ctx)
-	buf := bulkBuffers.Get().(*bytes.Buffer)
-	defer putBulkBuffer(buf)
+	var buf bytes.Buffer
 	for len(pending) > 0 {
 		res.Attempts++
 		var retry []*doc
@@ -671,7 +670,7 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 		saw429 := false
 		started := time.Now()
 		sent := 0
-		for _, part := range ix.bulkBisect(ctx, pending, buf) {
+		for _, part := range ix.bulkBisect(ctx, pending, &buf) {
 			chunk, results, err := part.docs, part.results, part.err
 			if err != nil {
 				if ctx.Err() != nil {

@@ -1,6 +1,7 @@
 package sink
 
 import (
+	"bytes"
 	"cmp"
 	"encoding/json"
 	"fmt"
@@ -236,6 +237,36 @@ func TestParseRules(t *testing.T) {
 			require.Equal(t, tt.wantOp, d.op)
 			require.Equal(t, tt.wantVer, d.version)
 			require.Equal(t, tt.fromIndex, d.versionFromIndex)
+		})
+	}
+}
+
+// TestBulkBodySizeCoversTheBody: sendBulk allocates each body once, at
+// bulkBodySize; a body that outgrew it would be copied while it is built.
+func TestBulkBodySizeCoversTheBody(t *testing.T) {
+	t.Parallel()
+	withHeaders := func(r rec) rec {
+		r.headers = map[string]string{outbox.HeaderProcessorVersion: "v2026-12-normalizer", outbox.HeaderAggregateType: "source_records"}
+		return r
+	}
+	cases := map[string]kafka.Message{
+		"upsert":                              upsert("7266", 3, `{"id":7266,"title":"Record 2422 about search","tags":["t2","t0"]}`).message(),
+		"empty document":                      upsert("a", 1, `{}`).message(),
+		"upsert with processor version, type": withHeaders(upsert("12345678", 1<<40, `{"x":1}`)).message(),
+		"delete":                              withHeaders(del(strings.Repeat("k", 100), 1<<62)).message(),
+	}
+	for name, m := range cases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			d := parse(m, 1<<20)
+			require.Nil(t, d.poison)
+			d.target = "records-catalogue_v2026-12-normalizer-write"
+			d.withPosition = true
+			m.Partition, m.Offset = 1<<30, 1<<60
+			d.msg = m
+			var buf bytes.Buffer
+			appendBulk(&buf, d)
+			require.GreaterOrEqual(t, bulkBodySize([]*doc{d}), buf.Len(), "%s", buf.String())
 		})
 	}
 }
