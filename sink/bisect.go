@@ -1,7 +1,6 @@
 package sink
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"net/http"
@@ -36,8 +35,8 @@ type bulkPart struct {
 // document's fault only when the engine itself gave it (an engine error
 // body, not a proxy's page). (A 413 for each document alone is each
 // document's own size: those are dead-lettered.)
-func (ix *Indexer) bulkBisect(ctx context.Context, docs []*doc, buf *bytes.Buffer) []bulkPart {
-	parts := ix.bisect(ctx, docs, buf, nil)
+func (ix *Indexer) bulkBisect(ctx context.Context, docs []*doc) []bulkPart {
+	parts := ix.bisect(ctx, docs, nil)
 	if len(parts) == len(docs) {
 		all := true
 		for _, p := range parts {
@@ -57,8 +56,8 @@ func fromEngine(err error) bool {
 	return errors.As(err, &ee) && ee.Details != nil && ee.Details.Type != ""
 }
 
-func (ix *Indexer) bisect(ctx context.Context, docs []*doc, buf *bytes.Buffer, parts []bulkPart) []bulkPart {
-	results, err := ix.bulk(ctx, docs, buf)
+func (ix *Indexer) bisect(ctx context.Context, docs []*doc, parts []bulkPart) []bulkPart {
+	results, err := ix.bulk(ctx, docs)
 	if err == nil || !oneItemCanCause(err) {
 		return append(parts, bulkPart{docs: docs, results: results, err: err})
 	}
@@ -67,8 +66,8 @@ func (ix *Indexer) bisect(ctx context.Context, docs []*doc, buf *bytes.Buffer, p
 	}
 	ix.m.retries.WithLabelValues(retryBisect).Add(float64(len(docs)))
 	half := len(docs) / 2
-	parts = ix.bisect(ctx, docs[:half], buf, parts)
-	return ix.bisect(ctx, docs[half:], buf, parts)
+	parts = ix.bisect(ctx, docs[:half], parts)
+	return ix.bisect(ctx, docs[half:], parts)
 }
 
 // oneItemCanCause reports whether a request-level refusal may be one

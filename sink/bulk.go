@@ -136,18 +136,21 @@ func appendJSONString(buf *bytes.Buffer, s string) {
 }
 
 // sendBulk sends docs in one bulk request and returns one result per doc,
-// in order. An error means no item result is known.
-func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
-	// A new body every request, allocated at about its final size: growing
-	// one from nothing by doubling was a sixth of the indexer's CPU in a
-	// first load's profile, with the copy into a string below. It is never
-	// written again once sent, so handing it over without that copy is safe
-	// even when the transport still writes it to a connection it is
-	// closing after an early answer (net/http may, after RoundTrip returned).
-	*buf = *bytes.NewBuffer(make([]byte, 0, bulkBodySize(docs)))
+// in order, and the size of the request body. An error means no item
+// result is known.
+func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc) ([]bulkItemResult, int, error) {
+	// A body of its own for every request, allocated at about its final
+	// size: growing one from nothing by doubling was a sixth of the
+	// indexer's CPU in a first load's profile, with the copy into a string
+	// below. Nothing writes it once it is sent, so handing it over without
+	// that copy is safe even when the transport still writes it to a
+	// connection it is closing after an early answer (net/http may, after
+	// RoundTrip returned).
+	buf := bytes.NewBuffer(make([]byte, 0, bulkBodySize(docs)))
 	for _, d := range docs {
 		appendBulk(buf, d)
 	}
+	size := buf.Len()
 	res, err := client.PerformRequest(ctx, elastic.PerformRequestOptions{
 		Method:      http.MethodPost,
 		Path:        "/_bulk",
@@ -157,24 +160,24 @@ func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc, buf *byt
 		ContentType: "application/x-ndjson",
 	})
 	if err != nil {
-		return nil, err
+		return nil, size, err
 	}
 	var br bulkResponse
 	if err := json.Unmarshal(res.Body, &br); err != nil {
-		return nil, fmt.Errorf("decode bulk response: %w", err)
+		return nil, size, fmt.Errorf("decode bulk response: %w", err)
 	}
 	out := make([]bulkItemResult, len(docs))
 	if len(br.Items) != len(docs) {
-		return nil, fmt.Errorf("bulk response has %d items for %d actions", len(br.Items), len(docs))
+		return nil, size, fmt.Errorf("bulk response has %d items for %d actions", len(br.Items), len(docs))
 	}
 	for i, it := range br.Items {
 		out[i] = it.Index
 	}
-	return out, nil
+	return out, size, nil
 }
 
-// bulkBodySize is at least what appendBulk writes for docs, unless an id or
-// an aggregate type needs escaping: the action line (its fixed part at most
+// bulkBodySize is at least what appendBulk writes for docs, unless a
+// string in it needs escaping (more only costs the buffer a copy): the action line (its fixed part at most
 // 95 bytes) and the document with the fields added to it (at most 140
 // bytes beside the processor version and the aggregate type).
 func bulkBodySize(docs []*doc) int {

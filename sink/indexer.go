@@ -1,7 +1,6 @@
 package sink
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -662,7 +661,6 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 		return res, err
 	}
 	bo := ix.newBackOff(ctx)
-	var buf bytes.Buffer
 	for len(pending) > 0 {
 		res.Attempts++
 		var retry []*doc
@@ -670,7 +668,7 @@ func (ix *Indexer) resolve(ctx context.Context, batch []*doc) (Batch, error) {
 		saw429 := false
 		started := time.Now()
 		sent := 0
-		for _, part := range ix.bulkBisect(ctx, pending, &buf) {
+		for _, part := range ix.bulkBisect(ctx, pending) {
 			chunk, results, err := part.docs, part.results, part.err
 			if err != nil {
 				if ctx.Err() != nil {
@@ -765,7 +763,7 @@ func (e *itemError) Error() string {
 
 // bulk writes docs, each through the alias of its target: its processor
 // version's index generation (created on first sight), or the write alias.
-func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]bulkItemResult, error) {
+func (ix *Indexer) bulk(ctx context.Context, docs []*doc) ([]bulkItemResult, error) {
 	ctx, span := startBulkSpan(ctx, docs)
 	defer span.End()
 	ctx, cancel := context.WithTimeout(ctx, ix.cfg.RequestTimeout)
@@ -774,14 +772,14 @@ func (ix *Indexer) bulk(ctx context.Context, docs []*doc, buf *bytes.Buffer) ([]
 		return nil, err
 	}
 	start := time.Now()
-	res, err := sendBulk(ctx, ix.client, docs, buf)
+	res, size, err := sendBulk(ctx, ix.client, docs)
 	took := time.Since(start)
 	ix.m.bulkSeconds.Observe(took.Seconds())
 	if ix.cfg.BulkObserver != nil {
-		ix.cfg.BulkObserver(len(docs), buf.Len(), took)
+		ix.cfg.BulkObserver(len(docs), size, took)
 	}
 	ix.m.bulkDocs.Observe(float64(len(docs)))
-	ix.m.bulkBytes.Observe(float64(buf.Len()))
+	ix.m.bulkBytes.Observe(float64(size))
 	return res, err
 }
 
