@@ -510,7 +510,9 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM 
 		// its last fetch; reconcile has the last word). A lag that stops
 		// moving (the gauge is set after each commit, and a failed commit
 		// leaves it) does not hold reconcile back for more than lagStuck.
-		if lag, ok := d.metricSum(ctx, "indexer_consumer_lag", ""); ok && lag > 0 {
+		if lag, ok := d.metricSum(ctx, "indexer_consumer_lag", ""); !ok || lag == 0 {
+			lastLag = 0
+		} else {
 			if lag != lastLag {
 				lastLag, lagSince = lag, time.Now()
 			}

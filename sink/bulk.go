@@ -176,10 +176,11 @@ func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc) ([]bulkI
 	return out, size, nil
 }
 
-// bulkBodySize is at least what appendBulk writes for docs, unless a
-// string in it needs escaping (more only costs the buffer a copy): the action line (its fixed part at most
-// 95 bytes) and the document with the fields added to it (at most 140
-// bytes beside the processor version and the aggregate type).
+// bulkBodySize is at least what appendBulk writes for docs, unless a string
+// in it needs escaping (more only costs the buffer a copy): the action line
+// (its fixed part at most 95 bytes) and the document with the fields added
+// to it (at most 140 bytes beside the processor version and the aggregate
+// type).
 func bulkBodySize(docs []*doc) int {
 	n := 0
 	for _, d := range docs {
