@@ -470,9 +470,9 @@ func (d *run) pipelineRun(ctx context.Context, n int, specFile, index, pv string
 	batchDone := make(chan error, 1)
 	go func() { batchDone <- b.Wait() }()
 
-	var batchEnd, drainedAt, lagSince time.Time
+	var batchEnd, drainedAt time.Time
 	var processed, changed, total int64
-	var lastLag float64
+	var gate lagGate
 	tick := time.NewTicker(500 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -504,21 +504,8 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM 
 		if drainedAt.IsZero() {
 			drainedAt = time.Now()
 		}
-		// Reconciling while the indexer is behind would scroll every bucket
-		// that still differs, taking the engine's CPU from the indexing it
-		// waits for: first the indexer reaches the end of the topic (as of
-		// its last fetch; reconcile has the last word). A lag that stops
-		// moving (the gauge is set after each commit, and a failed commit
-		// leaves it) does not hold reconcile back for more than lagStuck.
-		if lag, ok := d.metricSum(ctx, "indexer_consumer_lag", ""); !ok || lag == 0 {
-			lastLag = 0
-		} else {
-			if lag != lastLag {
-				lastLag, lagSince = lag, time.Now()
-			}
-			if time.Since(lagSince) < lagStuck {
-				continue
-			}
+		if lag, ok := d.metricSum(ctx, "indexer_consumer_lag", ""); gate.hold(lag, ok, time.Now()) {
+			continue
 		}
 		rep, err := reconcile.Run(ctx, reconcile.Config{DB: d.pool, Search: d.es, Index: index, Source: "source_records", ProcessorVersion: pv})
 		if err == nil && rep.Clean() {
@@ -535,6 +522,30 @@ FROM batch_runs WHERE job = $1 AND logical_run_id = (SELECT logical_run_id FROM 
 // lagStuck is how long the indexer's lag may stay the same above 0 before
 // the demo reconciles all the same.
 const lagStuck = 5 * time.Second
+
+// lagGate holds reconcile back while the indexer is behind: reconciling
+// then would scroll every bucket that still differs, taking the engine's
+// CPU from the indexing it waits for. The lag is the indexer's own (as of
+// its last fetch; reconcile has the last word), and one that stops moving
+// (the gauge is set after each commit, and a failed commit leaves it) holds
+// reconcile back for lagStuck at most.
+type lagGate struct {
+	last  float64
+	since time.Time
+}
+
+// hold reports whether to wait, given the lag read at now (ok: the indexer
+// exported it).
+func (g *lagGate) hold(lag float64, ok bool, now time.Time) bool {
+	if !ok || lag == 0 {
+		g.last = 0
+		return false
+	}
+	if lag != g.last {
+		g.last, g.since = lag, now
+	}
+	return now.Sub(g.since) < lagStuck
+}
 
 // indexed returns what the engine wrote into index (index operations,
 // searchable or not: while a new generation is bulk-loaded its refresh is

@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -44,4 +45,21 @@ func TestNextStepsNameExistingPages(t *testing.T) {
 		_, err := os.Stat(filepath.Join("..", p))
 		require.NoError(t, err, "the demo points at %s", p)
 	}
+}
+
+// Reconcile waits while the indexer's lag moves, goes ahead once it is 0
+// or unexported, and once it has stayed the same for lagStuck (a failed
+// commit leaves the gauge where it was); a lag back at 0 starts the clock
+// again.
+func TestLagGate(t *testing.T) {
+	t.Parallel()
+	var g lagGate
+	t0 := time.Unix(1000, 0)
+	require.True(t, g.hold(500, true, t0), "behind")
+	require.True(t, g.hold(200, true, t0.Add(4*time.Second)), "still moving")
+	require.True(t, g.hold(200, true, t0.Add(8*time.Second)), "the same for 4 s")
+	require.False(t, g.hold(200, true, t0.Add(9*time.Second)), "the same for 5 s: stuck")
+	require.False(t, g.hold(0, true, t0.Add(10*time.Second)), "caught up")
+	require.True(t, g.hold(200, true, t0.Add(20*time.Second)), "behind again: a new clock")
+	require.False(t, g.hold(0, false, t0.Add(21*time.Second)), "no metric: no gate")
 }
