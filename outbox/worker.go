@@ -163,7 +163,6 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 	}
 	acked := time.Now()
 
-	var ids []int64 // the rows to delete, ascending
 	var dead deadEvents
 	for i := range all {
 		if pe := &all[i]; pe.err != nil {
@@ -175,7 +174,7 @@ func (w *shardWorker) publishBatch(ctx context.Context, b *batch) (*batch, error
 	// A dead event's row goes with it: moved, or, a group's, deleted by
 	// deadMembersSQL. A group's row goes once all its members are
 	// acknowledged or parked (they all are: a batch holds whole groups).
-	ids = make([]int64, 0, len(all))
+	ids := make([]int64, 0, len(all)) // the rows to delete, ascending
 	for i := range all {
 		pe := &all[i]
 		if pe.err != nil || (len(ids) > 0 && ids[len(ids)-1] == pe.ev.id) || dead.hasGroup(pe.ev.id) {
