@@ -13,3 +13,10 @@ func WithAfterMove(o CutoverOptions, f func() error) CutoverOptions {
 	o.afterMove = f
 	return o
 }
+
+// WithAfterSummaries returns cfg with a function that runs between the
+// bucket summaries and the id-by-id read of the buckets that differed.
+func WithAfterSummaries(cfg Config, f func()) Config {
+	cfg.afterSummaries = f
+	return cfg
+}

@@ -116,6 +116,8 @@ type Config struct {
 	// is refused with [ErrRepairTooLarge]: it usually means the wrong
 	// source or index, not drift.
 	Force bool
+
+	afterSummaries func() // tests: runs between the summaries and the drill-down
 }
 
 // Limits of a repair without Config.Force: it may always remove up to
@@ -190,7 +192,11 @@ type Report struct {
 	// have been derived).
 	Source        string `json:"source"`
 	AggregateType string `json:"aggregate_type"`
-	SourceRows    int64  `json:"source_rows"`
+	// SourceRows counts the rows of normalized_records compared,
+	// tombstones included; IndexDocs the index's documents of this
+	// aggregate type or none, tombstones included. In the buckets that
+	// differed both are what the id-by-id read found, not the summaries.
+	SourceRows int64 `json:"source_rows"`
 	// SourceRowsOtherPV counts the rows of normalized_records built by
 	// another processor version than Config.ProcessorVersion: the
 	// batcher has not rebuilt them yet. 0 when none is expected.
@@ -254,7 +260,16 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 			rep.DifferingBuckets = append(rep.DifferingBuckets, b)
 		}
 	}
+	if cfg.afterSummaries != nil {
+		cfg.afterSummaries()
+	}
 	if len(rep.DifferingBuckets) > 0 {
+		// The drill-down reads these buckets again, id by id, and counts
+		// what it read: the index may have moved since the summaries.
+		for _, b := range rep.DifferingBuckets {
+			rep.SourceRows -= dbSide[b].count
+			rep.IndexDocs -= ixSide[b].count
+		}
 		if err := drillDown(ctx, cfg, own, &rep); err != nil {
 			return rep, err
 		}
@@ -373,6 +388,8 @@ WHERE source = $1 AND `+bucketSQL+` = ANY($2)`, cfg.Source, buckets)
 		return err
 	}
 	rep.DocsRead += read
+	rep.SourceRows += int64(len(src))
+	rep.IndexDocs += read
 
 	for id, s := range src {
 		i, ok := idx[id]

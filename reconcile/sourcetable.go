@@ -44,7 +44,8 @@ type SourceReport struct {
 	AggregateType string `json:"aggregate_type"`
 	// SourceRows counts the live rows in the job's scope (not soft-deleted,
 	// no open quarantine entry); IndexDocs the index's live documents of
-	// the job's aggregate type (or without one).
+	// the job's aggregate type (or without one). In the buckets that
+	// differed both are what the id-by-id read found, not the summaries.
 	SourceRows       int64 `json:"source_rows"`
 	IndexDocs        int64 `json:"index_docs"`
 	DifferingBuckets []int `json:"differing_buckets"`
@@ -135,6 +136,15 @@ GROUP BY 1`, q.args...)
 			rep.DifferingBuckets = append(rep.DifferingBuckets, b)
 		}
 	}
+	if cfg.afterSummaries != nil {
+		cfg.afterSummaries()
+	}
+	// The groups read these buckets again, id by id, and count what they
+	// read: the index may have moved since the summaries.
+	for _, b := range rep.DifferingBuckets {
+		rep.SourceRows -= dbSide[b].count
+		rep.IndexDocs -= ixSide[b].count
+	}
 	// Groups of differing buckets, each about sourceTableGroupDocs
 	// documents on its larger side.
 	var group []int
@@ -220,10 +230,16 @@ WHERE NOT r.quarantined AND `+bucketOf("r.id")+` = ANY($`+strconv.Itoa(q.next)+`
 			*list = append(*list, d)
 		}
 	}
+	for _, s := range src {
+		if !s.deleted {
+			rep.SourceRows++
+		}
+	}
 	for id, i := range idx {
 		if i.deleted {
 			continue
 		}
+		rep.IndexDocs++
 		s, ok := src[id]
 		switch {
 		case !ok:
