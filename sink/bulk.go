@@ -178,13 +178,14 @@ func sendBulk(ctx context.Context, client *elastic.Client, docs []*doc) ([]bulkI
 
 // bulkBodySize is at least what appendBulk writes for docs, unless a string
 // in it needs escaping (more only costs the buffer a copy): the action line
-// (its fixed part at most 95 bytes) and the document with the fields added
-// to it (at most 140 bytes beside the processor version and the aggregate
-// type).
+// (its fixed part at most 93 bytes, with external_gte) and the document
+// with the fields added to it (at most 166 bytes beside the processor
+// version and the aggregate type, with a tombstone's _deleted_at and a
+// three-number _pos).
 func bulkBodySize(docs []*doc) int {
 	n := 0
 	for _, d := range docs {
-		n += len(d.target) + len(d.id) + len(d.body) + len(d.pv) + len(d.aggType) + 240
+		n += len(d.target) + len(d.id) + len(d.body) + len(d.pv) + len(d.aggType) + 260
 	}
 	return n
 }

@@ -341,22 +341,26 @@ func testWholeRequestFailures(t *testing.T, f *fixture, fi *faultInjector) {
 }
 
 // An _id over the engine's limit fails a whole bulk request on the engine;
-// a document field the indexer or the engine owns would hide the document
-// (_deleted) or fail it. They are dead-lettered before the request, and
-// the rest of the batch is indexed.
+// a key that is not UTF-8 cannot be an _id (JSON would make two such keys
+// one document); a document field the indexer or the engine owns would
+// hide the document (_deleted) or fail it. They are dead-lettered before
+// the request, and the rest of the batch is indexed.
 func testInvalidIDAndReservedFields(t *testing.T, f *fixture, _ *faultInjector) {
 	long := strings.Repeat("k", MaxIDBytes+1)
 	cfg := f.cfg
 	cfg.FlushInterval, cfg.Linger = time.Second, true // one batch for all
+	// Keys that are not UTF-8 (binary UUIDs, say): the engine's _id is a
+	// string, and JSON would turn both into the same "\ufffd1".
 	f.produce(upsert("a", 1, docN(1)), upsert(long, 1, docN(2)), upsert("hidden", 1, `{"n":3,"_deleted":true}`),
-		upsert("meta", 1, `{"_id":"other","n":4}`), upsert("b", 1, docN(5)))
+		upsert("meta", 1, `{"_id":"other","n":4}`), upsert("\xff1", 2, docN(6)), upsert("\xfe1", 1, docN(7)), upsert("b", 1, docN(5)))
 	f.start(cfg)
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 	codes := map[string]string{}
-	for _, m := range f.deadLetters(3) {
+	for _, m := range f.deadLetters(5) {
 		codes[string(m.Key)] = headerMap(m)[HeaderDLQCode]
 	}
-	require.Equal(t, map[string]string{long: CodeIDTooLong, "hidden": CodeReservedField, "meta": CodeReservedField}, codes)
+	require.Equal(t, map[string]string{long: CodeIDTooLong, "hidden": CodeReservedField, "meta": CodeReservedField,
+		"\xff1": CodeInvalidKey, "\xfe1": CodeInvalidKey}, codes)
 	require.Equal(t, map[string]string{"a": "v1 " + docN(1), "b": "v1 " + docN(5)}, f.search(f.cfg.Alias))
 	require.False(t, f.get("hidden").Found)
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/md5"
 	"encoding/binary"
 	"encoding/json"
+	"hash/fnv"
 	"strconv"
 
 	"github.com/outboxrelay/outboxrelay/index"
@@ -27,10 +28,12 @@ const (
 	// it is when several producers write into one index, so reconcile
 	// compares (and repairs) only its own source's documents.
 	FieldAggregateType = index.FieldAggregateType
-	// FieldPosition holds [partition, offset] of the Kafka record a
-	// document was written from, with NullValues "delete" only: a null
-	// value without a version replayed after a later record of its key was
-	// indexed must see that it is overtaken (see versionsFromIndex).
+	// FieldPosition holds [partition, offset, topic tag] of the Kafka
+	// record a document was written from, with NullValues "delete" only: a
+	// null value without a version replayed after a later record of its key
+	// was indexed must see that it is overtaken (see versionsFromIndex).
+	// The topic tag ([topicTag]) tells positions of different topics apart;
+	// documents written before it hold [partition, offset].
 	FieldPosition = "_pos"
 	// FieldDeletedAt holds, on a tombstone, when the indexer wrote it
 	// (milliseconds since the epoch, the indexer's clock when it parsed the
@@ -94,6 +97,8 @@ func appendDocument(dst []byte, d *doc) []byte {
 	dst = strconv.AppendInt(dst, int64(d.msg.Partition), 10)
 	dst = append(dst, ',')
 	dst = strconv.AppendInt(dst, d.msg.Offset, 10)
+	dst = append(dst, ',')
+	dst = strconv.AppendInt(dst, topicTag(d.msg.Topic), 10)
 	return append(dst, "]}"...)
 }
 
@@ -127,4 +132,12 @@ func appendJSONBytes(dst, s []byte) []byte {
 	dst = append(dst, '"')
 	dst = append(dst, s...)
 	return append(dst, '"')
+}
+
+// topicTag is what FieldPosition holds of the topic: 53 bits of its FNV-1a
+// hash (a number any JSON reader keeps exact).
+func topicTag(topic string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte(topic))
+	return int64(h.Sum64() & (1<<53 - 1))
 }

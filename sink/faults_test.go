@@ -47,6 +47,10 @@ type faultInjector struct {
 	failItems map[string]*itemFault
 	// bulks records the ids of every bulk request that reached the engine.
 	bulks [][]string
+	// mgetDocErrors: the next N _mget requests are answered 200 with an
+	// error for every document (as for a shard that is not available), not
+	// forwarded; mgets counts the _mget requests.
+	mgetDocErrors, mgets int
 }
 
 func newFaultInjector(t testing.TB, target string) *faultInjector {
@@ -58,6 +62,9 @@ func newFaultInjector(t testing.TB, target string) *faultInjector {
 	fi.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodPost && r.URL.Path == "/_bulk" {
 			fi.bulk(w, r)
+			return
+		}
+		if r.Method == http.MethodPost && r.URL.Path == "/_mget" && fi.mget(w, r) {
 			return
 		}
 		proxy.ServeHTTP(w, r)
@@ -92,6 +99,56 @@ func (fi *faultInjector) failItem(id string, times, status int, typ string) {
 	f := &itemFault{times: times, answer: bulkItemResult{Status: status}}
 	fi.failItems[id] = f
 	f.answer.Error = &bulkItemError{typ, "injected by the test"}
+}
+
+func (fi *faultInjector) failNextMgetDocs(n int) {
+	fi.mu.Lock()
+	defer fi.mu.Unlock()
+	fi.mgetDocErrors = n
+}
+
+// mget answers an _mget request with an error per document if told to;
+// otherwise it restores the body for the proxy and returns false.
+func (fi *faultInjector) mget(w http.ResponseWriter, r *http.Request) bool {
+	body, _ := io.ReadAll(r.Body)
+	fi.mu.Lock()
+	fi.mgets++
+	fail := fi.mgetDocErrors > 0
+	if fail {
+		fi.mgetDocErrors--
+	}
+	fi.mu.Unlock()
+	if !fail {
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		return false
+	}
+	var req struct {
+		Docs []struct {
+			Index string `json:"_index"`
+			ID    string `json:"_id"`
+		} `json:"docs"`
+	}
+	_ = json.Unmarshal(body, &req)
+	type docError struct {
+		Index string         `json:"_index"`
+		ID    string         `json:"_id"`
+		Error map[string]any `json:"error"`
+	}
+	var res struct {
+		Docs []docError `json:"docs"`
+	}
+	for _, d := range req.Docs {
+		res.Docs = append(res.Docs, docError{d.Index, d.ID, map[string]any{"type": "no_shard_available_action_exception", "reason": "injected by the test"}})
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(res)
+	return true
+}
+
+func (fi *faultInjector) mgetCount() int {
+	fi.mu.Lock()
+	defer fi.mu.Unlock()
+	return fi.mgets
 }
 
 func (fi *faultInjector) bulkIDs() [][]string {

@@ -99,3 +99,94 @@ func TestNullValueDeleteStrictMapping(t *testing.T) {
 	f.waitCaughtUp(f.cfg.Group, time.Minute)
 	require.Equal(t, map[string]string{"a": "v1 " + docN(1)}, f.search(f.cfg.Alias))
 }
+
+// The engine may answer _mget 200 with an error for a document (a shard
+// not available, the index briefly gone): the null value's version is not
+// known then, and it is asked again. Taking the error for "not found" sent
+// the tombstone at version 0, the engine answered 409, and the delete was
+// counted as stale and committed: the document stayed searchable.
+func TestNullValueDeleteRetriesAnMgetDocumentError(t *testing.T) {
+	t.Parallel()
+	real := stack.ElasticsearchURL(t)
+	fi := newFaultInjector(t, real)
+	f := newFixture(t, fi.URL(), real, 1)
+	cfg := f.cfg
+	cfg.NullValues = NullValuesDelete
+	ix, err := New(cfg)
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = index.Ensure(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
+	require.NoError(t, err)
+	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
+	defer ix.dlq.Close()
+
+	at := func(m kafka.Message, offset int64) *doc {
+		m.Topic, m.Partition, m.Offset = cfg.Topic, 0, offset
+		d := ix.rules.parse(m)
+		require.Nil(t, d.poison)
+		return d
+	}
+	res, err := ix.resolve(ctx, []*doc{at(upsert("x", 5, docN(5)).message(), 10)})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Indexed)
+
+	fi.failNextMgetDocs(1)
+	res, err = ix.resolve(ctx, []*doc{at(kafka.Message{Key: []byte("x")}, 11)})
+	require.NoError(t, err)
+	require.Equal(t, 2, fi.mgetCount(), "the failed lookup is asked again")
+	require.Equal(t, Batch{Docs: 1, Indexed: 1, Attempts: 1}, res)
+	x := f.get("x")
+	require.Equal(t, int64(5), x.Version)
+	require.JSONEq(t, `{"_deleted":true}`, string(x.Source), "the tombstone hides v5")
+
+	// A lookup that keeps failing fails the batch: nothing is committed.
+	fi.failNextMgetDocs(1000)
+	cfg.RetryMaxElapsed = time.Second
+	ix2, err := New(cfg)
+	require.NoError(t, err)
+	defer ix2.dlq.Close()
+	d := ix2.rules.parse(kafka.Message{Topic: cfg.Topic, Key: []byte("x"), Offset: 12})
+	_, err = ix2.resolve(ctx, []*doc{d})
+	require.ErrorContains(t, err, "no_shard_available_action_exception")
+}
+
+// Positions are compared on one topic only: another topic feeding the same
+// alias (a second indexer with its own TOPIC) numbers its partitions and
+// offsets on its own. Its null value at a lower offset than the one the
+// document was written from is no replay of an older record: it deletes.
+func TestNullValueDeleteFromAnotherTopicIsNotOvertaken(t *testing.T) {
+	t.Parallel()
+	real := stack.ElasticsearchURL(t)
+	f := newFixture(t, real, real, 1)
+	cfg := f.cfg
+	cfg.NullValues = NullValuesDelete
+	ix, err := New(cfg)
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = index.Ensure(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
+	require.NoError(t, err)
+	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
+	defer ix.dlq.Close()
+
+	at := func(m kafka.Message, topic string, offset int64) *doc {
+		m.Topic, m.Partition, m.Offset = topic, 0, offset
+		d := ix.rules.parse(m)
+		require.Nil(t, d.poison)
+		return d
+	}
+	res, err := ix.resolve(ctx, []*doc{at(upsert("x", 5, docN(5)).message(), cfg.Topic, 1000)})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Indexed)
+	// The same topic, a lower offset: a replay, overtaken.
+	res, err = ix.resolve(ctx, []*doc{at(kafka.Message{Key: []byte("x")}, cfg.Topic, 3)})
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Conflicts)
+	require.JSONEq(t, docN(5), string(f.get("x").Source))
+	// Another topic, a lower offset: a delete.
+	res, err = ix.resolve(ctx, []*doc{at(kafka.Message{Key: []byte("x")}, cfg.Topic+"-other", 3)})
+	require.NoError(t, err)
+	require.Equal(t, Batch{Docs: 1, Indexed: 1, Attempts: 1}, res)
+	x := f.get("x")
+	require.Equal(t, int64(5), x.Version)
+	require.JSONEq(t, `{"_deleted":true}`, string(x.Source), "the tombstone hides v5")
+}

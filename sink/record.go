@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/trace"
@@ -24,6 +25,7 @@ const (
 	CodeInvalidJSON      = "invalid_json"
 	CodeDocumentTooLarge = "document_too_large"
 	CodeIDTooLong        = "id_too_long" // the _id would exceed MaxIDBytes
+	CodeInvalidKey       = "invalid_key" // the key (the _id) is not UTF-8
 	CodeNullValue        = "null_value"  // a null value that is not a delete event, with NullValues "fail"
 	// CodeMissingAggregateType: IDFormat "type:id" and no ce_aggregatetype.
 	CodeMissingAggregateType = "missing_aggregate_type"
@@ -197,6 +199,11 @@ func (r *recordRules) parse(m kafka.Message) *doc {
 		d.id = string(aggType) + ":" + string(m.Key)
 	} else {
 		d.id = string(m.Key)
+	}
+	if !utf8.ValidString(d.id) {
+		// JSON would replace each invalid byte with U+FFFD: two keys
+		// would become one document.
+		return poison(CodeInvalidKey, "the key is not UTF-8 (%q); the engine's _id is a string", d.id)
 	}
 	if len(d.id) > MaxIDBytes {
 		return poison(CodeIDTooLong, "_id of %d bytes exceeds the engine's limit of %d", len(d.id), MaxIDBytes)

@@ -173,9 +173,12 @@ func (ix *Indexer) ensureIndexes(ctx context.Context) (string, error) {
 // or equal one is a conflict. An id not in the index gets version 0.
 //
 // Such a delete is replayed after a crash or a rebalance, and by then the
-// index may hold a later record of the id (same partition, higher offset,
-// by FieldPosition): taking that record's version would hide it for good,
-// so the delete is marked overtaken instead.
+// index may hold a later record of the id (same topic and partition,
+// higher offset, by FieldPosition): taking that record's version would
+// hide it for good, so the delete is marked overtaken instead. A topic
+// deleted and created again under the same name numbers its offsets from 0
+// again: until they pass the old ones, its null values of ids written
+// before are taken for replays.
 func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 	var need []*doc
 	for _, d := range batch {
@@ -197,18 +200,6 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 	for _, d := range need {
 		req.Docs = append(req.Docs, mgetReq{Index: d.target, ID: d.id, Source: []string{FieldPosition}})
 	}
-	var res *elastic.Response
-	err := backoff.Retry(func() error {
-		var err error
-		res, err = ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/_mget", Body: req})
-		if err != nil && !index.IsRetryable(err) {
-			return backoff.Permanent(err)
-		}
-		return err
-	}, ix.newBackOff(ctx))
-	if err != nil {
-		return fmt.Errorf("read the versions of %d null-value delete(s): %w", len(need), err)
-	}
 	var got struct {
 		Docs []struct {
 			Found   bool  `json:"found"`
@@ -216,14 +207,37 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 			Source  struct {
 				Position []int64 `json:"_pos"`
 			} `json:"_source"`
+			// A document the engine could not look up (a shard not
+			// available, the index briefly gone) is not "not found":
+			// it is asked again.
+			Error *bulkItemError `json:"error"`
 		} `json:"docs"`
 	}
-	if err := json.NewDecoder(bytes.NewReader(res.Body)).Decode(&got); err != nil || len(got.Docs) != len(need) {
-		return fmt.Errorf("read the versions of %d null-value delete(s): bad _mget answer (%v)", len(need), err)
+	err := backoff.Retry(func() error {
+		res, err := ix.client.PerformRequest(ctx, elastic.PerformRequestOptions{Method: http.MethodPost, Path: "/_mget", Body: req})
+		if err != nil {
+			if !index.IsRetryable(err) {
+				return backoff.Permanent(err)
+			}
+			return err
+		}
+		got.Docs = nil
+		if err := json.NewDecoder(bytes.NewReader(res.Body)).Decode(&got); err != nil || len(got.Docs) != len(need) {
+			return backoff.Permanent(fmt.Errorf("bad _mget answer (%v)", err))
+		}
+		for i, g := range got.Docs {
+			if g.Error != nil {
+				return fmt.Errorf("_mget of %q in %s: %s: %s", need[i].id, need[i].target, g.Error.Type, g.Error.Reason)
+			}
+		}
+		return nil
+	}, ix.newBackOff(ctx))
+	if err != nil {
+		return fmt.Errorf("read the versions of %d null-value delete(s): %w", len(need), err)
 	}
 	type key [2]string
 	current := map[key]int64{}
-	type position struct{ partition, offset int64 }
+	type position struct{ partition, offset, topic int64 }
 	written := map[key]position{} // where the indexed document came from
 	for i, d := range need {
 		g := got.Docs[i]
@@ -232,14 +246,17 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 		}
 		k := key{d.target, d.id}
 		current[k] = g.Version
-		if p := g.Source.Position; len(p) == 2 {
-			written[k] = position{p[0], p[1]}
+		switch p := g.Source.Position; len(p) {
+		case 2: // written before positions held the topic: this one's
+			written[k] = position{p[0], p[1], topicTag(d.msg.Topic)}
+		case 3:
+			written[k] = position{p[0], p[1], p[2]}
 		}
 	}
 	for _, d := range batch { // in order: an earlier record of the id counts
 		k := key{d.target, d.id}
 		if d.versionFromIndex {
-			if p, ok := written[k]; ok && p.partition == int64(d.msg.Partition) && p.offset > d.msg.Offset {
+			if p, ok := written[k]; ok && p.topic == topicTag(d.msg.Topic) && p.partition == int64(d.msg.Partition) && p.offset > d.msg.Offset {
 				d.overtaken = true
 				continue
 			}

@@ -48,6 +48,7 @@ func TestParse(t *testing.T) {
 		{name: "array document", msg: upsert("a", 1, `[1]`).message(), wantCode: CodeInvalidJSON},
 		{name: "broken JSON", msg: upsert("a", 1, `{"x":`).message(), wantCode: CodeInvalidJSON},
 		{name: "id too long for the engine", msg: upsert(strings.Repeat("é", MaxIDBytes/2+1), 1, `{}`).message(), wantCode: CodeIDTooLong},
+		{name: "key not UTF-8", msg: upsert("\xff1", 1, `{}`).message(), wantCode: CodeInvalidKey},
 		{name: "id at the engine's limit", msg: upsert(strings.Repeat("k", MaxIDBytes), 1, `{}`).message(), wantBody: `{}`, wantVer: 1, wantID: strings.Repeat("k", MaxIDBytes)},
 		{name: "reserved tombstone field", msg: upsert("a", 1, `{"n":1,"_deleted":true}`).message(), wantCode: CodeReservedField},
 		{name: "reserved reconcile field", msg: upsert("a", 1, `{"_bucket":3}`).message(), wantCode: CodeReservedField},
@@ -262,8 +263,9 @@ func TestBulkBodySizeCoversTheBody(t *testing.T) {
 			require.Nil(t, d.poison)
 			d.target = "records-catalogue_v2026-12-normalizer-write"
 			d.withPosition = true
-			m.Partition, m.Offset = 1<<30, 1<<60
+			m.Partition, m.Offset = 1<<30, 1<<62
 			d.msg = m
+			d.versionFromIndex = true // external_gte
 			var buf bytes.Buffer
 			appendBulk(&buf, d)
 			require.GreaterOrEqual(t, bulkBodySize([]*doc{d}), buf.Len(), "%s", buf.String())
