@@ -330,3 +330,45 @@ func TestDuplicatePublisherIDRefused(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox_publishers WHERE id = 'same-id'`).Scan(&n))
 	require.Zero(t, n, "a clean stop leaves the membership")
 }
+
+// A publisher that stalls past its lease TTL while a second process with
+// the same PUBLISHER_ID waits can lose the id to it: the second one's
+// heartbeat takes the expired membership and renews the id's leases,
+// epochs unchanged, and starts sending. When the first one wakes and stops
+// (ErrPublisherIDInUse), the leases are no longer its own: releasing them
+// by (id, epoch) freed the live shards of the new holder for a third
+// publisher, which then sent from them beside it. The takeover is what the
+// second process's heartbeat writes, done here by hand.
+func TestPublisherThatLostItsIDKeepsOffTheNewHoldersLeases(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	brokers := stack.KafkaBrokers(t)
+	pool := stack.Pool(t, stack.Database(t))
+	cfg := outbox.Config{Brokers: brokers, ID: "dup", LeaseTTL: time.Second, PollInterval: 200 * time.Millisecond, Logger: testLogger()}
+	first, err := outbox.NewPublisher(pool, cfg)
+	require.NoError(t, err)
+	runCtx, stop := context.WithTimeout(ctx, time.Minute)
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- first.Run(runCtx) }()
+	leases := func() (n, epochs int64) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*), coalesce(sum(epoch), 0) FROM outbox_shard_leases WHERE owner = 'dup'`).Scan(&n, &epochs))
+		return n, epochs
+	}
+	waitFor(t, time.Minute, "the publisher to hold every shard", func() bool { n, _ := leases(); return n == outbox.NumShards })
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `UPDATE outbox_publishers SET instance = 'another-process', heartbeat_at = now(), expires_at = now() + interval '1 hour' WHERE id = 'dup'`)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `UPDATE outbox_shard_leases SET expires_at = now() + interval '1 hour' WHERE owner = 'dup'`)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	n, epochs := leases()
+	require.EqualValues(t, outbox.NumShards, n)
+
+	require.ErrorIs(t, <-done, outbox.ErrPublisherIDInUse)
+	after, afterEpochs := leases()
+	require.Equal(t, n, after, "the new holder's leases were released")
+	require.Equal(t, epochs, afterEpochs)
+}

@@ -225,7 +225,7 @@ func (p *Publisher) stop() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for _, w := range workers {
-		if _, err := p.leasePool.Exec(ctx, releaseLeaseSQL, w.shard, p.cfg.ID, w.epoch); err != nil {
+		if _, err := p.leasePool.Exec(ctx, releaseLeaseSQL, w.shard, p.cfg.ID, w.epoch, p.instance); err != nil {
 			p.log.Warn("release lease", slog.Int("shard", w.shard), slog.String("error", err.Error()))
 		}
 	}
@@ -449,7 +449,7 @@ func (p *Publisher) giveBack(target int) {
 			<-w.done
 			rctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			if _, err := p.leasePool.Exec(rctx, releaseLeaseSQL, w.shard, p.cfg.ID, w.epoch); err != nil {
+			if _, err := p.leasePool.Exec(rctx, releaseLeaseSQL, w.shard, p.cfg.ID, w.epoch, p.instance); err != nil {
 				p.log.Warn("release lease", slog.Int("shard", w.shard), slog.String("error", err.Error()))
 			} else {
 				p.log.Debug("shard released for rebalance", slog.Int("shard", w.shard), slog.Int("target", target))

@@ -252,10 +252,16 @@ FROM (
 WHERE l.shard = free.shard
 RETURNING l.shard, l.epoch`
 
-// releaseLeaseSQL gives one shard back (after its worker stopped).
+// releaseLeaseSQL gives one shard back (after its worker stopped), while
+// this instance ($4) still holds the id: a lease is fenced by (id, epoch),
+// and a second process that took the id over after this one stalled past
+// its TTL renewed the id's leases at the same epochs and sends from them.
+// FOR SHARE orders the release with that process's heartbeat, which
+// updates the membership row before it renews the leases.
 const releaseLeaseSQL = `
 UPDATE outbox_shard_leases SET owner = NULL, expires_at = NULL
-WHERE shard = $1 AND owner = $2 AND epoch = $3`
+WHERE shard = $1 AND owner = $2 AND epoch = $3
+  AND EXISTS (SELECT FROM outbox_publishers WHERE id = $2 AND instance = $4 FOR SHARE)`
 
 // leaveSQL removes this publisher at a clean stop, so the others rebalance
 // at their next heartbeat instead of waiting for the lease TTL.
