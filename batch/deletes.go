@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -57,6 +58,15 @@ const (
 // [FollowTriggerSQL] installs on the source table.
 const CaptureTrigger = "outboxrelay_capture_delete"
 
+// CaptureTruncateTrigger is the name of the AFTER TRUNCATE trigger beside
+// [CaptureTrigger].
+const CaptureTruncateTrigger = "outboxrelay_capture_truncate"
+
+// CaptureRekeyTrigger is the name of the row-level AFTER UPDATE OF id
+// trigger beside [CaptureTrigger]: an UPDATE that changes a row's id
+// deletes the old id. Installs before it lack it; runs do not require it.
+const CaptureRekeyTrigger = "outboxrelay_capture_rekey"
+
 // captureTriggerSQL is the part of [FollowTriggerSQL] that captures deletes
 // and truncates into batch_deletes. The function is the table's own (its
 // name carries a hash of the table), so its INSERT is static SQL whose plan
@@ -64,32 +74,87 @@ const CaptureTrigger = "outboxrelay_capture_delete"
 // single-row deletes take about 2.5 times as long. It runs as its owner
 // (SECURITY DEFINER: the installer, who can write batch_deletes) with the
 // installer's search_path, so a writer needs no grant on batch_deletes and
-// finds it whatever its own search_path is.
+// finds it whatever its own search_path is. It writes the table's own
+// name, not TG_TABLE_NAME: on a partitioned table the triggers are on
+// every partition too (a statement that names a partition fires only the
+// partition's statement triggers), and a partition's capture is the
+// table's, and a TRUNCATE of a partition is captured as the deletes of the
+// ids it held (a BEFORE TRUNCATE trigger copies them). A partition created
+// later needs the SQL run again; until then incremental runs refuse to
+// start (captureMissingSQL). A partition detached or dropped is no
+// statement on its rows: nothing is captured. An UPDATE that changes a
+// row's id is captured as the delete of the old id, by a row trigger
+// whose WHEN clause PostgreSQL checks only when the id is in the SET list.
 func captureTriggerSQL(s Spec) string {
 	table := q(s.Source.Schema, s.Source.Table)
 	h := sha256.Sum256([]byte(s.Source.Schema + "\x00" + s.Source.Table))
 	fn := q("outboxrelay_capture_" + hex.EncodeToString(h[:8]))
+	schemaLit, tableLit := sqlLiteral(s.Source.Schema), sqlLiteral(s.Source.Table)
+	deleteTrigger := func(on string) string {
+		return `CREATE OR REPLACE TRIGGER ` + CaptureTrigger + ` AFTER DELETE ON ` + on + `
+    REFERENCING OLD TABLE AS outboxrelay_deleted FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `()`
+	}
+	truncateTrigger := func(on string) string {
+		return `CREATE OR REPLACE TRIGGER ` + CaptureTruncateTrigger + ` AFTER TRUNCATE ON ` + on + `
+    FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `()`
+	}
+	// A TRUNCATE of a partition is no TRUNCATE of the table: its capture
+	// is the ids the partition holds, read before they go.
+	fnPart := q("outboxrelay_capture_" + hex.EncodeToString(h[:8]) + "_part")
+	// An UPDATE that changes the id deletes the old one.
+	fnRekey := q("outboxrelay_capture_" + hex.EncodeToString(h[:8]) + "_rekey")
+	id := q(s.Source.ID)
 	return `CREATE OR REPLACE FUNCTION ` + fn + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
-        INSERT INTO batch_deletes (source_schema, source_table, truncated) VALUES (TG_TABLE_SCHEMA, TG_TABLE_NAME, true);
+        INSERT INTO batch_deletes (source_schema, source_table, truncated) VALUES (` + schemaLit + `, ` + tableLit + `, true);
     ELSE
         INSERT INTO batch_deletes (source_schema, source_table, source_id)
-        SELECT TG_TABLE_SCHEMA, TG_TABLE_NAME, o.` + q(s.Source.ID) + `::text FROM outboxrelay_deleted o;
+        SELECT ` + schemaLit + `, ` + tableLit + `, o.` + id + `::text FROM outboxrelay_deleted o;
     END IF;
     RETURN NULL;
 END $$;
-CREATE OR REPLACE TRIGGER ` + CaptureTrigger + ` AFTER DELETE ON ` + table + `
-    REFERENCING OLD TABLE AS outboxrelay_deleted
-    FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `();
-CREATE OR REPLACE TRIGGER outboxrelay_capture_truncate AFTER TRUNCATE ON ` + table + `
-    FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `();
+` + deleteTrigger(table) + `;
+` + truncateTrigger(table) + `;
+CREATE OR REPLACE FUNCTION ` + fnRekey + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+BEGIN
+    INSERT INTO batch_deletes (source_schema, source_table, source_id) VALUES (` + schemaLit + `, ` + tableLit + `, OLD.` + id + `::text);
+    RETURN NULL;
+END $$;
+-- A row trigger that fires only when the id is in the SET list and
+-- changed (on a partitioned table PostgreSQL puts it on every partition).
+CREATE OR REPLACE TRIGGER ` + CaptureRekeyTrigger + ` AFTER UPDATE OF ` + id + ` ON ` + table + `
+    FOR EACH ROW WHEN (OLD.` + id + ` IS DISTINCT FROM NEW.` + id + `) EXECUTE FUNCTION ` + fnRekey + `();
+-- The same, and the follow NOTIFY, on the partitions of a partitioned table.
+CREATE OR REPLACE FUNCTION ` + fnPart + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+BEGIN
+    EXECUTE format('INSERT INTO batch_deletes (source_schema, source_table, source_id) SELECT %L, %L, o.%I::text FROM %s o',
+        ` + schemaLit + `, ` + tableLit + `, ` + sqlLiteral(s.Source.ID) + `, TG_RELID::regclass);
+    RETURN NULL;
+END $$;
+DO $outboxrelay_partitions$
+DECLARE p regclass;
+BEGIN
+    FOR p IN SELECT relid FROM pg_partition_tree(to_regclass(` + sqlLiteral(table) + `)) WHERE relid <> to_regclass(` + sqlLiteral(table) + `) LOOP
+        EXECUTE format($sql$` + deleteTrigger("%s") + `$sql$, p);
+        EXECUTE format($sql$CREATE OR REPLACE TRIGGER ` + CaptureTruncateTrigger + ` BEFORE TRUNCATE ON %s
+    FOR EACH STATEMENT EXECUTE FUNCTION ` + fnPart + `()$sql$, p);
+        EXECUTE format($sql$CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON %s
+    FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify()$sql$, p);
+    END LOOP;
+END $outboxrelay_partitions$;
 `
 }
 
 const (
-	// captureInstalledSQL: whether table $1 has the capture trigger.
-	captureInstalledSQL = `SELECT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = '` + CaptureTrigger + `' AND tgenabled <> 'D')`
+	// captureMissingSQL lists table $1 and those of its partitions that do
+	// not have both capture triggers enabled (a trigger disabled or enabled
+	// for replicas only never fires in a writer's session): none when the
+	// capture is installed.
+	captureMissingSQL = `SELECT coalesce(array_agg(m.relid::regclass::text ORDER BY m.relid::regclass::text), '{}')
+FROM (SELECT to_regclass($1)::oid AS relid UNION SELECT relid::oid FROM pg_partition_tree(to_regclass($1))) m
+WHERE (SELECT count(*) FROM pg_trigger t WHERE t.tgrelid = m.relid
+       AND t.tgname IN ('` + CaptureTrigger + `', '` + CaptureTruncateTrigger + `') AND t.tgenabled IN ('O', 'A')) < 2`
 	// newestCaptureSQL: the newest committed capture of table ($1, $2).
 	newestCaptureSQL = `SELECT max(id) FROM batch_deletes WHERE source_schema = $1 AND source_table = $2`
 	// deleteMarksSQL: job $1's marks, when they are for table ($2, $3).
@@ -192,10 +257,11 @@ SELECT count(*) FROM up`
 func drainDeletes(ctx context.Context, tx pgx.Tx, ow openWriters, c *compiled, firstLoad bool) (n int64, drained bool, err error) {
 	s := c.spec
 	schema, table := s.Source.Schema, s.Source.Table
-	var installed bool
-	if err := tx.QueryRow(ctx, captureInstalledSQL, c.table).Scan(&installed); err != nil {
+	var missing []string
+	if err := tx.QueryRow(ctx, captureMissingSQL, c.table).Scan(&missing); err != nil {
 		return 0, false, fmt.Errorf("job %s: look for the delete capture on %s: %w", s.Job, c.table, err)
 	}
+	installed := len(missing) == 0
 	if !installed && s.Mode == ModeFull {
 		if _, err := tx.Exec(ctx, dropDeleteMarksSQL, s.Job); err != nil {
 			return 0, false, fmt.Errorf("job %s: drop the delete marks: %w", s.Job, err)
@@ -203,8 +269,10 @@ func drainDeletes(ctx context.Context, tx pgx.Tx, ow openWriters, c *compiled, f
 		return 0, false, nil
 	}
 	if !installed {
-		return 0, false, fmt.Errorf("%w: job %s: vanished: delete on an incremental job needs the delete capture on %s (trigger %s): "+
-			"install it with `batcher follow-trigger --install` (batch.FollowTriggerSQL), or set vanished: keep", ErrSpec, s.Job, c.table, CaptureTrigger)
+		return 0, false, fmt.Errorf("%w: job %s: vanished: delete on an incremental job needs the delete capture on %s (triggers %s and %s, enabled; "+
+			"on a partitioned table on every partition too), and %s lacks it: "+
+			"install it with `batcher follow-trigger --install` (batch.FollowTriggerSQL; again after creating a partition), or set vanished: keep",
+			ErrSpec, s.Job, c.table, CaptureTrigger, CaptureTruncateTrigger, strings.Join(missing, ", "))
 	}
 	var capTo *int64
 	if err := tx.QueryRow(ctx, newestCaptureSQL, schema, table).Scan(&capTo); err != nil {

@@ -52,7 +52,8 @@ func followDeletes(t *testing.T, pool *pgxpool.Pool, s batch.Spec) *follower {
 // Every kind of delete reaches normalized_records and the outbox as a
 // delete event within the follow latency, with no manual run: a hard
 // DELETE, a row updated out of the filter, a row moved to a partition not
-// in the job's list, and a TRUNCATE followed by new rows (one of them an
+// in the job's list, an UPDATE of the id, and a TRUNCATE followed by new
+// rows (one of them an
 // id that was there before, with its version reset). Each delete event's
 // version is one more than the row's last upsert.
 func TestFollowCarriesEveryKindOfDelete(t *testing.T) {
@@ -125,6 +126,30 @@ func TestFollowCarriesEveryKindOfDelete(t *testing.T) {
 		})
 		require.Equal(t, []string{"7@2"}, deleteEvents(t, url))
 		require.Equal(t, int64(299), liveRows(t, pool))
+		_, err = f.stop(t)
+		require.NoError(t, err)
+	})
+
+	// An UPDATE of the id column (a natural key renamed) leaves the old id
+	// without a row and without a change value: it is a delete of the old
+	// id, captured by a row trigger that fires only when the id changes.
+	t.Run("id changed by an update", func(t *testing.T) {
+		t.Parallel()
+		url, pool := newDB(t)
+		seed(t, pool, 1, 300, 1, 3)
+		s := deletingJob(t, pool, "del-rekey")
+		f := followDeletes(t, pool, s)
+		_, err := pool.Exec(ctx, `UPDATE source_records SET id = id + 500000 WHERE id IN (14, 21)`)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `UPDATE source_records SET id = id WHERE id = 28`) // in the SET list, unchanged: no capture
+		require.NoError(t, err)
+		waitFor(t, followLatency, "the new ids", func() bool {
+			return queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id IN ('500014', '500021') AND NOT deleted`) == 2
+		})
+		waitFor(t, followLatency, "the delete events", func() bool { return len(deleteEvents(t, url)) == 2 })
+		require.Equal(t, []string{"14@2", "21@2"}, deleteEvents(t, url))
+		require.Equal(t, int64(300), liveRows(t, pool))
+		require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '28' AND NOT deleted`))
 		_, err = f.stop(t)
 		require.NoError(t, err)
 	})

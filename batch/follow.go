@@ -427,17 +427,28 @@ func (f *Follower) prepare(ctx context.Context) error {
 	for _, m := range missing {
 		f.log.Warn("a join column of the job's relations has no index", slog.String("column", m))
 	}
+	// A write that names a partition fires the partition's trigger, whose
+	// NOTIFY names the partition.
 	f.related = map[string]bool{}
-	for _, t := range relationTables(f.spec) {
+	for _, t := range append([][2]string{{f.spec.Source.Schema, f.spec.Source.Table}}, relationTables(f.spec)...) {
 		schema, table := t[0], t[1]
-		var name string
-		if err := f.pool.QueryRow(ctx, `SELECT quote_ident($1) || '.' || quote_ident($2)`, schema, table).Scan(&name); err != nil {
+		var names []string
+		if err := f.pool.QueryRow(ctx, notifyNamesSQL, schema, table).Scan(&names); err != nil {
 			return fmt.Errorf("follow job %s: name %s.%s: %w", f.spec.Job, schema, table, err)
 		}
-		f.related[name] = true
+		for _, n := range names {
+			f.related[n] = true
+		}
 	}
 	return nil
 }
+
+// notifyNamesSQL: how the follow NOTIFY names table ($1, $2) and each of
+// its partitions (quote_ident of schema and table).
+const notifyNamesSQL = `SELECT array_agg(quote_ident(n.nspname) || '.' || quote_ident(c.relname))
+FROM (SELECT to_regclass(quote_ident($1) || '.' || quote_ident($2))::oid AS relid
+      UNION SELECT relid::oid FROM pg_partition_tree(to_regclass(quote_ident($1) || '.' || quote_ident($2)))) m
+JOIN pg_class c ON c.oid = m.relid JOIN pg_namespace n ON n.oid = c.relnamespace`
 
 // waitForChange returns once the change column has a value past mark (or
 // any value when mark is NULL), looking after each wake-up and poll

@@ -157,12 +157,13 @@ UPDATE batch_runs SET
 WHERE job = $1 AND logical_run_id = $2 AND (state = 'failed' OR (state = 'pending' AND retry_at IS NOT NULL))`
 
 // openWritersSQL lists the transactions holding a write lock on table ($1)
-// in this database, other than this one's; $2, when not NULL, keeps only
-// those virtual transaction ids.
+// or one of its partitions (a write that names a partition locks the
+// partition only) in this database, other than this one's; $2, when not
+// NULL, keeps only those virtual transaction ids.
 const openWritersSQL = `SELECT l.virtualtransaction, min(l.pid)
 FROM pg_locks l
 WHERE l.locktype = 'relation' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.relation = to_regclass($1) AND l.granted
+  AND l.relation IN (SELECT to_regclass($1)::oid UNION SELECT relid::oid FROM pg_partition_tree(to_regclass($1))) AND l.granted
   AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
   AND l.pid IS DISTINCT FROM pg_backend_pid() AND l.virtualtransaction IS NOT NULL
   AND ($2::text[] IS NULL OR l.virtualtransaction = ANY($2::text[]))

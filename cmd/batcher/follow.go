@@ -89,7 +89,7 @@ func followTriggerCmd(ctx context.Context, args []string, stdout io.Writer) erro
 	var c cli.Common
 	var specFile, job string
 	var install bool
-	fs := cli.NewFlagSet("batcher follow-trigger", "Prints the statement-level trigger that sends a NOTIFY on channel "+batch.FollowChannel+" (payload: the\ntable) after every INSERT, UPDATE, DELETE or TRUNCATE of the job's source table, and the delete\ncapture (deleted ids and truncates into batch_deletes, in the writer's transaction; read by jobs\nwith vanished: delete); with --install it runs them (needs the right to create triggers on the\ntable; the capture runs as the installing role, so writers need no grant). PostgreSQL 14 or newer.")
+	fs := cli.NewFlagSet("batcher follow-trigger", "Prints the statement-level trigger that sends a NOTIFY on channel "+batch.FollowChannel+" (payload: the\ntable) after every INSERT, UPDATE, DELETE or TRUNCATE of the job's source table, and the delete\ncapture (deleted ids, truncates and the old ids of rows whose id an UPDATE changed into batch_deletes, in the writer's transaction; read by jobs\nwith vanished: delete); on a partitioned table, on every partition too (run it again after creating\na partition: runs that drain deletes refuse to start until then); with --install it runs them\n(needs the right to create triggers on the table; the capture runs as the installing role, so\nwriters need no grant). PostgreSQL 14 or newer.")
 	c.RegisterDatabase(fs)
 	fs.String(&specFile, "spec", "BATCH_SPEC", "", "job spec file (.yaml, .yml or .json)")
 	fs.String(&job, "job", "BATCH_JOB", "", "a job that ran before (instead of --spec; needs the database)")
