@@ -2,6 +2,7 @@ package batch_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
@@ -484,4 +485,77 @@ func TestReinsertAfterSoftAndHardDeleteComesBack(t *testing.T) {
 			require.Equal(t, int64(1), queryInt(t, pool, `SELECT count(*) FROM outbox_event_members WHERE event_type = 'upsert' AND aggregate_id = '7' AND aggregate_version > 3`))
 		})
 	}
+}
+
+// A quarantine retry that reprocesses a row while the row is deleted and a
+// run drains that delete must not bring the row back after the drain: the
+// retry holds the job lock, so the drain waits for it and then tombstones
+// what it wrote. Without the lock the drain found no normalized row of the
+// quarantined id, moved its mark past the capture, and the retry then
+// wrote the deleted row live for good.
+func TestQuarantineRetryDuringADrainLeavesTheDeleteStanding(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := newDB(t)
+	seed(t, pool, 1, 300, 1, 3)
+	_, err := pool.Exec(ctx, `UPDATE source_records SET payload = '[1,2]' WHERE id = 14`)
+	require.NoError(t, err)
+	s := deletingJob(t, pool, "retry-drain", func(s *batch.Spec) { s.Errors.Policy = batch.PolicyQuarantine })
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Equal(t, int64(299), liveRows(t, pool))
+	_, err = pool.Exec(ctx, `UPDATE source_records SET payload = '{"title": "fixed"}' WHERE id = 14`)
+	require.NoError(t, err)
+
+	processing, release := make(chan struct{}), make(chan struct{})
+	proc := batch.ProcessorFunc(func(ctx context.Context, rows []batch.SourceRow) ([]batch.Result, error) {
+		out := make([]batch.Result, len(rows))
+		for i, r := range rows {
+			if r.ID == "14" {
+				close(processing)
+				<-release
+			}
+			out[i] = batch.Result{Document: json.RawMessage(`{"title":"fixed"}`)}
+		}
+		return out, nil
+	})
+	retried := make(chan error, 1)
+	go func() {
+		_, err := batch.RetryQuarantine(ctx, pool, s, proc, batch.RetryOptions{})
+		retried <- err
+	}()
+	<-processing
+	_, err = pool.Exec(ctx, `DELETE FROM source_records WHERE id = 14`)
+	require.NoError(t, err)
+	ran := make(chan error, 1)
+	go func() {
+		r, err := batch.NewRunner(pool, s, batch.Config{})
+		if err == nil {
+			_, err = r.Run(ctx, ctx)
+		}
+		ran <- err
+	}()
+	// The run either waits for the retry's job lock or (without it) is
+	// done draining already.
+	var runErr error
+	runDone := false
+	waitFor(t, time.Minute, "the run to wait for the job lock or end", func() bool {
+		select {
+		case runErr = <-ran:
+			runDone = true
+			return true
+		default:
+		}
+		return queryInt(t, pool, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`) > 0
+	})
+	close(release)
+	require.NoError(t, <-retried)
+	if !runDone {
+		runErr = <-ran
+	}
+	require.NoError(t, runErr)
+	_, err = run(t, pool, s, batch.Config{})
+	require.NoError(t, err)
+	require.Zero(t, queryInt(t, pool, `SELECT count(*) FROM normalized_records WHERE source_id = '14' AND NOT deleted`), "the deleted row is live again")
+	require.Equal(t, int64(299), liveRows(t, pool))
 }

@@ -336,7 +336,9 @@ type RetryOptions struct {
 // same transaction that marks them resolved; the others stay with attempts
 // incremented. No checkpoint moves. proc nil = built-in normalizer. A spec
 // at a processor version that was live before and is not now is refused
-// with a [LiveVersionError] unless opts.Rebuild.
+// with a [LiveVersionError] unless opts.Rebuild. Each batch of ids holds
+// the job lock, as a run's start does: a run starting meanwhile waits for
+// it, so the deletes it drains come after what the retry wrote.
 func RetryQuarantine(ctx context.Context, db DB, spec Spec, proc Processor, opts RetryOptions) (RetryResult, error) {
 	var out RetryResult
 	spec = spec.withDefaults()
@@ -392,6 +394,14 @@ func (r *Runner) retryIDs(ctx context.Context, db DB, run, key string, ids []str
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	a := &args{IDs: ids, PKey: key, Job: r.spec.Job, Run: run, Source: r.spec.SourceName, PV: r.spec.ProcessorVersion, TP: tracing.Arg(ctx)}
+	// The job lock orders the retry with the drain of a run's deletes
+	// (prepareRun holds it): a row deleted while it is reprocessed is
+	// drained after the retry wrote it, not before (which left it live for
+	// good: the drain had no normalized row to tombstone and moved its mark
+	// past the capture).
+	if _, err := tx.Exec(ctx, lockJobSQL, r.spec.Job); err != nil {
+		return 0, 0, err
+	}
 	if len(r.c.rels) > 0 {
 		// No chunk of the job rebuilds these roots meanwhile.
 		if _, err := tx.Exec(ctx, relLockSQL, r.spec.Job); err != nil {
