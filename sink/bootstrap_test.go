@@ -108,3 +108,62 @@ func TestEnsureIndexLosesTheCreateRaceCleanly(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{idx}, write)
 }
+
+// The first generation is created, then moving the aliases to it fails (a
+// 429, a timeout; or the indexer is killed in between). The next batch
+// finds the generation's write alias and must still take the aliases over:
+// skipping it left the read alias on the empty bootstrap index, so
+// searches found nothing until someone ran a cutover by hand.
+func TestFirstGenerationTakesOverAfterAFailedMove(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	es := stack.ElasticsearchURL(t)
+	direct, err := index.NewClient(es)
+	require.NoError(t, err)
+	cfg := Config{URL: es, Alias: stack.UniqueName("boot")}.withDefaults()
+	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
+	bootstrap, err := index.Ensure(ctx, direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	require.NoError(t, err)
+
+	target, err := url.Parse(es)
+	require.NoError(t, err)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var mu sync.Mutex
+	refused := 0
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		refuse := r.Method == http.MethodPost && r.URL.Path == "/_aliases" && refused == 0
+		if refuse {
+			refused++
+		}
+		mu.Unlock()
+		if refuse {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusTooManyRequests)
+			_, _ = w.Write([]byte(`{"error":{"type":"es_rejected_execution_exception","reason":"injected"},"status":429}`))
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	client, err := index.NewClient(srv.URL)
+	require.NoError(t, err)
+
+	live := index.GenerationIndex(cfg.Alias, "v7")
+	rt := newRouter(client, cfg, newRecordRules(cfg))
+	require.Error(t, rt.route(ctx, []*doc{{id: "g-1", alias: cfg.Alias, pv: "v7"}}))
+	targets, err := index.AliasTargets(ctx, direct, cfg.Alias)
+	require.NoError(t, err)
+	require.Equal(t, []string{bootstrap}, targets, "the move was refused")
+
+	// The batch again (or a restarted indexer: a new router).
+	for _, rt := range []*router{rt, newRouter(client, cfg, newRecordRules(cfg))} {
+		require.NoError(t, rt.route(ctx, []*doc{{id: "g-1", alias: cfg.Alias, pv: "v7"}}))
+		targets, err = index.AliasTargets(ctx, direct, cfg.Alias)
+		require.NoError(t, err)
+		require.Equal(t, []string{live}, targets, "the first generation is live")
+		writes, err := index.AliasTargets(ctx, direct, cfg.WriteAlias)
+		require.NoError(t, err)
+		require.Equal(t, []string{live}, writes)
+	}
+}

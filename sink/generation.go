@@ -78,6 +78,14 @@ func (r *router) target(ctx context.Context, alias, pv string) (string, error) {
 		if targets, err = index.AliasTargets(ctx, r.client, index.GenerationWriteAlias(idx)); err != nil {
 			return "", err
 		}
+	} else if _, seen := r.ensured[key]; !seen {
+		// Created before, by this process, another indexer or one killed
+		// since, whose move of the aliases may have failed: the first
+		// generation must still take them over (TakeOver does nothing
+		// unless they point at the empty bootstrap index).
+		if err := index.TakeOver(ctx, r.client, r.log, alias, r.rules.writeAliasOf(alias), idx); err != nil {
+			return "", err
+		}
 	}
 	// Another indexer (or this one before a restart) may have created it
 	// in bulk-load mode: this one ends the mode too when it catches up.
