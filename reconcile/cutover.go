@@ -546,7 +546,7 @@ func jobTypesOf(ctx context.Context, db *pgxpool.Pool, cfg sink.Config, alias st
 			return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
 		}
 		typ := cmp.Or(j.AggregateType, j.Source.Table)
-		if cfg.ForAggregateType(typ).Alias == alias {
+		if cfg.Unrouted().ForAggregateType(typ).Alias == alias {
 			out = append(out, typ)
 		}
 	}

@@ -103,6 +103,10 @@ func testCutoverOfARoutedJobMovesItsOwnAlias(t *testing.T, engineURL string) {
 	require.NoError(t, index.Create(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
 	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('o', '{"job":"o","processor_version":"v2","source_name":"orders","aggregate_type":"orders"}')`)
 	require.NoError(t, err)
+	// A job that is not routed writes the main alias, not this one: the
+	// move of orders is whole, write alias included.
+	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES ('r', '{"job":"r","processor_version":"v1","source_name":"records","aggregate_type":"records"}')`)
+	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('o', 'r2', 'succeeded', 'v2', 'h', '{}')`)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted)
@@ -123,4 +127,7 @@ SELECT 'orders', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', fal
 	read, err := index.AliasTargets(ctx, client, orders)
 	require.NoError(t, err)
 	require.Equal(t, []string{next}, read, "the routed alias reads the new generation")
+	writes, err := index.AliasTargets(ctx, client, orders+"-write")
+	require.NoError(t, err)
+	require.Equal(t, []string{next}, writes, "and writes it")
 }

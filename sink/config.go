@@ -90,6 +90,9 @@ type Config struct {
 	// "<alias>-write", created like Alias's when missing. Default: every
 	// record to Alias.
 	Routes map[string]string
+	// routedFrom holds Alias and WriteAlias as they were before
+	// ForAggregateType routed the config to another alias ([Config.Unrouted]).
+	routedFrom *[2]string
 	// AggregateTypes, if set, are the only aggregate types indexed; a record
 	// of another type is skipped (committed, never sent, counted in
 	// indexer_skipped_total{reason="aggregate_type"}). A record without

@@ -273,9 +273,21 @@ func (ix *Indexer) versionsFromIndex(ctx context.Context, batch []*doc) error {
 // aggregate type typ go to (ROUTES), for commands that work on one job's
 // alias (cutover, reconcile --job).
 func (c Config) ForAggregateType(typ string) Config {
-	c = c.withDefaults()
+	c = c.Unrouted()
 	if a, ok := c.Routes[typ]; ok && a != c.Alias {
+		c.routedFrom = &[2]string{c.Alias, c.WriteAlias}
 		c.Alias, c.WriteAlias = a, a+"-write"
+	}
+	return c
+}
+
+// Unrouted returns c as it was before ForAggregateType routed it (c itself
+// when it was not): Alias and WriteAlias are the main ones again.
+func (c Config) Unrouted() Config {
+	c = c.withDefaults()
+	if c.routedFrom != nil {
+		c.Alias, c.WriteAlias = c.routedFrom[0], c.routedFrom[1]
+		c.routedFrom = nil
 	}
 	return c
 }
