@@ -219,6 +219,9 @@ GROUP BY logical_run_id ORDER BY max(created_at) DESC LIMIT 1`, job, j.Processor
 		r.Kept = int64(len(kept))
 		r.RowsOtherPV -= r.Kept
 	}
+	if err := checkOtherJobs(ctx, db, j, &r); err != nil {
+		return r, err
+	}
 	if r.RowsOtherPV > 0 {
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of normalized_records (source %s) are not at processor version %s yet "+
 			"(a run at %s has not reached them, or quarantined them: batcher quarantine list --job %s)", r.RowsOtherPV, j.SourceName, j.ProcessorVersion, j.ProcessorVersion, job))
@@ -527,6 +530,30 @@ func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) err
 		r.Missing = append(r.Missing, fmt.Sprintf("%d row(s) of %s.%s changed after run %s read them (%d updated or soft-deleted, %d new in the scope, %d gone from it); "+
 			"run the job again (batcher run --spec with the job's spec, or batcher run --job %s: the catch-up) and cut over after it",
 			r.Behind.Total(), spec.Source.Schema, spec.Source.Table, r.Rebuild, r.Behind.Changed, r.Behind.Missing, r.Behind.Gone, j.Name))
+	}
+	return nil
+}
+
+// checkOtherJobs adds to r.Missing every other job of batch_jobs whose
+// documents have j's aggregate type (so go to the same alias) and that
+// runs at another processor version: the move is by aggregate type, so
+// its documents would move too, into a generation its runs do not write.
+func checkOtherJobs(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) error {
+	rows, err := db.Query(ctx, `SELECT spec FROM batch_jobs WHERE job <> $1 ORDER BY job`, j.Name)
+	if err != nil {
+		return fmt.Errorf("list the other jobs of aggregate type %s: %w", j.AggregateType, err)
+	}
+	jobs, err := pgx.CollectRows(rows, pgx.RowTo[Job])
+	if err != nil {
+		return fmt.Errorf("list the other jobs of aggregate type %s: %w", j.AggregateType, err)
+	}
+	for _, k := range jobs {
+		if cmp.Or(k.AggregateType, k.Source.Table) != j.AggregateType || k.ProcessorVersion == j.ProcessorVersion {
+			continue
+		}
+		r.Missing = append(r.Missing, fmt.Sprintf("job %s writes documents of aggregate type %s too, at processor version %s: they would move with this one's "+
+			"into a generation its runs do not write; run job %s at processor version %s first (or, if it no longer runs, delete its row from batch_jobs)",
+			k.Name, j.AggregateType, k.ProcessorVersion, k.Name, j.ProcessorVersion))
 	}
 	return nil
 }

@@ -131,3 +131,50 @@ SELECT 'orders', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', fal
 	require.NoError(t, err)
 	require.Equal(t, []string{next}, writes, "and writes it")
 }
+
+// Two jobs write documents of one aggregate type into one alias (two
+// tables, or two filters of one table). A cutover moves the type: the
+// other job's documents would move with it into a generation its runs do
+// not write (they go on writing the old one, which searches no longer
+// read). So the cutover is refused, naming the other job, until that job
+// runs at the same processor version.
+func TestCutoverRefusesWhileAnotherJobOfTheTypeIsAtAnotherVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	engineURL := stack.ElasticsearchURL(t)
+	pool := stack.Pool(t, stack.Database(t))
+	client, err := index.NewClient(engineURL)
+	require.NoError(t, err)
+	cfg := sink.Config{URL: engineURL, Alias: stack.UniqueName("cut-shared")}.WithDefaults()
+	live, err := index.Ensure(ctx, client, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	require.NoError(t, err)
+	next := index.GenerationIndex(cfg.Alias, "v2")
+	require.NoError(t, index.Create(ctx, client, next, cfg.Mapping, map[string]any{next + "-write": map[string]any{"is_write_index": true}}))
+	_, err = pool.Exec(ctx, `INSERT INTO batch_jobs (job, spec) VALUES
+  ('j', '{"job":"j","processor_version":"v2","source_name":"src","aggregate_type":"t"}'),
+  ('k', '{"job":"k","processor_version":"v1","source_name":"src2","aggregate_type":"t"}')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO batch_runs (job, logical_run_id, state, processor_version, scope_hash, scope) VALUES ('j', 'r2', 'succeeded', 'v2', 'h', '{}')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO normalized_records (source, source_id, document, source_version, processor_version, deleted)
+SELECT 'src', g::text, jsonb_build_object('title', 'DOC ' || g), 1, 'v2', false FROM generate_series(1, 20) g`)
+	require.NoError(t, err)
+	oldDocs, newDocs := client.Bulk().Index(live), client.Bulk().Index(next)
+	for g := 1; g <= 20; g++ {
+		oldDocs.Add(indexDocOf("t", strconv.Itoa(g), 1, false, "v1"))
+		newDocs.Add(indexDocOf("t", strconv.Itoa(g), 1, false, "v2"))
+		oldDocs.Add(indexDocOf("t", "k-"+strconv.Itoa(g), 1, false, "v1")) // job k's
+	}
+	for _, b := range []*elastic.BulkService{oldDocs, newDocs} {
+		res, err := b.Refresh("true").Do(ctx)
+		require.NoError(t, err)
+		require.False(t, res.Errors, "%+v", res.Failed())
+	}
+
+	_, err = reconcile.Cutover(ctx, cfg, reconcile.CutoverOptions{DB: pool, Job: "j"})
+	require.ErrorIs(t, err, index.ErrUnsafeMove)
+	require.ErrorContains(t, err, "job k")
+	read, err := index.AliasTargets(ctx, client, cfg.Alias)
+	require.NoError(t, err)
+	require.Equal(t, []string{live}, read, "the read alias did not move")
+}
