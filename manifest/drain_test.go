@@ -253,3 +253,38 @@ func TestDrainUnknownJob(t *testing.T) {
 	_, err := manifest.Drain(context.Background(), f.pool, "nope", manifest.DrainOptions{})
 	require.True(t, errors.Is(err, manifest.ErrNotFound), "%v", err)
 }
+
+// The approved list is frozen in the database too: an UPDATE or DELETE of
+// its items, a TRUNCATE, or a change of what the job was approved as
+// (target, transition, item count, chunk size, hashes) is refused, before
+// a drain could apply unapproved values or stop short of the last items.
+// Progress (next_index, state) stays writable: its tampering is what
+// verification catches (above).
+func TestApprovedListCannotBeChanged(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(40), chunkSize: 10})
+	f.register(t)
+	_, err := manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{MaxChunks: 1})
+	require.NoError(t, err)
+	before := f.snapshot(t)
+	for _, tamper := range []string{
+		`UPDATE manifest_items SET revision = revision + 1 WHERE seq = 35`,
+		`UPDATE manifest_items SET fields = '{}' WHERE seq = 35`,
+		`DELETE FROM manifest_items WHERE seq = 35`,
+		`TRUNCATE manifest_items CASCADE`,
+		`UPDATE manifest_jobs SET item_count = 30`,
+		`UPDATE manifest_jobs SET chunk_size = 5`,
+		`UPDATE manifest_jobs SET spec = spec || '{"topic": "elsewhere"}'`,
+		`UPDATE manifest_jobs SET items_hash = 'x'`,
+	} {
+		_, err := f.pool.Exec(ctx, tamper)
+		require.ErrorContains(t, err, "frozen", tamper)
+	}
+	require.Equal(t, before, f.snapshot(t), "nothing changed")
+	_, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{})
+	require.NoError(t, err)
+	rep, err := manifest.ReadReport(ctx, f.pool, f.jobID)
+	require.NoError(t, err)
+	require.Len(t, rep.Committed, 40)
+}
