@@ -214,7 +214,7 @@ func (r *Runner) chunkWithRetry(ctx context.Context, f *flight, cl *claim, sizer
 	op := func() error {
 		start := time.Now()
 		if unsure != nil {
-			committed, err := r.committed(ctx, f, cl, unsure.next)
+			committed, err := r.committed(ctx, f, cl)
 			if err != nil {
 				return err // still unreachable: retried
 			}
@@ -470,9 +470,15 @@ func (r *Runner) chunk(ctx context.Context, f *flight, cl *claim, size int, retr
 }
 
 // committed reads, after a COMMIT whose connection was lost, whether the
-// chunk's checkpoint (from f.prev to next) is the partition's under this
-// lease: the COMMIT got through.
-func (r *Runner) committed(ctx context.Context, f *flight, cl *claim, next []string) (bool, error) {
+// chunk's checkpoint (from f.prev to its end) got through under this
+// lease. The cursor need not be the chunk's end: its successor (pipelined,
+// waiting on the checkpoint row) may have committed since, and its
+// checkpoint UPDATE matches only the chunk's end, so only after this
+// chunk committed. The chunk the COMMIT was sent for had moved the cursor
+// from f.prev (its predecessor had committed); while this lease holds the
+// partition nothing else moves it. So the COMMIT got through unless the
+// cursor is still f.prev.
+func (r *Runner) committed(ctx context.Context, f *flight, cl *claim) (bool, error) {
 	conn, err := f.slot.ensure(ctx)
 	if err != nil {
 		return false, err
@@ -482,7 +488,7 @@ func (r *Runner) committed(ctx context.Context, f *flight, cl *claim, next []str
 		return false, fmt.Errorf("read the checkpoint after a lost COMMIT: %w", err)
 	}
 	// Not held: not ours any more, the attempt finds out why.
-	return held && slices.Equal(cursor, next), nil
+	return held && !slices.Equal(cursor, f.prev), nil
 }
 
 // awaitPredecessor waits until the chunk before f holds the checkpoint row
