@@ -664,7 +664,7 @@ END $outboxrelay_rel$;
 `)
 		// A statement names one table: one on the partitioned table fires
 		// its triggers only, one on a partition (a write that names it)
-		// the partition's. So the leaf partitions get them too.
+		// the partition's. So every partition gets them too, at every level.
 		for _, tbl := range append([]string{table}, leaves[table]...) {
 			sb.WriteString(`CREATE OR REPLACE TRIGGER ` + q(fn+"_ins") + ` AFTER INSERT ON ` + tbl + `
     REFERENCING NEW TABLE AS outboxrelay_new FOR EACH STATEMENT EXECUTE FUNCTION ` + q(fn) + `();
@@ -682,12 +682,13 @@ CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR
 	return sb.String()
 }
 
-// leafPartitionsSQL lists the leaf partitions of table $1 (none for a
-// table that is not partitioned), as regclass names them.
+// leafPartitionsSQL lists the partitions of table $1 at every level (a
+// partition may be partitioned itself; none for a table that is not
+// partitioned), as regclass names them.
 const leafPartitionsSQL = `SELECT COALESCE(array_agg(pt.relid::regclass::text ORDER BY pt.relid::regclass::text), '{}')
-FROM pg_partition_tree(to_regclass($1)) pt WHERE pt.isleaf AND pt.relid <> to_regclass($1)`
+FROM pg_partition_tree(to_regclass($1)) pt WHERE pt.relid <> to_regclass($1)`
 
-// relLeaves reads the leaf partitions of the related and join tables.
+// relLeaves reads the partitions (every level) of the related and join tables.
 func (c *compiled) relLeaves(ctx context.Context, db querier) (map[string][]string, error) {
 	out := map[string][]string{}
 	for _, t := range c.relTables() {
@@ -706,8 +707,9 @@ func (c *compiled) relLeaves(ctx context.Context, db querier) (map[string][]stri
 // function's body carries the capture hash ($3); nothing when all are
 // there. One statement for every table: it runs at the start of every run.
 //
-// The leaf partitions of a partitioned table need them as well (a write
-// naming a partition fires the partition's triggers only), and a trigger
+// The partitions of a partitioned table need them as well, at every level
+// (a write naming a partition, or a partition that is partitioned itself,
+// fires that table's statement triggers only), and a trigger
 // must fire for ordinary sessions: enabled as origin ('O') or always
 // ('A'), not disabled or replica-only.
 const relTriggerMissingSQL = `
@@ -715,7 +717,7 @@ WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINAL
 x AS (SELECT u.n, u.trg, u.hash, u.tbl AS name, to_regclass(u.tbl) AS rel FROM u
       UNION ALL
       SELECT u.n, u.trg, u.hash, pt.relid::regclass::text, pt.relid FROM u, pg_partition_tree(to_regclass(u.tbl)) pt
-      WHERE pt.isleaf AND pt.relid <> to_regclass(u.tbl))
+      WHERE pt.relid <> to_regclass(u.tbl))
 SELECT x.name, x.trg FROM x
 WHERE NOT EXISTS (SELECT FROM pg_trigger tg JOIN pg_proc p ON p.oid = tg.tgfoid
                   WHERE tg.tgrelid = x.rel AND tg.tgname = x.trg AND tg.tgenabled IN ('O', 'A') AND strpos(p.prosrc, x.hash) > 0)

@@ -376,7 +376,8 @@ func TestRelationsSecondReviewFixes(t *testing.T) {
 CREATE TABLE posts (id int PRIMARY KEY, version bigint NOT NULL DEFAULT 1, change_seq bigserial NOT NULL UNIQUE);
 CREATE TABLE notes (id int NOT NULL, post_id int NOT NULL, body text, PRIMARY KEY (id)) PARTITION BY RANGE (id);
 CREATE TABLE notes_a PARTITION OF notes FOR VALUES FROM (0) TO (100);
-CREATE TABLE notes_b PARTITION OF notes FOR VALUES FROM (100) TO (200);
+CREATE TABLE notes_b PARTITION OF notes FOR VALUES FROM (100) TO (200) PARTITION BY RANGE (id);
+CREATE TABLE notes_b1 PARTITION OF notes_b FOR VALUES FROM (100) TO (200);
 CREATE INDEX ON notes (post_id);
 INSERT INTO posts (id) VALUES (1), (2);
 INSERT INTO notes VALUES (1, 1, 'a'), (150, 2, 'b');`)
@@ -389,6 +390,8 @@ INSERT INTO notes VALUES (1, 1, 'a'), (150, 2, 'b');`)
 		installCapture(t, pool, s)
 		_, err = run(t, pool, s, batch.Config{})
 		require.NoError(t, err)
+		// notes_b is partitioned itself: a statement naming it fires its
+		// own statement triggers only, as one naming the leaf does.
 		_, err = pool.Exec(ctx, `UPDATE notes_b SET body = 'b2' WHERE id = 150; INSERT INTO notes_a VALUES (2, 1, 'a2')`)
 		require.NoError(t, err)
 		_, err = run(t, pool, s, batch.Config{})
@@ -396,6 +399,11 @@ INSERT INTO notes VALUES (1, 1, 'a'), (150, 2, 'b');`)
 		d := relDocsOf(t, pool, "posts")
 		jsonEq(t, `[{"body":"a"},{"body":"a2"}]`, field(t, d["1"], "notes"), "notes of 1")
 		jsonEq(t, `[{"body":"b2"}]`, field(t, d["2"], "notes"), "notes of 2")
+		_, err = pool.Exec(ctx, `INSERT INTO notes_b1 VALUES (160, 2, 'b3')`)
+		require.NoError(t, err)
+		_, err = run(t, pool, s, batch.Config{})
+		require.NoError(t, err)
+		jsonEq(t, `[{"body":"b2"},{"body":"b3"}]`, field(t, relDocsOf(t, pool, "posts")["2"], "notes"), "notes of 2, a leaf named")
 
 		// A partition added later has no capture: the run says so.
 		_, err = pool.Exec(ctx, `CREATE TABLE notes_c PARTITION OF notes FOR VALUES FROM (200) TO (300)`)
