@@ -23,7 +23,11 @@ type ReindexOptions struct {
 	Into string
 	// Settle is how long to wait after moving the write alias before the
 	// copy starts, so bulk requests that resolved the alias to the old
-	// index just before the move have landed. Default 5s.
+	// index just before the move have landed. An indexer gives a bulk
+	// request up to its RequestTimeout (then retries it, through the moved
+	// alias): a request it saw succeed was applied by then. Default
+	// cfg.RequestTimeout + 5s; keep it above the running indexers'
+	// REQUEST_TIMEOUT.
 	Settle time.Duration
 	// Poll is how often the copy task is polled. Default 1s.
 	Poll time.Duration
@@ -55,7 +59,7 @@ type ReindexResult struct {
 // old index is kept; delete it when satisfied.
 func Reindex(ctx context.Context, cfg Config, opts ReindexOptions) (ReindexResult, error) {
 	cfg = cfg.withDefaults()
-	opts.Settle = cmp.Or(opts.Settle, 5*time.Second)
+	opts.Settle = cmp.Or(opts.Settle, cfg.RequestTimeout+5*time.Second)
 	opts.Poll = cmp.Or(opts.Poll, time.Second)
 	res := ReindexResult{Into: opts.Into}
 	start := time.Now()

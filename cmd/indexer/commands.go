@@ -344,7 +344,7 @@ func reindexCommand(stdout io.Writer) cli.Command {
 			s.registerEngine(fs)
 			s.common.RegisterLogging(fs)
 			fs.String(&opts.Into, "into", "", "", "the new index, e.g. records_v1_m2 (required; records_<processor version> names are generations)")
-			fs.Duration(&opts.Settle, "settle", "", 5*time.Second, "wait after moving the write alias, for bulk requests already routed to the old index")
+			fs.Duration(&opts.Settle, "settle", "", sink.DefaultRequestTimeout+5*time.Second, "wait after moving the write alias, for bulk requests already routed to the old index: keep it above the running indexers' REQUEST_TIMEOUT (a request they saw succeed was applied by then; one that timed out is sent again through the moved alias)")
 			if _, err := fs.Parse(args); err != nil {
 				return err
 			}
