@@ -78,8 +78,8 @@ const CaptureRekeyTrigger = "outboxrelay_capture_rekey"
 // name, not TG_TABLE_NAME: on a partitioned table the triggers are on
 // every partition too (a statement that names a partition fires only the
 // partition's statement triggers), and a partition's capture is the
-// table's, and a TRUNCATE of a partition is captured as the deletes of the
-// ids it held (a BEFORE TRUNCATE trigger copies them). A partition created
+// table's, and a TRUNCATE of a partition is captured as a marker that
+// makes the drain tombstone the rows no longer in the table. A partition created
 // later needs the SQL run again; until then incremental runs refuse to
 // start (captureMissingSQL). A partition detached or dropped is no
 // statement on its rows: nothing is captured. An UPDATE that changes a
@@ -99,7 +99,10 @@ func captureTriggerSQL(s Spec) string {
     FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `()`
 	}
 	// A TRUNCATE of a partition is no TRUNCATE of the table: its capture
-	// is the ids the partition holds, read before they go.
+	// is a marker (no id, not truncated), and the drain then tombstones the
+	// rows no longer in the table. (Reading the partition's ids in a BEFORE
+	// TRUNCATE trigger would make a TRUNCATE of the whole table, which
+	// fires its partitions' triggers too, copy every id.)
 	fnPart := q("outboxrelay_capture_" + hex.EncodeToString(h[:8]) + "_part")
 	// An UPDATE that changes the id deletes the old one.
 	fnRekey := q("outboxrelay_capture_" + hex.EncodeToString(h[:8]) + "_rekey")
@@ -128,8 +131,7 @@ CREATE OR REPLACE TRIGGER ` + CaptureRekeyTrigger + ` AFTER UPDATE OF ` + id + `
 -- The same, and the follow NOTIFY, on the partitions of a partitioned table.
 CREATE OR REPLACE FUNCTION ` + fnPart + `() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
-    EXECUTE format('INSERT INTO batch_deletes (source_schema, source_table, source_id) SELECT %L, %L, o.%I::text FROM %s o',
-        ` + schemaLit + `, ` + tableLit + `, ` + sqlLiteral(s.Source.ID) + `, TG_RELID::regclass);
+    INSERT INTO batch_deletes (source_schema, source_table) VALUES (` + schemaLit + `, ` + tableLit + `);
     RETURN NULL;
 END $$;
 DO $outboxrelay_partitions$
@@ -137,7 +139,7 @@ DECLARE p regclass;
 BEGIN
     FOR p IN SELECT relid FROM pg_partition_tree(to_regclass(` + sqlLiteral(table) + `)) WHERE relid <> to_regclass(` + sqlLiteral(table) + `) LOOP
         EXECUTE format($sql$` + deleteTrigger("%s") + `$sql$, p);
-        EXECUTE format($sql$CREATE OR REPLACE TRIGGER ` + CaptureTruncateTrigger + ` BEFORE TRUNCATE ON %s
+        EXECUTE format($sql$CREATE OR REPLACE TRIGGER ` + CaptureTruncateTrigger + ` AFTER TRUNCATE ON %s
     FOR EACH STATEMENT EXECUTE FUNCTION ` + fnPart + `()$sql$, p);
         EXECUTE format($sql$CREATE OR REPLACE TRIGGER outboxrelay_follow AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON %s
     FOR EACH STATEMENT EXECUTE FUNCTION outboxrelay_follow_notify()$sql$, p);
@@ -189,7 +191,8 @@ ON CONFLICT (job) DO UPDATE SET source_schema = EXCLUDED.source_schema, source_t
 )
 
 // drainSQL tombstones the live normalized rows of the captures in
-// (capfrom, capto] (every live row when one of them is a TRUNCATE) and of
+// (capfrom, capto] (every live row when one of them is a TRUNCATE; those
+// no longer in the table when one is a partition's TRUNCATE) and of
 // the source rows out of scope whose change value is in (exitfrom, exitto]
 // (withFrom false: up to exitto; withExits false, for a full run, which has
 // no change column and sweeps: none), with one delete event each. It
@@ -227,6 +230,14 @@ WITH cap AS MATERIALIZED (
   UNION
   SELECT n.source_id FROM normalized_records n
   WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.vanished AND EXISTS (SELECT FROM cap WHERE cap.truncated)
+  UNION
+  -- A partition truncated (a marker: no id, not truncated): the rows no
+  -- longer in the table, one anti-join over it.
+  SELECT n.source_id FROM normalized_records n
+  WHERE n.source = ` + b.p("source", "text") + ` AND NOT n.vanished
+    AND EXISTS (SELECT FROM cap WHERE cap.source_id IS NULL AND NOT cap.truncated)
+    AND NOT EXISTS (SELECT FROM cap WHERE cap.truncated)
+    AND NOT EXISTS (SELECT FROM ` + c.table + ` s WHERE s.` + q(c.spec.Source.ID) + `::text = n.source_id)
 ), gone AS (
   UPDATE normalized_records n SET vanished = true, updated_at = now()
   FROM ids

@@ -73,7 +73,8 @@ func TestRunWaitsForAWriterOfAPartition(t *testing.T) {
 // The delete capture of a partitioned source table is installed on its
 // partitions too: a statement that names a partition fires only the
 // partition's statement triggers. Deletes and truncates of a partition
-// reach normalized_records and the outbox like those of the table; a
+// reach normalized_records and the outbox like those of the table (a
+// truncated partition's rows as the rows no longer in the table); a
 // partition created after the install, or a capture trigger disabled or
 // enabled for replicas only (it then never fires), stops an incremental
 // run with the partition named instead of losing its deletes.
@@ -94,6 +95,19 @@ func TestFollowCarriesDeletesOfAPartition(t *testing.T) {
 	require.Equal(t, []string{"14@2", "21@2"}, deleteEvents(t, url)[:2])
 	_, err = f.stop(t)
 	require.NoError(t, err)
+
+	// A TRUNCATE of the whole table fires its partitions' triggers too:
+	// it records markers, never a row per id.
+	before := queryInt(t, pool, `SELECT coalesce(max(id), 0) FROM batch_deletes`)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `TRUNCATE source_records`)
+	require.NoError(t, err)
+	var ids, truncates int64
+	require.NoError(t, tx.QueryRow(ctx, `SELECT count(source_id), count(*) FILTER (WHERE truncated) FROM batch_deletes WHERE id > $1`, before).Scan(&ids, &truncates))
+	require.Zero(t, ids)
+	require.EqualValues(t, 1, truncates)
+	require.NoError(t, tx.Rollback(ctx))
 
 	refused := func(what string) {
 		t.Helper()
