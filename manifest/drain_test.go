@@ -3,6 +3,7 @@ package manifest_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"testing"
 
@@ -287,4 +288,38 @@ func TestApprovedListCannotBeChanged(t *testing.T) {
 	rep, err := manifest.ReadReport(ctx, f.pool, f.jobID)
 	require.NoError(t, err)
 	require.Len(t, rep.Committed, 40)
+}
+
+// A target table whose ids repeat across tenants (its key is (tenant_id,
+// id)): the drain changes only the job's tenant's rows, and the report and
+// a conflict's explanation look at those rows only — another tenant's row
+// with the same id is neither a second copy of the item nor its drift.
+func TestIdsRepeatedAcrossTenants(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, fixtureOpts{ids: contiguousIDs(6), chunkSize: 3})
+	_, err := f.pool.Exec(ctx, `ALTER TABLE orders DROP CONSTRAINT orders_pkey, ADD PRIMARY KEY (tenant_id, id);
+INSERT INTO orders (id, tenant_id, revision, status, qty) SELECT id, 'another-tenant', 1, 'pending', 99 FROM generate_series(1, 6) id`)
+	require.NoError(t, err)
+	f.register(t)
+	_, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{MaxChunks: 1})
+	require.NoError(t, err)
+	rep, err := manifest.ReadReport(ctx, f.pool, f.jobID)
+	require.NoError(t, err)
+	require.Equal(t, []string{"1", "2", "3", "4", "5", "6"}, rep.Approved)
+	require.Equal(t, []string{"1", "2", "3"}, rep.Committed)
+	require.Equal(t, []string{"1", "2", "3"}, rep.Matching)
+	require.Empty(t, rep.Drifted)
+	require.Empty(t, rep.Verification)
+
+	// Item 5 changed under the approval: the conflict names this tenant's
+	// row, not the other tenant's.
+	_, err = f.pool.Exec(ctx, `UPDATE orders SET qty = qty + 1 WHERE id = 5 AND tenant_id = $1`, testTenant)
+	require.NoError(t, err)
+	_, err = manifest.Drain(ctx, f.pool, f.jobID, manifest.DrainOptions{})
+	var ce *manifest.ConflictError
+	require.ErrorAs(t, err, &ce)
+	require.Len(t, ce.Conflict.Items, 1)
+	require.Equal(t, "5", ce.Conflict.Items[0].ID)
+	require.NotContains(t, fmt.Sprint(ce.Conflict.Items[0]), "another-tenant")
 }

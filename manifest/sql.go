@@ -242,20 +242,25 @@ WHERE u.job_id = $1 AND u.seq >= $2 AND u.seq < $3
 RETURNING u.seq, u.item_id, u.revision, t.%[4]s::bigint, u.fields, %[7]s, to_jsonb(t)`,
 		table, id, tenant, rev, status, idType, fieldsJSON("t", 7), expected("u.fields"), sameFields("t", "e"))
 
+	// An id may repeat across tenants (a key of (tenant, id)): the job's
+	// tenant's row is the item's; another tenant's explains it only when
+	// the job's tenant has none (the row moved to another tenant).
 	s.explain = fmt.Sprintf(`
-SELECT u.seq, u.item_id, u.revision, u.fields,
+SELECT DISTINCT ON (u.seq) u.seq, u.item_id, u.revision, u.fields,
        t.%[2]s IS NOT NULL, coalesce(t.%[3]s::text, ''), coalesce(t.%[4]s::bigint, 0), coalesce(t.%[5]s::text, ''),
        %[7]s, %[9]s
 FROM manifest_items AS u
 CROSS JOIN LATERAL %[8]s AS e
 LEFT JOIN %[1]s AS t ON t.%[2]s = u.item_id::%[6]s
 WHERE u.job_id = $1 AND u.seq >= $2 AND u.seq < $3
-ORDER BY u.seq`,
+ORDER BY u.seq, t.%[3]s::text = (SELECT j.tenant FROM manifest_jobs AS j WHERE j.job_id = $1) DESC NULLS LAST`,
 		table, id, tenant, rev, status, idType, fieldsJSON("t", 4), expected("u.fields"), badFields("t", "e", 4))
 
 	// The report compares each committed row with what its chunk left:
 	// after_fields (NULL in audit rows written before migration 009, whose
-	// fields were the values after the UPDATE).
+	// fields were the values after the UPDATE). The row is the job's
+	// tenant's with the item's id (another tenant's with the same id is not
+	// this item; a row moved to another tenant is missing).
 	s.report = fmt.Sprintf(`
 SELECT j.next_index, j.state, i.seq, i.item_id, a.seq IS NOT NULL,
        coalesce(a.after_revision, i.revision + 1), w.fields,
@@ -266,7 +271,7 @@ JOIN manifest_items AS i ON i.job_id = j.job_id
 LEFT JOIN manifest_audit AS a ON a.job_id = i.job_id AND a.seq = i.seq
 CROSS JOIN LATERAL (SELECT coalesce(a.after_fields, a.fields, i.fields) AS fields) AS w
 CROSS JOIN LATERAL %[8]s AS e
-LEFT JOIN %[1]s AS t ON i.seq < j.next_index AND t.%[2]s = i.item_id::%[6]s
+LEFT JOIN %[1]s AS t ON i.seq < j.next_index AND t.%[2]s = i.item_id::%[6]s AND t.%[3]s::text = j.tenant
 WHERE j.job_id = $1
 ORDER BY i.seq`,
 		table, id, tenant, rev, status, idType, fieldsJSON("t", 2), expected("w.fields"), badFields("t", "e", 2))
