@@ -539,16 +539,12 @@ func checkSource(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) err
 // runs at another processor version: the move is by aggregate type, so
 // its documents would move too, into a generation its runs do not write.
 func checkOtherJobs(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) error {
-	rows, err := db.Query(ctx, `SELECT spec FROM batch_jobs WHERE job <> $1 ORDER BY job`, j.Name)
+	jobs, err := loadJobs(ctx, db)
 	if err != nil {
-		return fmt.Errorf("list the other jobs of aggregate type %s: %w", j.AggregateType, err)
-	}
-	jobs, err := pgx.CollectRows(rows, pgx.RowTo[Job])
-	if err != nil {
-		return fmt.Errorf("list the other jobs of aggregate type %s: %w", j.AggregateType, err)
+		return err
 	}
 	for _, k := range jobs {
-		if cmp.Or(k.AggregateType, k.Source.Table) != j.AggregateType || k.ProcessorVersion == j.ProcessorVersion {
+		if k.Name == j.Name || k.AggregateType != j.AggregateType || k.ProcessorVersion == j.ProcessorVersion {
 			continue
 		}
 		r.Missing = append(r.Missing, fmt.Sprintf("job %s writes documents of aggregate type %s too, at processor version %s: they would move with this one's "+
@@ -561,24 +557,15 @@ func checkOtherJobs(ctx context.Context, db *pgxpool.Pool, j Job, r *Readiness) 
 // jobTypesOf returns the aggregate types of every job in batch_jobs whose
 // documents go to alias under cfg's routes.
 func jobTypesOf(ctx context.Context, db *pgxpool.Pool, cfg sink.Config, alias string) ([]string, error) {
-	rows, err := db.Query(ctx, `SELECT spec FROM batch_jobs`)
+	jobs, err := loadJobs(ctx, db)
 	if err != nil {
-		return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+		return nil, fmt.Errorf("the jobs of alias %s: %w", alias, err)
 	}
-	defer rows.Close()
 	var out []string
-	for rows.Next() {
-		var j Job
-		if err := rows.Scan(&j); err != nil {
-			return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
+	for _, j := range jobs {
+		if cfg.Unrouted().ForAggregateType(j.AggregateType).Alias == alias {
+			out = append(out, j.AggregateType)
 		}
-		typ := cmp.Or(j.AggregateType, j.Source.Table)
-		if cfg.Unrouted().ForAggregateType(typ).Alias == alias {
-			out = append(out, typ)
-		}
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("list the jobs of alias %s: %w", alias, err)
 	}
 	slices.Sort(out)
 	return slices.Compact(out), nil

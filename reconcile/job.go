@@ -36,7 +36,29 @@ func LoadJob(ctx context.Context, db *pgxpool.Pool, job string) (Job, error) {
 	if err != nil {
 		return j, fmt.Errorf("load spec of job %s: %w", job, err)
 	}
+	return j.withDefaults(), nil
+}
+
+// withDefaults fills what a spec may leave out: the source name and the
+// aggregate type default to the source table.
+func (j Job) withDefaults() Job {
 	j.SourceName = cmp.Or(j.SourceName, j.Source.Table)
 	j.AggregateType = cmp.Or(j.AggregateType, j.Source.Table)
-	return j, nil
+	return j
+}
+
+// loadJobs reads the stored spec of every job, by name.
+func loadJobs(ctx context.Context, db *pgxpool.Pool) ([]Job, error) {
+	rows, err := db.Query(ctx, `SELECT spec FROM batch_jobs ORDER BY job`)
+	if err != nil {
+		return nil, fmt.Errorf("list the jobs: %w", err)
+	}
+	jobs, err := pgx.CollectRows(rows, pgx.RowTo[Job])
+	if err != nil {
+		return nil, fmt.Errorf("list the jobs: %w", err)
+	}
+	for i := range jobs {
+		jobs[i] = jobs[i].withDefaults()
+	}
+	return jobs, nil
 }

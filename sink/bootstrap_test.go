@@ -25,33 +25,21 @@ import (
 func TestFirstGenerationKeepsAnEventWrittenDuringTheTakeover(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	es := stack.ElasticsearchURL(t)
-	direct, err := index.NewClient(es)
-	require.NoError(t, err)
-	cfg := Config{URL: es, Alias: stack.UniqueName("boot")}.withDefaults()
-	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	bootstrap, err := index.Ensure(ctx, direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
-	require.NoError(t, err)
+	cfg, direct, bootstrap := newBootstrap(t)
 
 	// In front of the engine: just before the router's _aliases call, the
 	// application's document is written through the write alias.
-	target, err := url.Parse(es)
-	require.NoError(t, err)
-	proxy := httputil.NewSingleHostReverseProxy(target)
 	var once sync.Once
 	var injectErr error
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	client := clientBehind(t, cfg.URL, func(w http.ResponseWriter, r *http.Request) bool {
 		if r.Method == http.MethodPost && r.URL.Path == "/_aliases" {
 			once.Do(func() {
 				_, injectErr = direct.Index().Index(cfg.WriteAlias).Id("app-1").Version(4).VersionType("external").
 					BodyString(`{"title":"written during the takeover"}`).Do(r.Context())
 			})
 		}
-		proxy.ServeHTTP(w, r)
-	}))
-	t.Cleanup(srv.Close)
-	client, err := index.NewClient(srv.URL)
-	require.NoError(t, err)
+		return false
+	})
 
 	rt := newRouter(client, cfg, newRecordRules(cfg))
 	require.NoError(t, rt.route(ctx, []*doc{{id: "g-1", alias: cfg.Alias, pv: "v7"}}))
@@ -117,37 +105,22 @@ func TestEnsureIndexLosesTheCreateRaceCleanly(t *testing.T) {
 func TestFirstGenerationTakesOverAfterAFailedMove(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	es := stack.ElasticsearchURL(t)
-	direct, err := index.NewClient(es)
-	require.NoError(t, err)
-	cfg := Config{URL: es, Alias: stack.UniqueName("boot")}.withDefaults()
-	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
-	bootstrap, err := index.Ensure(ctx, direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
-	require.NoError(t, err)
+	cfg, direct, bootstrap := newBootstrap(t)
 
-	target, err := url.Parse(es)
-	require.NoError(t, err)
-	proxy := httputil.NewSingleHostReverseProxy(target)
-	var mu sync.Mutex
-	refused := 0
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		refuse := r.Method == http.MethodPost && r.URL.Path == "/_aliases" && refused == 0
-		if refuse {
-			refused++
+	// The first _aliases call is refused with 429.
+	var once sync.Once
+	client := clientBehind(t, cfg.URL, func(w http.ResponseWriter, r *http.Request) bool {
+		refuse := false
+		if r.Method == http.MethodPost && r.URL.Path == "/_aliases" {
+			once.Do(func() { refuse = true })
 		}
-		mu.Unlock()
 		if refuse {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusTooManyRequests)
 			_, _ = w.Write([]byte(`{"error":{"type":"es_rejected_execution_exception","reason":"injected"},"status":429}`))
-			return
 		}
-		proxy.ServeHTTP(w, r)
-	}))
-	t.Cleanup(srv.Close)
-	client, err := index.NewClient(srv.URL)
-	require.NoError(t, err)
+		return refuse
+	})
 
 	live := index.GenerationIndex(cfg.Alias, "v7")
 	rt := newRouter(client, cfg, newRecordRules(cfg))
@@ -166,4 +139,38 @@ func TestFirstGenerationTakesOverAfterAFailedMove(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, []string{live}, writes)
 	}
+}
+
+// newBootstrap is a new alias on the test engine as the indexer leaves it
+// at its start: the read and write aliases on an empty bootstrap index
+// (returned), which belongs to no processor version.
+func newBootstrap(t *testing.T) (Config, *elastic.Client, string) {
+	t.Helper()
+	es := stack.ElasticsearchURL(t)
+	direct, err := index.NewClient(es)
+	require.NoError(t, err)
+	cfg := Config{URL: es, Alias: stack.UniqueName("boot")}.withDefaults()
+	t.Cleanup(func() { _, _ = direct.DeleteIndex(cfg.Alias + "_*").Do(context.Background()) })
+	bootstrap, err := index.Ensure(context.Background(), direct, cfg.Alias, cfg.WriteAlias, cfg.Mapping)
+	require.NoError(t, err)
+	return cfg, direct, bootstrap
+}
+
+// clientBehind is a client of the engine at es through a proxy that first
+// calls before for every request: true means before answered it, false
+// that the request goes on to the engine.
+func clientBehind(t *testing.T, es string, before func(http.ResponseWriter, *http.Request) bool) *elastic.Client {
+	t.Helper()
+	target, err := url.Parse(es)
+	require.NoError(t, err)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !before(w, r) {
+			proxy.ServeHTTP(w, r)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	client, err := index.NewClient(srv.URL)
+	require.NoError(t, err)
+	return client
 }

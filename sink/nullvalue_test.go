@@ -21,15 +21,8 @@ func TestNullValueDeleteReplayKeepsLaterRecord(t *testing.T) {
 	t.Parallel()
 	real := stack.ElasticsearchURL(t)
 	f := newFixture(t, real, real, 1)
-	cfg := f.cfg
-	cfg.NullValues = NullValuesDelete
-	ix, err := New(cfg)
-	require.NoError(t, err)
+	ix, cfg := nullValueIndexer(t, f.cfg)
 	ctx := context.Background()
-	_, err = index.Ensure(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
-	require.NoError(t, err)
-	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
-	defer ix.dlq.Close()
 
 	at := func(m kafka.Message, offset int64) kafka.Message {
 		m.Topic, m.Partition, m.Offset = cfg.Topic, 0, offset
@@ -110,22 +103,10 @@ func TestNullValueDeleteRetriesAnMgetDocumentError(t *testing.T) {
 	real := stack.ElasticsearchURL(t)
 	fi := newFaultInjector(t, real)
 	f := newFixture(t, fi.URL(), real, 1)
-	cfg := f.cfg
-	cfg.NullValues = NullValuesDelete
-	ix, err := New(cfg)
-	require.NoError(t, err)
+	ix, cfg := nullValueIndexer(t, f.cfg)
 	ctx := context.Background()
-	_, err = index.Ensure(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
-	require.NoError(t, err)
-	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
-	defer ix.dlq.Close()
 
-	at := func(m kafka.Message, offset int64) *doc {
-		m.Topic, m.Partition, m.Offset = cfg.Topic, 0, offset
-		d := ix.rules.parse(m)
-		require.Nil(t, d.poison)
-		return d
-	}
+	at := func(m kafka.Message, offset int64) *doc { return parseAt(t, ix, m, cfg.Topic, offset) }
 	res, err := ix.resolve(ctx, []*doc{at(upsert("x", 5, docN(5)).message(), 10)})
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Indexed)
@@ -142,11 +123,8 @@ func TestNullValueDeleteRetriesAnMgetDocumentError(t *testing.T) {
 	// A lookup that keeps failing fails the batch: nothing is committed.
 	fi.failNextMgetDocs(1000)
 	cfg.RetryMaxElapsed = time.Second
-	ix2, err := New(cfg)
-	require.NoError(t, err)
-	defer ix2.dlq.Close()
-	d := ix2.rules.parse(kafka.Message{Topic: cfg.Topic, Key: []byte("x"), Offset: 12})
-	_, err = ix2.resolve(ctx, []*doc{d})
+	ix2, _ := nullValueIndexer(t, cfg)
+	_, err = ix2.resolve(ctx, []*doc{parseAt(t, ix2, kafka.Message{Key: []byte("x")}, cfg.Topic, 12)})
 	require.ErrorContains(t, err, "no_shard_available_action_exception")
 }
 
@@ -158,22 +136,10 @@ func TestNullValueDeleteFromAnotherTopicIsNotOvertaken(t *testing.T) {
 	t.Parallel()
 	real := stack.ElasticsearchURL(t)
 	f := newFixture(t, real, real, 1)
-	cfg := f.cfg
-	cfg.NullValues = NullValuesDelete
-	ix, err := New(cfg)
-	require.NoError(t, err)
+	ix, cfg := nullValueIndexer(t, f.cfg)
 	ctx := context.Background()
-	_, err = index.Ensure(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
-	require.NoError(t, err)
-	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
-	defer ix.dlq.Close()
 
-	at := func(m kafka.Message, topic string, offset int64) *doc {
-		m.Topic, m.Partition, m.Offset = topic, 0, offset
-		d := ix.rules.parse(m)
-		require.Nil(t, d.poison)
-		return d
-	}
+	at := func(m kafka.Message, topic string, offset int64) *doc { return parseAt(t, ix, m, topic, offset) }
 	res, err := ix.resolve(ctx, []*doc{at(upsert("x", 5, docN(5)).message(), cfg.Topic, 1000)})
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Indexed)
@@ -189,4 +155,30 @@ func TestNullValueDeleteFromAnotherTopicIsNotOvertaken(t *testing.T) {
 	x := f.get("x")
 	require.Equal(t, int64(5), x.Version)
 	require.JSONEq(t, `{"_deleted":true}`, string(x.Source), "the tombstone hides v5")
+}
+
+// nullValueIndexer returns an indexer over cfg with NULL_VALUES=delete, its
+// aliases and dead-letter topic created, not running: these tests resolve
+// batches by hand. It also returns the config it was built with.
+func nullValueIndexer(t *testing.T, cfg Config) (*Indexer, Config) {
+	t.Helper()
+	cfg.NullValues = NullValuesDelete
+	ix, err := New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ix.dlq.Close() })
+	ctx := context.Background()
+	_, err = index.Ensure(ctx, ix.client, ix.cfg.Alias, ix.cfg.WriteAlias, ix.cfg.Mapping)
+	require.NoError(t, err)
+	require.NoError(t, ensureTopic(ctx, ix.cfg.Brokers, ix.cfg.DeadLetterTopic, 1))
+	return ix, cfg
+}
+
+// parseAt parses m as read from partition 0 of topic at offset; it must
+// not be poison.
+func parseAt(t *testing.T, ix *Indexer, m kafka.Message, topic string, offset int64) *doc {
+	t.Helper()
+	m.Topic, m.Partition, m.Offset = topic, 0, offset
+	d := ix.rules.parse(m)
+	require.Nil(t, d.poison)
+	return d
 }
